@@ -1,0 +1,122 @@
+"""Tests for relay.retry: full-jitter backoff, repeating last step, expiry clamp."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relay.retry import is_expired, next_attempt_at, next_delay
+
+SCHEDULE = (60.0, 300.0, 900.0, 3600.0)
+
+
+def test_delays_within_bounds_over_many_draws() -> None:
+    rng = random.Random(1234)
+    for failures, step in [(1, 60.0), (2, 300.0), (3, 900.0), (4, 3600.0)]:
+        draws = [next_delay(failures, SCHEDULE, rng) for _ in range(2000)]
+        assert all(1.0 <= d <= step for d in draws)
+        # full jitter really spreads over the whole range
+        assert min(draws) < step * 0.05
+        assert max(draws) > step * 0.95
+        mean = sum(draws) / len(draws)
+        assert step * 0.4 < mean < step * 0.6
+
+
+@pytest.mark.parametrize("failures", [4, 5, 10, 1000])
+def test_last_step_repeats(failures: int) -> None:
+    rng = random.Random(7)
+    draws = [next_delay(failures, SCHEDULE, rng) for _ in range(500)]
+    assert all(1.0 <= d <= 3600.0 for d in draws)
+    assert max(draws) > 3000.0
+
+
+def test_floor_never_exceeds_step() -> None:
+    rng = random.Random(0)
+    # min_delay larger than the step: the floor is the step itself
+    assert all(next_delay(1, [0.5], rng, min_delay=1.0) == 0.5 for _ in range(100))
+    assert all(next_delay(1, [0.0], rng) == 0.0 for _ in range(10))
+    assert all(next_delay(1, [10.0], rng, min_delay=5.0) >= 5.0 for _ in range(200))
+
+
+def test_deterministic_with_seed() -> None:
+    a = [next_delay(2, SCHEDULE, random.Random(42)) for _ in range(3)]
+    b = [next_delay(2, SCHEDULE, random.Random(42)) for _ in range(3)]
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    ("failures", "schedule", "min_delay"),
+    [(0, SCHEDULE, 1.0), (-1, SCHEDULE, 1.0), (1, (), 1.0), (1, (-5.0,), 1.0), (1, SCHEDULE, -1)],
+)
+def test_bad_arguments(failures: int, schedule: tuple[float, ...], min_delay: float) -> None:
+    with pytest.raises(ValueError):
+        next_delay(failures, schedule, random.Random(0), min_delay)
+
+
+@pytest.mark.parametrize(
+    ("now", "created", "max_age", "expected"),
+    [
+        (100.0, 0.0, 100.0, True),
+        (99.9, 0.0, 100.0, False),
+        (1000.0, 0.0, 100.0, True),
+        (0.0, 0.0, 0.0, True),
+    ],
+)
+def test_is_expired(now: float, created: float, max_age: float, expected: bool) -> None:
+    assert is_expired(now, created, max_age) is expected
+
+
+def test_next_attempt_normal() -> None:
+    rng = random.Random(3)
+    at = next_attempt_at(1000.0, 0.0, 1, SCHEDULE, 86400.0, rng)
+    assert at is not None
+    assert 1001.0 <= at <= 1060.0
+
+
+def test_next_attempt_clamped_to_max_age_then_expires() -> None:
+    rng = random.Random(3)
+    created, max_age = 0.0, 5000.0
+    # 4990 s old, step 3600: the last attempt is at exactly the deadline
+    at = next_attempt_at(4990.0, created, 9, SCHEDULE, max_age, rng, min_delay=100.0)
+    assert at == 5000.0
+    # that last attempt fails -> expired
+    assert next_attempt_at(at, created, 10, SCHEDULE, max_age, rng) is None
+    assert next_attempt_at(6000.0, created, 10, SCHEDULE, max_age, rng) is None
+
+
+@given(
+    failures=st.integers(min_value=1, max_value=50),
+    schedule=st.lists(
+        st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=8
+    ),
+    min_delay=st.floats(min_value=0, max_value=1e4, allow_nan=False),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_delay_always_between_floor_and_step(
+    failures: int, schedule: list[float], min_delay: float, seed: int
+) -> None:
+    step = schedule[min(failures - 1, len(schedule) - 1)]
+    d = next_delay(failures, schedule, random.Random(seed), min_delay)
+    assert min(min_delay, step) <= d <= step
+
+
+@given(
+    now=st.floats(min_value=0, max_value=1e7, allow_nan=False),
+    age=st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    max_age=st.floats(min_value=1, max_value=1e6, allow_nan=False),
+    failures=st.integers(min_value=1, max_value=20),
+    seed=st.integers(min_value=0, max_value=1000),
+)
+def test_next_attempt_never_after_deadline(
+    now: float, age: float, max_age: float, failures: int, seed: int
+) -> None:
+    created = now - age
+    at = next_attempt_at(now, created, failures, SCHEDULE, max_age, random.Random(seed))
+    if now - created >= max_age:
+        assert at is None
+    else:
+        assert at is not None
+        assert now <= at <= created + max_age
