@@ -1,0 +1,543 @@
+"""Structured, PII-safe logging for the relay.
+
+Every log record is rendered as exactly one physical line, either as a JSON
+object (``log.format: json``, the default) or as logfmt (``log.format: text``)::
+
+    {"ts":"2024-05-01T12:34:56.789Z","level":"info","logger":"relay.smtp","event":"accepted",
+     "msg":"message spooled","queue_id":"abc","rcpt":"u***@example.com"}
+
+    ts=2024-05-01T12:34:56.789Z level=info logger=relay.smtp event=accepted queue_id=abc
+     rcpt=u***@example.com msg="message spooled"
+
+(each shown wrapped here; on the wire it is a single line).
+
+Structured events are emitted with :func:`log_event`; the fields travel on the
+record as ``extra={"event": ..., "fields": {...}}`` and are rendered by the
+formatter, which is also where privacy rules are enforced, so a call site cannot
+forget them:
+
+* fields named ``rcpt``, ``rcpts``, ``recipient``, ``recipients``, ``sender``,
+  ``senders``, ``address``, ``addresses``, ``mail_from`` and ``rcpt_to`` (a
+  string or a list of strings) are masked with :func:`mask_address` unless
+  logging was configured with ``unmask=True``;
+* fields named ``password``, ``passwd``, ``secret``, ``token``, ``api_key``,
+  ``body`` or ``content`` (or ending in ``_password``, ``_secret``, ``_token``)
+  are always replaced by ``"[redacted]"``, even with ``unmask=True``; ``bytes``
+  values are never printed, only their length;
+* in masked mode, anything that looks like an e-mail address inside free text
+  (``msg``, exception text, other string fields such as an SMTP reply) is masked
+  too; ``message_id`` is left alone;
+* exceptions are rendered as ``exc_type`` and ``exc`` (their ``str()``); the full
+  ``traceback`` is only included when the configured level is DEBUG.
+
+A field whose name collides with a reserved key (``ts``, ``level``, ``logger``,
+``event``, ``msg``, ``exc_type``, ``exc``, ``traceback``, ``stack``) is emitted as
+``field_<name>``. Plain ``logger.info(...)`` records get ``event="log"``.
+
+Standard event names (use the constants, not string literals):
+
+=================== ===========================================================
+``accepted``        a message was received over SMTP and durably spooled
+``deduplicated``    a resubmitted message was recognised and not spooled twice
+``rejected``        an SMTP command / message was refused at submission time
+``attempt``         a delivery attempt is starting
+``delivered``       a recipient was accepted by the next hop
+``deferred``        a temporary failure; the recipient will be retried
+``bounced``         a permanent failure; a bounce (DSN) was generated
+``failed``          a permanent failure without a bounce (e.g. null sender)
+``expired``         the retry lifetime ran out
+``suppressed``      delivery skipped because the address is on a suppression list
+``dead_letter``     a message was moved to the dead-letter queue
+``operator_action`` an operator ran a command (retry, purge, hold, release, ...)
+``config_reloaded`` configuration re-read (SIGHUP)
+``startup``         the daemon is starting / ready
+``shutdown``        the daemon is stopping
+``ambiguous``       outcome unknown (e.g. connection lost after DATA was sent)
+=================== ===========================================================
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import json
+import logging
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Final, TextIO, TypeAlias
+
+__all__ = [
+    "EVENTS",
+    "EVENT_ACCEPTED",
+    "EVENT_AMBIGUOUS",
+    "EVENT_ATTEMPT",
+    "EVENT_BOUNCED",
+    "EVENT_CONFIG_RELOADED",
+    "EVENT_DEAD_LETTER",
+    "EVENT_DEDUPLICATED",
+    "EVENT_DEFERRED",
+    "EVENT_DELIVERED",
+    "EVENT_EXPIRED",
+    "EVENT_FAILED",
+    "EVENT_LOG",
+    "EVENT_OPERATOR_ACTION",
+    "EVENT_REJECTED",
+    "EVENT_SHUTDOWN",
+    "EVENT_STARTUP",
+    "EVENT_SUPPRESSED",
+    "REDACTED",
+    "JSONFormatter",
+    "LogfmtFormatter",
+    "log_event",
+    "logfmt_quote",
+    "mask_address",
+    "parse_level",
+    "reconfigure",
+    "setup_logging",
+]
+
+EVENT_ACCEPTED: Final = "accepted"
+EVENT_DEDUPLICATED: Final = "deduplicated"
+EVENT_REJECTED: Final = "rejected"
+EVENT_ATTEMPT: Final = "attempt"
+EVENT_DELIVERED: Final = "delivered"
+EVENT_DEFERRED: Final = "deferred"
+EVENT_BOUNCED: Final = "bounced"
+EVENT_FAILED: Final = "failed"
+EVENT_EXPIRED: Final = "expired"
+EVENT_SUPPRESSED: Final = "suppressed"
+EVENT_DEAD_LETTER: Final = "dead_letter"
+EVENT_OPERATOR_ACTION: Final = "operator_action"
+EVENT_CONFIG_RELOADED: Final = "config_reloaded"
+EVENT_STARTUP: Final = "startup"
+EVENT_SHUTDOWN: Final = "shutdown"
+EVENT_AMBIGUOUS: Final = "ambiguous"
+#: Event name given to records that were not emitted through :func:`log_event`.
+EVENT_LOG: Final = "log"
+
+EVENTS: Final[frozenset[str]] = frozenset(
+    {
+        EVENT_ACCEPTED,
+        EVENT_DEDUPLICATED,
+        EVENT_REJECTED,
+        EVENT_ATTEMPT,
+        EVENT_DELIVERED,
+        EVENT_DEFERRED,
+        EVENT_BOUNCED,
+        EVENT_FAILED,
+        EVENT_EXPIRED,
+        EVENT_SUPPRESSED,
+        EVENT_DEAD_LETTER,
+        EVENT_OPERATOR_ACTION,
+        EVENT_CONFIG_RELOADED,
+        EVENT_STARTUP,
+        EVENT_SHUTDOWN,
+        EVENT_AMBIGUOUS,
+    }
+)
+
+REDACTED: Final = "[redacted]"
+
+_ADDRESS_KEYS: Final = frozenset(
+    {
+        "rcpt",
+        "rcpts",
+        "recipient",
+        "recipients",
+        "sender",
+        "senders",
+        "address",
+        "addresses",
+        "mail_from",
+        "rcpt_to",
+    }
+)
+_SECRET_KEYS: Final = frozenset(
+    {"password", "passwd", "secret", "token", "api_key", "body", "content"}
+)
+_SECRET_SUFFIXES: Final = ("_password", "_secret", "_token")
+_NO_SCRUB_KEYS: Final = frozenset({"message_id", "msgid"})
+_RESERVED_KEYS: Final = frozenset(
+    {"ts", "level", "logger", "event", "msg", "exc_type", "exc", "traceback", "stack"}
+)
+_MAX_DEPTH: Final = 6
+_MAX_EXC_LEN: Final = 2000
+
+# Something that looks like an addr-spec inside free text (SMTP replies, exception text).
+# '*' is part of the local-part class, so already-masked text is left unchanged.
+_ADDRESS_RE: Final = re.compile(
+    r"[\w.!#$%&'*+/=?^`{|}~-]+@(?:\[[0-9A-Fa-f.:]+\]|[\w-]+(?:\.[\w-]+)*)"
+)
+
+_LEVELS: Final[Mapping[str, int]] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+_FORMATS: Final = frozenset({"json", "text", "logfmt"})
+
+# aiosmtpd logs every SMTP command line (addresses) at INFO and DATA lines (bodies) at DEBUG.
+_AIOSMTPD_LOGGER: Final = "mail.log"
+
+_setup_lock: Final = threading.Lock()
+
+_ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None]
+
+
+# --------------------------------------------------------------------------- masking
+
+
+def _first_char(local: str) -> str:
+    """First meaningful character of a local part (inside quotes, skipping escapes)."""
+    if local.startswith('"'):
+        inner = local[1:-1] if local.endswith('"') and len(local) > 1 else local[1:]
+        if inner.startswith("\\"):
+            inner = inner[1:]
+        return inner[:1]
+    return local[:1]
+
+
+def mask_address(addr: str) -> str:
+    """Mask the local part of an e-mail address, keeping its first character and the domain.
+
+    ``user@example.com`` -> ``u***@example.com``; the null sender (``<>`` or ``""``)
+    stays ``<>``; a string without ``@`` becomes its first character + ``***``. Angle
+    brackets are preserved (a display name in front of them is dropped), quoted local
+    parts are handled (``"john doe"@example.com`` -> ``j***@example.com``) and the
+    domain is lower-cased.
+    """
+    s = addr.strip()
+    if s in ("", "<>"):
+        return "<>"
+    if s.endswith(">") and "<" in s:
+        inner = s[s.rindex("<") + 1 : -1].strip()
+        return "<" + mask_address(inner) + ">" if inner else "<>"
+    local: str
+    domain: str | None
+    if s.startswith('"'):
+        # Quoted local part: it may itself contain '@'; find the closing quote.
+        i, end = 1, -1
+        while i < len(s):
+            if s[i] == "\\":
+                i += 2
+                continue
+            if s[i] == '"':
+                end = i
+                break
+            i += 1
+        if end == -1:
+            local, domain = s, None
+        else:
+            local, rest = s[: end + 1], s[end + 1 :]
+            domain = rest[1:] if rest.startswith("@") else None
+    else:
+        head, at, tail = s.rpartition("@")
+        local, domain = (head, tail) if at else (s, None)
+    masked = _first_char(local) + "***"
+    if domain is None:
+        return masked
+    return f"{masked}@{domain.lower()}"
+
+
+def _scrub(text: str) -> str:
+    """Mask anything that looks like an e-mail address inside free text."""
+    if "@" not in text:
+        return text
+    return _ADDRESS_RE.sub(lambda m: mask_address(m.group(0)), text)
+
+
+def _mask_value(value: object) -> object:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return mask_address(bytes(value).decode("utf-8", "replace"))
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+        return [_mask_value(v) for v in items]
+    return mask_address(str(value))
+
+
+def _is_secret_key(key: str) -> bool:
+    k = key.lower()
+    return k in _SECRET_KEYS or k.endswith(_SECRET_SUFFIXES)
+
+
+def _sanitize(key: str, value: object, unmask: bool, depth: int = 0) -> object:
+    """Return a JSON-compatible, privacy-safe rendering of one field value."""
+    k = key.lower()
+    if _is_secret_key(k):
+        return REDACTED
+    if k in _ADDRESS_KEYS and not unmask:
+        return _mask_value(value)
+    if depth >= _MAX_DEPTH:
+        return "[...]"
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value if unmask or k in _NO_SCRUB_KEYS else _scrub(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, enum.Enum):
+        return _sanitize(key, value.value, unmask, depth + 1)
+    if isinstance(value, _dt.datetime | _dt.date | _dt.time):
+        return value.isoformat()
+    if isinstance(value, BaseException):
+        text = f"{type(value).__name__}: {value}"
+        return text if unmask else _scrub(text)
+    if isinstance(value, Mapping):
+        return {str(k2): _sanitize(str(k2), v2, unmask, depth + 1) for k2, v2 in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+        return [_sanitize(key, v, unmask, depth + 1) for v in items]
+    text = str(value)
+    return text if unmask else _scrub(text)
+
+
+# --------------------------------------------------------------------------- formatters
+
+
+def _iso_ts(record: logging.LogRecord) -> str:
+    base = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{base}.{int(record.msecs):03d}Z"
+
+
+def _exc_type_name(exc_type: type[BaseException]) -> str:
+    mod = exc_type.__module__
+    if mod in ("builtins", "__main__", None):
+        return exc_type.__qualname__
+    return f"{mod}.{exc_type.__qualname__}"
+
+
+class _StructuredFormatter(logging.Formatter):
+    """Builds the ordered, sanitized payload of a record; subclasses serialize it."""
+
+    def __init__(self, *, unmask: bool = False, include_traceback: bool = False) -> None:
+        super().__init__()
+        self.unmask = unmask
+        self.include_traceback = include_traceback
+
+    def _text(self, text: str) -> str:
+        return text if self.unmask else _scrub(text)
+
+    def payload(self, record: logging.LogRecord) -> dict[str, object]:
+        event = getattr(record, "event", None)
+        out: dict[str, object] = {
+            "ts": _iso_ts(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": event if isinstance(event, str) and event else EVENT_LOG,
+            "msg": self._text(record.getMessage()),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, Mapping):
+            for raw_key, value in fields.items():
+                key = str(raw_key)
+                out_key = f"field_{key}" if key in _RESERVED_KEYS else key
+                out[out_key] = _sanitize(key, value, self.unmask)
+        exc_info = record.exc_info
+        if exc_info and exc_info[0] is not None and exc_info[1] is not None:
+            out["exc_type"] = _exc_type_name(exc_info[0])
+            exc_text = str(exc_info[1])
+            if len(exc_text) > _MAX_EXC_LEN:
+                exc_text = exc_text[:_MAX_EXC_LEN] + "...[truncated]"
+            out["exc"] = self._text(exc_text)
+            if self.include_traceback:
+                tb = "".join(traceback.format_exception(exc_info[1])).rstrip("\n")
+                out["traceback"] = self._text(tb)
+        if record.stack_info and self.include_traceback:
+            out["stack"] = self._text(record.stack_info)
+        return out
+
+
+def _json_default(value: object) -> object:
+    return str(value)
+
+
+class JSONFormatter(_StructuredFormatter):
+    """One JSON object per line (non-ASCII escaped, so it is always a single line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(self.payload(record), separators=(",", ":"), default=_json_default)
+
+
+_LOGFMT_KEY_RE: Final = re.compile(r"[^A-Za-z0-9_.\-]")
+_LOGFMT_SPECIAL: Final = frozenset(' ="\\')
+_LOGFMT_ESCAPES: Final[Mapping[str, str]] = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+}
+
+
+def logfmt_quote(value: str) -> str:
+    """Render a string as a logfmt value: bare if safe, else double-quoted and escaped."""
+    if value.isprintable():
+        if value and not any(c in _LOGFMT_SPECIAL for c in value):
+            return value
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    parts: list[str] = []
+    for c in value:
+        esc = _LOGFMT_ESCAPES.get(c)
+        if esc is not None:
+            parts.append(esc)
+        elif c == " " or c.isprintable():
+            parts.append(c)
+        elif ord(c) <= 0xFFFF:
+            parts.append(f"\\u{ord(c):04x}")
+        else:
+            parts.append(f"\\U{ord(c):08x}")
+    return '"' + "".join(parts) + '"'
+
+
+def _logfmt_value(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return logfmt_quote(value)
+    if isinstance(value, list) and all(
+        v is None or isinstance(v, str | int | float | bool) for v in value
+    ):
+        return logfmt_quote(",".join("" if v is None else str(v) for v in value))
+    return logfmt_quote(json.dumps(value, separators=(",", ":"), default=_json_default))
+
+
+def _logfmt_key(key: str) -> str:
+    return _LOGFMT_KEY_RE.sub("_", key) or "_"
+
+
+class LogfmtFormatter(_StructuredFormatter):
+    """logfmt: ``ts=... level=... logger=... event=... <fields> msg="..."`` on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload = self.payload(record)
+        msg = payload.pop("msg")
+        parts = [f"{_logfmt_key(k)}={_logfmt_value(v)}" for k, v in payload.items()]
+        if msg:
+            parts.append(f"msg={_logfmt_value(msg)}")
+        return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- setup
+
+
+class _RelayHandler(logging.StreamHandler[TextIO]):
+    """Marker subclass so setup_logging() can find and replace its own handler."""
+
+
+def parse_level(level: str | int) -> int:
+    """Translate ``debug|info|warning|error|critical`` (any case) or an int to a level."""
+    if isinstance(level, int):
+        return level
+    try:
+        return _LEVELS[level.strip().lower()]
+    except KeyError:
+        choices = ", ".join(sorted(_LEVELS))
+        raise ValueError(f"unknown log level {level!r}; expected one of: {choices}") from None
+
+
+def _make_formatter(fmt: str, unmask: bool, include_traceback: bool) -> _StructuredFormatter:
+    f = fmt.strip().lower()
+    if f not in _FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; expected 'json' or 'text'")
+    cls = JSONFormatter if f == "json" else LogfmtFormatter
+    return cls(unmask=unmask, include_traceback=include_traceback)
+
+
+def _find_handler(root: logging.Logger) -> _RelayHandler | None:
+    for h in root.handlers:
+        if isinstance(h, _RelayHandler):
+            return h
+    return None
+
+
+def setup_logging(
+    level: str | int = "info",
+    fmt: str = "json",
+    unmask: bool = False,
+    stream: TextIO | None = None,
+) -> None:
+    """Configure the root logger with a single relay handler writing to ``stream``.
+
+    ``stream`` defaults to ``sys.stderr`` (looked up at call time). Idempotent: a
+    previously installed relay handler is replaced, never duplicated; handlers that
+    were installed by someone else are left alone. Raises ``ValueError`` for an
+    unknown level or format (before changing anything).
+    """
+    lvl = parse_level(level)
+    formatter = _make_formatter(fmt, unmask, include_traceback=lvl <= logging.DEBUG)
+    handler = _RelayHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    with _setup_lock:
+        # Add the new handler before dropping the old one so no record is lost in between.
+        root.addHandler(handler)
+        for h in list(root.handlers):
+            if isinstance(h, _RelayHandler) and h is not handler:
+                root.removeHandler(h)
+                h.flush()
+                h.close()  # does not close the underlying stream
+        root.setLevel(lvl)
+        # aiosmtpd logs SMTP command lines (addresses) at INFO and DATA (bodies) at DEBUG.
+        aiosmtpd_level = max(lvl, logging.INFO) if unmask else max(lvl, logging.WARNING)
+        logging.getLogger(_AIOSMTPD_LOGGER).setLevel(aiosmtpd_level)
+
+
+def reconfigure(level: str | int = "info", fmt: str = "json", unmask: bool = False) -> None:
+    """Re-apply logging settings (SIGHUP reload), keeping the current output stream."""
+    current = _find_handler(logging.getLogger())
+    setup_logging(level, fmt, unmask, stream=current.stream if current is not None else None)
+
+
+def _exc_info_of(value: object) -> _ExcInfo | None:
+    if isinstance(value, BaseException):
+        return (type(value), value, value.__traceback__)
+    if value is True:
+        t, v, tb = sys.exc_info()
+        return (t, v, tb) if t is not None and v is not None else None
+    if (
+        isinstance(value, tuple)
+        and len(value) == 3
+        and isinstance(value[0], type)
+        and issubclass(value[0], BaseException)
+        and isinstance(value[1], BaseException)
+    ):
+        return (value[0], value[1], value[2])
+    return None
+
+
+def log_event(
+    logger: logging.Logger, level: int, event: str, msg: str = "", /, **fields: object
+) -> None:
+    """Emit a structured event; ``fields`` are rendered (and masked) by the formatter.
+
+    ``exc_info=True|exception|tuple`` or ``exc=<exception>`` attach an exception
+    (rendered as ``exc_type``/``exc``, plus ``traceback`` at DEBUG only).
+    """
+    if not logger.isEnabledFor(level):
+        return
+    exc_info: _ExcInfo | None = None
+    if "exc_info" in fields:
+        exc_info = _exc_info_of(fields.pop("exc_info"))
+    if exc_info is None and isinstance(fields.get("exc"), BaseException):
+        exc_info = _exc_info_of(fields.pop("exc"))
+    logger.log(
+        level,
+        msg,
+        exc_info=exc_info,
+        extra={"event": event, "fields": fields},
+        stacklevel=2,
+    )

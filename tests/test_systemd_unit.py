@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UNIT = Path(__file__).resolve().parent.parent / "systemd" / "relay.service"
+SYSTEMD_ANALYZE = Path("/usr/bin/systemd-analyze")
+
+Unit = dict[str, dict[str, list[str]]]
+
+
+def parse_unit(text: str) -> Unit:
+    """Minimal systemd unit parser: sections -> key -> list of values (keys may repeat)."""
+    sections: Unit = {}
+    current: dict[str, list[str]] | None = None
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith(("#", ";"))):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"assignment outside a section: {line!r}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not a key=value line: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+@pytest.fixture(scope="module")
+def unit() -> Unit:
+    return parse_unit(UNIT.read_text())
+
+
+def _one(unit: Unit, section: str, key: str) -> str:
+    values = unit[section].get(key)
+    assert values, f"[{section}] {key}= missing"
+    return values[-1]
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("Type", "notify"),
+        ("ExecStart", "/opt/relay/.venv/bin/relay serve -c /etc/relay/relay.yaml"),
+        ("ExecReload", "/bin/kill -HUP $MAINPID"),
+        ("Restart", "on-failure"),
+        ("RestartSec", "2s"),
+        ("WatchdogSec", "30s"),
+        ("DynamicUser", "yes"),
+        ("StateDirectory", "relay"),
+        ("ConfigurationDirectory", "relay"),
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("PrivateDevices", "yes"),
+        ("CapabilityBoundingSet", ""),
+        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        ("SystemCallFilter", "@system-service"),
+        ("SystemCallArchitectures", "native"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("ProtectControlGroups", "yes"),
+        ("RestrictNamespaces", "yes"),
+        ("LockPersonality", "yes"),
+        ("MemoryDenyWriteExecute", "yes"),
+        ("RestrictRealtime", "yes"),
+        ("RestrictSUIDSGID", "yes"),
+        ("UMask", "0077"),
+        ("LimitNOFILE", "65536"),
+    ],
+)
+def test_service_settings(unit: Unit, key: str, expected: str) -> None:
+    assert _one(unit, "Service", key) == expected
+
+
+def test_stop_timeout_exceeds_default_shutdown_timeout(unit: Unit) -> None:
+    value = _one(unit, "Service", "TimeoutStopSec")
+    m = re.fullmatch(r"(\d+)s?", value)
+    assert m, value
+    assert int(m.group(1)) > 30  # relay's default shutdown_timeout
+
+
+def test_install_section(unit: Unit) -> None:
+    assert _one(unit, "Install", "WantedBy") == "multi-user.target"
+
+
+def test_documented_caveats() -> None:
+    text = UNIT.read_text()
+    assert "spool.path: /var/lib/relay/spool" in text
+    assert "AmbientCapabilities=CAP_NET_BIND_SERVICE" in text
+    assert "CapabilityBoundingSet=CAP_NET_BIND_SERVICE" in text
+
+
+def _verifiable_copy(tmp_path: Path) -> Path:
+    """The unit with ExecStart pointing at an existing binary (verify checks it exists)."""
+    relay_script = Path(sys.executable).parent / "relay"
+    exe = str(relay_script) if os.access(relay_script, os.X_OK) else "/bin/true"
+    text = UNIT.read_text()
+    new_text, count = re.subn(
+        r"^ExecStart=\S+", f"ExecStart={exe}", text, count=1, flags=re.MULTILINE
+    )
+    assert count == 1
+    copy = tmp_path / "relay.service"
+    copy.write_text(new_text)
+    return copy
+
+
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    if not SYSTEMD_ANALYZE.exists():
+        pytest.skip(f"{SYSTEMD_ANALYZE} is not installed; cannot verify the unit file")
+    copy = _verifiable_copy(tmp_path)
+    proc = subprocess.run(
+        [str(SYSTEMD_ANALYZE), "verify", "--man=no", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": ""},
+    )
+    output = proc.stdout + proc.stderr
+    # The host may have unrelated broken units; only complaints about ours count.
+    ours = [line for line in output.splitlines() if "relay.service" in line]
+    assert proc.returncode == 0, output
+    assert ours == [], "\n".join(ours)
