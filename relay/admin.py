@@ -1,0 +1,116 @@
+"""The admin endpoint: `GET /metrics` (Prometheus text format) and `GET /healthz`.
+
+Rules: a tiny HTTP/1.0-style server on asyncio streams (two read-only routes do not justify
+a web framework). Each request is bounded in size and time; anything else gets 404/405.
+`/healthz` answers 200 when every listener is open and the spool's last commit worked,
+503 otherwise, with a JSON body saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from relay.spool import ops
+
+if TYPE_CHECKING:
+    from relay.daemon import Daemon
+
+log = logging.getLogger(__name__)
+
+
+class AdminServer:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
+            except TimeoutError:
+                pass
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            parts = line.split()
+            if len(parts) < 2:
+                await self._send(writer, 400, "text/plain", b"bad request\n")
+                return
+            method, path = parts[0], parts[1].split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                await self._send(writer, 405, "text/plain", b"method not allowed\n")
+            elif path == "/metrics":
+                body = await self.metrics_text()
+                await self._send(writer, 200, CONTENT_TYPE_LATEST, body, method == "HEAD")
+            elif path == "/healthz":
+                ok, doc = await self.health()
+                await self._send(writer, 200 if ok else 503, "application/json",
+                                 json.dumps(doc).encode() + b"\n", method == "HEAD")
+            else:
+                await self._send(writer, 404, "text/plain", b"not found\n")
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError):
+            pass
+        except Exception:
+            log.exception("admin request failed")
+        finally:
+            writer.close()
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes,
+                    head_only: bool = False) -> None:
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  503: "Service Unavailable"}[status]
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        if not head_only:
+            writer.write(body)
+        await writer.drain()
+
+    async def metrics_text(self) -> bytes:
+        d = self.daemon
+        m = d.metrics
+        st = await d.writer.run(lambda c: ops.stats(c))
+        for state, n in st["recipients"].items():
+            m.queue_depth.labels(state).set(n)
+        m.oldest_age.set(st["oldest_queued_age"] or 0)
+        return bytes(generate_latest(m.registry))
+
+    async def health(self) -> tuple[bool, dict[str, object]]:
+        d = self.daemon
+        problems = []
+        for s in d.servers:
+            if not s.is_serving():
+                problems.append("a listener is not serving")
+        if not d.writer.healthy:
+            problems.append("the last spool commit failed")
+        try:
+            await asyncio.wait_for(d.writer.run(lambda c: c.execute("SELECT 1").fetchone()),
+                                   2.0)
+        except Exception as e:
+            problems.append(f"spool not answering: {e}")
+        if any(h.closing for h in d.handlers):
+            problems.append("shutting down")
+        doc: dict[str, object] = {
+            "status": "ok" if not problems else "unhealthy",
+            "problems": problems,
+            "uptime_seconds": round(time.time() - d.started_at, 1),
+        }
+        return not problems, doc

@@ -1,0 +1,430 @@
+"""The `relay` command: argument parsing and printing only.
+
+Every command reads the spool directly (so it works whether or not the daemon runs); a
+change is committed to the spool and the daemon picks it up within 2 seconds.
+Exit codes: 0 ok, 1 failure (e.g. an unknown queue id), 2 usage, 78 bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
+from relay.logs import log_event, setup_logging
+from relay.spool import bodies, db, ops
+
+T = TypeVar("T")
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+log = logging.getLogger("relay.cli")
+
+
+class CliError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relay", description="Local SMTP relay: daemon and CLI")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", help="config file (else $RELAY_CONFIG, else "
+                        "/etc/relay/relay.yaml)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
+    sub.add_parser("check-config", parents=[common],
+                   help="validate the config and print it, secrets redacted")
+    sub.add_parser("stats", parents=[common], help="queue counts and destination state")
+
+    q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
+        dest="qcmd", required=True)
+    ql = q.add_parser("list", parents=[common], help="list messages (default: unfinished)")
+    ql.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent",
+                                        "failed"])
+    ql.add_argument("--all", action="store_true", help="include finished messages")
+    ql.add_argument("--recipient", help="only messages to this address")
+    ql.add_argument("--domain", help="only messages with a recipient at this domain")
+    ql.add_argument("--older-than", help="only messages older than this (e.g. 1h)")
+    qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
+    qs.add_argument("id")
+    qs.add_argument("--body", action="store_true", help="also print the message itself")
+    qr = q.add_parser("retry", parents=[common],
+                      help="make messages due now, attempts reset")
+    qr.add_argument("ids", nargs="*")
+    qr.add_argument("--failed", action="store_true",
+                    help="every dead letter (bounced/failed recipients)")
+    for name, helptext in (("delete", "remove messages from the queue"),
+                           ("hold", "park messages; they are not delivered until released"),
+                           ("release", "release held messages (due now)")):
+        x = q.add_parser(name, parents=[common], help=helptext)
+        x.add_argument("ids", nargs="+")
+    q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    q.add_parser("summary", parents=[common],
+                 help="unfinished recipients by destination and age (like qshape)")
+
+    s = sub.add_parser("suppression", help="the suppression list").add_subparsers(
+        dest="scmd", required=True)
+    s.add_parser("list", parents=[common])
+    sa = s.add_parser("add", parents=[common])
+    sa.add_argument("address")
+    sa.add_argument("--reason", default="added by operator")
+    sr = s.add_parser("remove", parents=[common])
+    sr.add_argument("address")
+
+    d = sub.add_parser("destination", help="per-destination state and controls"
+                       ).add_subparsers(dest="dcmd", required=True)
+    d.add_parser("list", parents=[common])
+    ds = d.add_parser("suspend", parents=[common])
+    ds.add_argument("name")
+    ds.add_argument("--for", dest="duration", default="1h", help="how long (default 1h)")
+    ds.add_argument("--reason", default="suspended by operator")
+    dr = d.add_parser("resume", parents=[common])
+    dr.add_argument("name")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "serve":
+        from relay.daemon import serve
+
+        return serve(args.config)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return EX_CONFIG
+    setup_logging(config.log.level, "text", config.log.unmask)
+    if args.cmd == "check-config":
+        if args.json:
+            print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
+        else:
+            import yaml
+
+            print(f"# {config.path}: OK")
+            print(yaml.safe_dump(config.redacted(), sort_keys=False), end="")
+        return EXIT_OK
+    try:
+        conn = db.connect(config.spool_path)
+    except (sqlite3.Error, OSError) as e:
+        print(f"relay: cannot open the spool at {config.spool_path}: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    try:
+        return _dispatch(args, conn, config.spool_path)
+    except CliError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except sqlite3.OperationalError as e:
+        print(f"relay: spool busy or unavailable: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    finally:
+        conn.close()
+
+
+def _act(conn: sqlite3.Connection, action: str, detail: dict[str, Any],
+         fn: Callable[[sqlite3.Connection], T]) -> T:
+    """One operator change and its audit record, in one transaction; logged to stderr as an
+    `operator_action` line for the journal too."""
+    with db.transaction(conn):
+        res = fn(conn)
+        ops.log_operator(conn, action, {**detail, "result": res if isinstance(res, int | bool)
+                                        else None}, time.time())
+    log_event(log, logging.INFO, "operator_action", action, **detail)
+    return res
+
+
+def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) -> int:
+    now = time.time()
+    if args.cmd == "stats":
+        return _stats(args, conn, now)
+    if args.cmd == "queue":
+        return _queue(args, conn, spool, now)
+    if args.cmd == "suppression":
+        return _suppression(args, conn, now)
+    if args.cmd == "destination":
+        return _destination(args, conn, now)
+    return EXIT_USAGE
+
+
+# --- queue ------------------------------------------------------------------------------
+
+
+def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    c = args.qcmd
+    if c == "list":
+        older = parse_duration(args.older_than, "--older-than") if args.older_than else None
+        msgs = ops.list_messages(conn, state=args.state, include_finished=args.all,
+                                 recipient=args.recipient, domain=args.domain,
+                                 older_than=older, now=now)
+        if args.json:
+            _print_json(msgs)
+        else:
+            _print_mailq(msgs)
+        return EXIT_OK
+    if c == "show":
+        msg = ops.show_message(conn, args.id)
+        if msg is None:
+            raise CliError(f"no message {args.id}")
+        raw, path = ops.message_body(conn, args.id)
+        data = raw if raw is not None else bodies.read_body(spool, path) if path else b""
+        head, body = (data.split(b"\r\n\r\n", 1) + [b""])[:2]
+        msg["headers"] = head.decode("utf-8", errors="replace")
+        if args.body:
+            msg["body"] = body.decode("utf-8", errors="replace")
+        if args.json:
+            _print_json(msg)
+        else:
+            _print_show(msg)
+        return EXIT_OK
+    if c == "summary":
+        return _summary(args, conn, now)
+    if c == "flush":
+        n = _act(conn, "flush", {}, lambda x: ops.flush(x, now))
+        return _done(args, "flush", n, [])
+    ids: list[str] = list(getattr(args, "ids", []) or [])
+    if c == "retry" and not ids and not args.failed:
+        print("relay: queue retry needs IDs or --failed", file=sys.stderr)
+        return EXIT_USAGE
+    missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
+    if missing:
+        raise CliError(f"no such message: {', '.join(missing)}")
+    if c == "retry":
+        target = ids or None
+        n = _act(conn, "retry", {"ids": ids, "failed": args.failed},
+                 lambda x: ops.retry(x, target, now, failed_only=args.failed))
+        return _done(args, "retry", n, ids)
+    if c == "delete":
+        paths = _act(conn, "delete", {"ids": ids}, lambda x: ops.delete_messages(x, ids))
+        bodies.delete_bodies(spool, paths)
+        return _done(args, "delete", len(ids), ids)
+    if c == "hold":
+        n = _act(conn, "hold", {"ids": ids}, lambda x: ops.hold(x, ids, now))
+        return _done(args, "hold", n, ids)
+    if c == "release":
+        n = _act(conn, "release", {"ids": ids}, lambda x: ops.release(x, ids, now))
+        return _done(args, "release", n, ids)
+    return EXIT_USAGE
+
+
+def _done(args: argparse.Namespace, action: str, n: int, ids: list[str]) -> int:
+    if args.json:
+        _print_json({"action": action, "ids": ids, "recipients_changed": n})
+    else:
+        noun = "message" if action == "delete" else "recipient"
+        print(f"{action}: {n} {noun}{'' if n == 1 else 's'} changed")
+    return EXIT_OK
+
+
+AGE_BUCKETS = [(300, "5m"), (3600, "1h"), (4 * 3600, "4h"), (86400, "1d"),
+               (3 * 86400, "3d"), (float("inf"), "older")]
+
+
+def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
+    rows = conn.execute(
+        "SELECT r.destination, m.created_at FROM recipients r JOIN messages m ON"
+        " m.id = r.msg_id WHERE r.state IN ('pending','deferred','sending','held')").fetchall()
+    table: dict[str, list[int]] = {}
+    for dest, created in rows:
+        age = now - created
+        idx = next(i for i, (lim, _l) in enumerate(AGE_BUCKETS) if age < lim)
+        table.setdefault(dest, [0] * len(AGE_BUCKETS))[idx] += 1
+    if args.json:
+        _print_json({"buckets": [label for _l, label in AGE_BUCKETS],
+                     "destinations": {d: {"total": sum(v), "by_age": v}
+                                      for d, v in sorted(table.items())}})
+        return EXIT_OK
+    labels = [label for _l, label in AGE_BUCKETS]
+    print(f"{'destination':<32} {'total':>6} " + " ".join(f"{lb:>6}" for lb in labels))
+    totals = [0] * len(AGE_BUCKETS)
+    for d, v in sorted(table.items(), key=lambda kv: -sum(kv[1])):
+        totals = [a + b for a, b in zip(totals, v, strict=True)]
+        print(f"{d[:32]:<32} {sum(v):>6} " + " ".join(f"{x:>6}" for x in v))
+    print(f"{'TOTAL':<32} {sum(totals):>6} " + " ".join(f"{x:>6}" for x in totals))
+    return EXIT_OK
+
+
+# --- suppression, destinations, stats ---------------------------------------------------
+
+
+def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
+    if args.scmd == "list":
+        rows = ops.suppression_list(conn)
+        for r in rows:
+            r["created_at"] = _iso(r["created_at"])
+        if args.json:
+            _print_json(rows)
+        else:
+            for r in rows:
+                print(f"{r['address']:<40} {r['created_at']}  {r['reason']}")
+            print(f"-- {len(rows)} suppressed address{'es' if len(rows) != 1 else ''}")
+        return EXIT_OK
+    addr = args.address.strip().strip("<>")
+    if not re.fullmatch(r"[^@\s]+@[^@\s]+", addr):
+        print(f"relay: {args.address!r} is not an email address", file=sys.stderr)
+        return EXIT_USAGE
+    if args.scmd == "add":
+        ok = _act(conn, "suppression_add", {"address": addr},
+                  lambda x: ops.suppression_add(x, addr, args.reason, now))
+    else:
+        ok = _act(conn, "suppression_remove", {"address": addr},
+                  lambda x: ops.suppression_remove(x, addr))
+    if args.json:
+        _print_json({"action": args.scmd, "address": addr, "changed": ok})
+    elif ok:
+        print(f"{args.scmd}: {addr}")
+    if not ok:
+        print(f"relay: {addr} is not on the suppression list", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
+    if args.dcmd == "list":
+        runtime = ops.get_runtime(conn, "daemon")
+        live = runtime[0].get("destinations", {}) if runtime else {}
+        susp = ops.suspensions(conn, now)
+        counts = conn.execute(
+            "SELECT destination, count(*) FROM recipients WHERE state IN"
+            " ('pending','deferred','sending','held') GROUP BY destination").fetchall()
+        names = set(live) | set(susp) | {r[0] for r in counts}
+        queued = {r[0]: r[1] for r in counts}
+        out = []
+        for n in sorted(names):
+            info = dict(live.get(n, {}))
+            info["name"] = n
+            info["queued_recipients"] = queued.get(n, 0)
+            if n in susp:
+                info["suspended_until"] = _iso(susp[n][0])
+                info["suspend_reason"] = f"operator: {susp[n][1]}"
+            out.append(info)
+        if args.json:
+            _print_json(out)
+        else:
+            print(f"{'destination':<28} {'queued':>7} {'rate/s':>8} {'conns':>6} "
+                  f"{'circuit':<10} {'today':>7} {'limit':>7}  suspended")
+            for i in out:
+                rate = i.get("effective_rate")
+                print(f"{i['name'][:28]:<28} {i['queued_recipients']:>7} "
+                      f"{'-' if rate is None else f'{rate:.2f}':>8} "
+                      f"{i.get('effective_connections', '-')!s:>6} "
+                      f"{i.get('circuit', '-')!s:<10} {i.get('delivered_today', 0)!s:>7} "
+                      f"{i.get('daily_limit') or '-'!s:>7}  "
+                      f"{i.get('suspended_until') or ''}")
+        return EXIT_OK
+    name = args.name.lower()
+    if args.dcmd == "suspend":
+        seconds = parse_duration(args.duration, "--for")
+        until = now + seconds
+        _act(conn, "destination_suspend", {"name": name, "until": until},
+             lambda x: ops.suspend_destination(x, name, until, args.reason))
+        if args.json:
+            _print_json({"action": "suspend", "name": name, "until": _iso(until)})
+        else:
+            print(f"suspended {name} until {_iso(until)}")
+        return EXIT_OK
+    n = _act(conn, "destination_resume", {"name": name},
+             lambda x: ops.resume_destination(x, name, now))
+    if args.json:
+        _print_json({"action": "resume", "name": name, "recipients_due_now": n})
+    else:
+        print(f"resumed {name}; {n} deferred recipients due now")
+    return EXIT_OK
+
+
+def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
+    st = ops.stats(conn, now)
+    runtime = ops.get_runtime(conn, "daemon")
+    if runtime is not None:
+        live, updated = runtime
+        st["daemon"] = {**live, "snapshot_age_seconds": round(now - updated, 1)}
+    else:
+        st["daemon"] = None
+    if args.json:
+        _print_json(st)
+        return EXIT_OK
+    r = st["recipients"]
+    print(f"messages in spool: {st['messages']}")
+    print("recipients: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+    age = st["oldest_queued_age"]
+    print(f"oldest unfinished: {'-' if age is None else f'{age:.0f}s'}")
+    print(f"suppressed addresses: {st['suppressed_addresses']}, dedup keys: {st['dedup_keys']}")
+    d = st["daemon"]
+    if d:
+        print(f"daemon pid {d.get('pid')} (snapshot {d['snapshot_age_seconds']}s old),"
+              f" in flight {d.get('inflight')}")
+        for name, info in sorted(d.get("destinations", {}).items()):
+            lim = info.get("daily_limit")
+            print(f"  {name}: rate {info.get('effective_rate') or 'unlimited'}"
+                  f" (configured {info.get('configured_rate') or 'unlimited'}),"
+                  f" connections {info.get('effective_connections')}/"
+                  f"{info.get('max_connections')}, circuit {info.get('circuit')},"
+                  f" today {info.get('delivered_today')}"
+                  f"{f'/{lim}' if lim is not None else ''}")
+        for name, info in sorted(d.get("identities", {}).items()):
+            print(f"  identity {name}: today {info['today']}"
+                  f"/{info['limit'] if info['limit'] is not None else 'unlimited'}")
+    else:
+        print("daemon: no snapshot (not running yet?)")
+    return EXIT_OK
+
+
+# --- printing -----------------------------------------------------------------------------
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _print_mailq(msgs: list[dict[str, Any]]) -> None:
+    if not msgs:
+        print("Mail queue is empty")
+        return
+    print(f"{'-Queue ID-':<18} {'-State-':<9} {'--Size--':>8} {'----Arrival Time----':<21}"
+          f" -Sender/Recipient-------")
+    total = 0
+    for m in msgs:
+        total += m["size"]
+        print(f"{m['id']:<18} {m['state']:<9} {m['size']:>8} {m['created_at']:<21}"
+              f" {m['sender'] or '<>'}")
+        for r in m["recipients"]:
+            if r["last_reply"] and r["state"] not in ("delivered",):
+                print(f"{'':<59}({r['last_reply'][:100]})")
+            print(f"{'':<59}{r['address']} [{r['state']}]")
+        print()
+    print(f"-- {total // 1024} Kbytes in {len(msgs)} Request{'s' if len(msgs) != 1 else ''}.")
+
+
+def _print_show(msg: dict[str, Any]) -> None:
+    for k in ("id", "state", "message_id", "sender", "size", "created_at", "lane",
+              "identity", "client", "peer", "next_attempt_at"):
+        print(f"{k + ':':<17}{msg.get(k)}")
+    print("recipients:")
+    for r in msg["recipients"]:
+        print(f"  {r['address']}  {r['state']}  attempts={r['attempts']}"
+              f"  next={r['next_attempt_at'] or '-'}")
+        if r["last_reply"]:
+            print(f"      last reply: {r['last_reply']}")
+        if r.get("reason"):
+            print(f"      waiting: {r['reason']}")
+    print("attempt log:")
+    for a in msg["attempt_log"]:
+        print(f"  {a['at']}  {a['recipient']}  {a['outcome']}  {a['host'] or '-'}"
+              f"  {a['reply'] or ''}")
+    print("headers:")
+    for line in msg["headers"].splitlines():
+        print(f"  {line}")
+    if "body" in msg:
+        print("body:")
+        print(msg["body"])

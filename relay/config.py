@@ -1,0 +1,715 @@
+"""The typed, frozen configuration tree.
+
+Rules:
+- One entry point, `load_config(path)` / `from_mapping(data, base_dir)`; defaults live in
+  `DEFAULTS` below (and are mirrored, commented, in conf/relay.yaml).
+- An unknown key, a wrong type or a bad value raises `ConfigError` whose message names the
+  key path (`retry.schedule[2]: '5x' is not a duration`); the CLI exits 78 (EX_CONFIG).
+- Relative paths are relative to the config file's folder.
+- Secrets are read from files named in the config and never appear in `repr` or in
+  `redacted()` output.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EX_CONFIG = 78
+DEFAULT_PATH = "/etc/relay/relay.yaml"
+
+DEFAULTS: dict[str, Any] = {
+    "hostname": None,
+    "listen": [{"address": "127.0.0.1:2525", "allow": ["127.0.0.0/8", "::1/128"]}],
+    "spool": {"path": "../var/spool", "inline_max": "64KiB"},
+    "dedup": {"window": "7d"},
+    "limits": {
+        "max_message_size": "25MiB",
+        "max_recipients": 1000,
+        "session_timeout": "300s",
+        "max_line_length": 1000,
+        "max_command_length": 512,
+    },
+    "upstream": {
+        "mode": "smarthost",
+        "helo": None,
+        "smarthost": {
+            "host": "127.0.0.1",
+            "port": 587,
+            "tls": "starttls",
+            "verify": True,
+            "ca_file": None,
+            "username": None,
+            "password_file": None,
+        },
+        "mx": {"port": 25, "tls": "opportunistic", "verify": False, "nameservers": None,
+               "dns_timeout": "10s"},
+    },
+    "retry": {"schedule": ["1m", "5m", "30m", "2h"], "max_age": "5d", "min_delay": "1s"},
+    "timeouts": {"connect": "10s", "command": "30s", "data": "120s"},
+    "destinations": {"*": {}},
+    "identities": {},
+    "shaping": {"window_tz": "UTC", "window_length": None, "identity_by": "sender_domain",
+                "rules": None},
+    "lanes": {
+        "rules": [],
+        "transactional": {"share": 1.0},
+        "bulk": {"share": 0.5},
+    },
+    "delivery": {"workers": 50, "batch": 200, "poll_interval": "1s"},
+    "alerts": {"command": None, "timeout": "10s"},
+    "dsn": {"enabled": False, "from": None},
+    "admin": {"listen": "127.0.0.1:9025"},
+    "log": {"level": "info", "format": "json", "unmask": False},
+    "shutdown_timeout": "30s",
+}
+
+# Per-destination keys and their defaults (used for "*" and every named destination; a
+# named destination inherits every key it does not set from "*").
+DESTINATION_DEFAULTS: dict[str, Any] = {
+    "max_connections": 10,
+    "rate": "50/s",
+    "burst": None,
+    "daily_limit": None,
+    "max_messages_per_connection": 100,
+    "connect_timeout": None,
+    "command_timeout": None,
+    "data_timeout": None,
+    "ambiguous": "retry",
+    "circuit_failures": 5,
+    "circuit_cooldown": "60s",
+}
+
+IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None}
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message starts with the offending key path."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB|k|K|M|G)?\s*$")
+_SIZE_UNITS = {
+    None: 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "k": 1024, "K": 1024,
+    "KiB": 1024, "M": 1024**2, "MiB": 1024**2, "G": 1024**3, "GiB": 1024**3,
+}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|m|min|h|hour|d|day)\s*$")
+_RATE_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400,
+               "day": 86400}
+
+
+def parse_duration(value: object, key: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(f"{key}: {value!r} must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    raise ConfigError(f"{key}: {value!r} is not a duration (use 30s, 5m, 2h, 7d or seconds)")
+
+
+def parse_size(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    raise ConfigError(f"{key}: {value!r} is not a size (use 25MiB, 64KiB or bytes)")
+
+
+def parse_rate(value: object, key: str) -> float | None:
+    """Tokens per second; None means unlimited."""
+    if value is None or value == "unlimited":
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        m = _RATE.match(value)
+        if m and float(m.group(1)) > 0:
+            return float(m.group(1)) / _RATE_UNITS[m.group(2)]
+    raise ConfigError(f"{key}: {value!r} is not a rate (use 50/s, 100/m, 3600/h or unlimited)")
+
+
+def parse_hostport(value: object, key: str, default_port: int | None = None) -> tuple[str, int]:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: {value!r} is not a host:port address")
+    host, sep, port_s = value.rpartition(":")
+    if not sep:
+        if default_port is None:
+            raise ConfigError(f"{key}: {value!r} has no port (use host:port)")
+        host, port_s = value, str(default_port)
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(f"{key}: {port_s!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{key}: port {port} is out of range")
+    if not host:
+        raise ConfigError(f"{key}: {value!r} has no host")
+    return host, port
+
+
+class _Reader:
+    """Walks one mapping, checking types and remembering which keys were used."""
+
+    def __init__(self, data: object, path: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path or 'config'}: expected a mapping, got {_kind(data)}")
+        self.data = data
+        self.path = path
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str) -> Any:
+        self.used.add(name)
+        return self.data.get(name)
+
+    def string(self, name: str, choices: tuple[str, ...] | None = None) -> str:
+        v = self.get(name)
+        if not isinstance(v, str):
+            raise ConfigError(f"{self.key(name)}: expected a string, got {_kind(v)}")
+        if choices and v not in choices:
+            raise ConfigError(f"{self.key(name)}: {v!r} is not one of {', '.join(choices)}")
+        return v
+
+    def opt_str(self, name: str) -> str | None:
+        v = self.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise ConfigError(f"{self.key(name)}: expected a string or null, got {_kind(v)}")
+        return v
+
+    def boolean(self, name: str) -> bool:
+        v = self.get(name)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(v)}")
+        return v
+
+    def integer(self, name: str, minimum: int = 0) -> int:
+        v = self.get(name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{self.key(name)}: expected a whole number, got {_kind(v)}")
+        if v < minimum:
+            raise ConfigError(f"{self.key(name)}: {v} is below the minimum {minimum}")
+        return v
+
+    def opt_int(self, name: str, minimum: int = 0) -> int | None:
+        return None if self.get(name) is None else self.integer(name, minimum)
+
+    def number(self, name: str, lo: float, hi: float) -> float:
+        v = self.get(name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+            raise ConfigError(f"{self.key(name)}: expected a number from {lo} to {hi}")
+        return float(v)
+
+    def duration(self, name: str) -> float:
+        return parse_duration(self.get(name), self.key(name))
+
+    def opt_duration(self, name: str) -> float | None:
+        v = self.get(name)
+        return None if v is None else parse_duration(v, self.key(name))
+
+    def path_(self, name: str, base: Path) -> Path | None:
+        v = self.opt_str(name)
+        return None if v is None else (base / v).resolve() if not os.path.isabs(v) else Path(v)
+
+    def finish(self) -> None:
+        unknown = [k for k in self.data if k not in self.used]
+        if unknown:
+            raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+
+
+def _kind(v: object) -> str:
+    return "nothing" if v is None else f"{type(v).__name__} {v!r}"
+
+
+def _merge(base: Any, over: Any) -> Any:
+    """Deep-merge `over` onto `base` for mappings; anything else replaces."""
+    if isinstance(base, dict) and isinstance(over, Mapping):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merge(base[k], v) if k in base else v
+        return out
+    return over
+
+
+# --- the tree -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    name: str  # "host:port" as written: the dedup namespace for unauthenticated clients
+    host: str
+    port: int
+    allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    lane: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_size: int
+    max_recipients: int
+    session_timeout: float
+    max_line_length: int
+    max_command_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Smarthost:
+    host: str
+    port: int
+    tls: str
+    verify: bool
+    ca_file: Path | None
+    username: str | None
+    password_file: Path | None
+    password: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class MxMode:
+    port: int
+    tls: str
+    verify: bool
+    nameservers: tuple[str, ...] | None
+    dns_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    mode: str
+    helo: str
+    smarthost: Smarthost
+    mx: MxMode
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    schedule: tuple[float, ...]
+    max_age: float
+    min_delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    name: str
+    max_connections: int
+    rate: float | None  # tokens per second; None = unlimited
+    burst: float
+    daily_limit: int | None
+    max_messages_per_connection: int
+    connect_timeout: float
+    command_timeout: float
+    data_timeout: float
+    ambiguous: str  # "retry" | "assume-delivered"
+    circuit_failures: int
+    circuit_cooldown: float
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConf:
+    start: str  # ISO date
+    schedule: tuple[int, ...] | None
+    initial: int
+    factor: float
+    ceiling: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    name: str
+    daily_limit: int | None
+    warmup: WarmupConf | None
+
+
+@dataclass(frozen=True, slots=True)
+class ShapingConf:
+    window_tz: str
+    window_length: float | None
+    identity_by: str  # "sender_domain" | "sender"
+    rules: tuple[Mapping[str, Any], ...] | None  # raw; parsed by relay.shaping
+
+
+@dataclass(frozen=True, slots=True)
+class LanesConf:
+    rules: tuple[Mapping[str, Any], ...]
+    shares: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    workers: int
+    batch: int
+    poll_interval: float
+
+
+@dataclass(frozen=True, slots=True)
+class Alerts:
+    command: str | None
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dsn:
+    enabled: bool
+    sender: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LogConf:
+    level: str
+    format: str
+    unmask: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    path: Path | None
+    hostname: str
+    listen: tuple[Listener, ...]
+    spool_path: Path
+    inline_max: int
+    dedup_window: float
+    limits: Limits
+    upstream: Upstream
+    retry: Retry
+    timeouts: Mapping[str, float]
+    destinations: Mapping[str, Destination]
+    identities: Mapping[str, Identity]
+    shaping: ShapingConf
+    lanes: LanesConf
+    delivery: Delivery
+    alerts: Alerts
+    dsn: Dsn
+    admin_listen: tuple[str, int] | None
+    log: LogConf
+    shutdown_timeout: float
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def destination(self, name: str) -> Destination:
+        return self.destinations.get(name) or self.destinations["*"]
+
+    def identity(self, name: str) -> Identity | None:
+        return self.identities.get(name)
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective config as a plain mapping, secrets replaced (for check-config)."""
+        out = copy.deepcopy(dict(self.raw))
+        sh = out.get("upstream", {}).get("smarthost", {})
+        if sh.get("password_file"):
+            sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
+        return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    p = Path(path or os.environ.get("RELAY_CONFIG") or DEFAULT_PATH)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+    return from_mapping(data or {}, p.resolve().parent, path=p.resolve())
+
+
+def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
+    merged: dict[str, Any] = _merge(DEFAULTS, data)
+    if "destinations" in data and isinstance(data["destinations"], Mapping):
+        merged["destinations"] = {"*": {}, **dict(data["destinations"])}
+    top = _Reader(merged, "")
+
+    hostname = top.opt_str("hostname") or socket.getfqdn()
+
+    listen_raw = top.get("listen")
+    if not isinstance(listen_raw, list) or not listen_raw:
+        raise ConfigError("listen: expected a non-empty list of listeners")
+    listeners = tuple(_listener(item, f"listen[{i}]") for i, item in enumerate(listen_raw))
+
+    spool = _Reader(top.get("spool"), "spool")
+    spool_path = spool.path_("path", base_dir)
+    if spool_path is None:
+        raise ConfigError("spool.path: required")
+    inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
+    spool.finish()
+
+    dedup = _Reader(top.get("dedup"), "dedup")
+    dedup_window = dedup.duration("window")
+    dedup.finish()
+
+    lim = _Reader(top.get("limits"), "limits")
+    limits = Limits(
+        max_message_size=parse_size(lim.get("max_message_size"), "limits.max_message_size"),
+        max_recipients=lim.integer("max_recipients", 1),
+        session_timeout=lim.duration("session_timeout"),
+        max_line_length=lim.integer("max_line_length", 78),
+        max_command_length=lim.integer("max_command_length", 512),
+    )
+    lim.finish()
+
+    upstream = _upstream(top.get("upstream"), base_dir, hostname)
+
+    rt = _Reader(top.get("retry"), "retry")
+    sched = rt.get("schedule")
+    if not isinstance(sched, list) or not sched:
+        raise ConfigError("retry.schedule: expected a non-empty list of durations")
+    retry = Retry(
+        schedule=tuple(parse_duration(s, f"retry.schedule[{i}]") for i, s in enumerate(sched)),
+        max_age=rt.duration("max_age"),
+        min_delay=rt.duration("min_delay"),
+    )
+    rt.finish()
+
+    to = _Reader(top.get("timeouts"), "timeouts")
+    timeouts = {k: to.duration(k) for k in ("connect", "command", "data")}
+    to.finish()
+
+    dests_raw = top.get("destinations")
+    if not isinstance(dests_raw, Mapping):
+        raise ConfigError("destinations: expected a mapping")
+    star = _destination("*", dests_raw.get("*") or {}, {}, timeouts)
+    destinations = {"*": star}
+    for name, d in dests_raw.items():
+        if name != "*":
+            destinations[str(name).lower()] = _destination(
+                str(name), d or {}, dests_raw.get("*") or {}, timeouts
+            )
+
+    ids_raw = top.get("identities")
+    if not isinstance(ids_raw, Mapping):
+        raise ConfigError("identities: expected a mapping")
+    identities = {str(k).lower(): _identity(str(k), v) for k, v in ids_raw.items()}
+
+    sh = _Reader(top.get("shaping"), "shaping")
+    tzname = sh.string("window_tz")
+    try:
+        import zoneinfo
+
+        zoneinfo.ZoneInfo(tzname)
+    except Exception:
+        raise ConfigError(f"shaping.window_tz: {tzname!r} is not a known time zone") from None
+    rules_raw = sh.get("rules")
+    if rules_raw is not None and not isinstance(rules_raw, list):
+        raise ConfigError("shaping.rules: expected a list of rules")
+    shaping = ShapingConf(
+        window_tz=tzname,
+        window_length=sh.opt_duration("window_length"),
+        identity_by=sh.string("identity_by", ("sender_domain", "sender")),
+        rules=None if rules_raw is None else tuple(rules_raw),
+    )
+    sh.finish()
+
+    ln = _Reader(top.get("lanes"), "lanes")
+    lane_rules = ln.get("rules")
+    if not isinstance(lane_rules, list):
+        raise ConfigError("lanes.rules: expected a list")
+    shares = {}
+    for lane in ("transactional", "bulk"):
+        lr = _Reader(ln.get(lane), f"lanes.{lane}")
+        shares[lane] = lr.number("share", 0.0, 1.0)
+        lr.finish()
+    lanes = LanesConf(rules=tuple(lane_rules), shares=shares)
+    ln.finish()
+
+    dl = _Reader(top.get("delivery"), "delivery")
+    delivery = Delivery(
+        workers=dl.integer("workers", 1), batch=dl.integer("batch", 1),
+        poll_interval=dl.duration("poll_interval"),
+    )
+    dl.finish()
+
+    al = _Reader(top.get("alerts"), "alerts")
+    alerts = Alerts(command=al.opt_str("command"), timeout=al.duration("timeout"))
+    al.finish()
+
+    ds = _Reader(top.get("dsn"), "dsn")
+    dsn = Dsn(enabled=ds.boolean("enabled"), sender=ds.opt_str("from"))
+    ds.finish()
+
+    ad = _Reader(top.get("admin"), "admin")
+    admin_addr = ad.opt_str("listen")
+    admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
+    ad.finish()
+
+    lg = _Reader(top.get("log"), "log")
+    log = LogConf(
+        level=lg.string("level", ("debug", "info", "warning", "error")),
+        format=lg.string("format", ("json", "text")),
+        unmask=lg.boolean("unmask"),
+    )
+    lg.finish()
+
+    shutdown_timeout = top.duration("shutdown_timeout")
+    top.finish()
+
+    return Config(
+        path=path, hostname=hostname, listen=listeners, spool_path=spool_path,
+        inline_max=inline_max, dedup_window=dedup_window, limits=limits, upstream=upstream,
+        retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
+        shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
+        admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
+    )
+
+
+def _listener(item: object, key: str) -> Listener:
+    r = _Reader(item, key)
+    addr = r.string("address")
+    host, port = parse_hostport(addr, f"{key}.address")
+    allow_raw = r.get("allow")
+    if allow_raw is None:
+        allow_raw = ["127.0.0.0/8", "::1/128"]  # loopback only unless configured
+    if not isinstance(allow_raw, list):
+        raise ConfigError(f"{key}.allow: expected a list of networks")
+    nets = []
+    for i, n in enumerate(allow_raw):
+        try:
+            nets.append(ipaddress.ip_network(str(n), strict=False))
+        except ValueError:
+            raise ConfigError(f"{key}.allow[{i}]: {n!r} is not a network") from None
+    lane = r.opt_str("lane")
+    if lane not in (None, "transactional", "bulk"):
+        raise ConfigError(f"{key}.lane: {lane!r} is not one of transactional, bulk")
+    r.finish()
+    return Listener(name=addr, host=host, port=port, allow=tuple(nets), lane=lane)
+
+
+def _upstream(data: object, base: Path, hostname: str) -> Upstream:
+    r = _Reader(data, "upstream")
+    mode = r.string("mode", ("smarthost", "mx"))
+    helo = r.opt_str("helo") or hostname
+    s = _Reader(r.get("smarthost"), "upstream.smarthost")
+    pw_file = s.path_("password_file", base)
+    password = None
+    if pw_file is not None:
+        try:
+            password = pw_file.read_text(encoding="utf-8").strip("\r\n")
+        except OSError as e:
+            raise ConfigError(
+                f"upstream.smarthost.password_file: cannot read {pw_file}: {e.strerror}"
+            ) from None
+    smarthost = Smarthost(
+        host=s.string("host"),
+        port=s.integer("port", 1),
+        tls=s.string("tls", ("none", "opportunistic", "starttls", "implicit")),
+        verify=s.boolean("verify"),
+        ca_file=s.path_("ca_file", base),
+        username=s.opt_str("username"),
+        password_file=pw_file,
+        password=password,
+    )
+    if smarthost.username and password is None:
+        raise ConfigError("upstream.smarthost.password_file: required when username is set")
+    s.finish()
+    m = _Reader(r.get("mx"), "upstream.mx")
+    ns_raw = m.get("nameservers")
+    if ns_raw is not None and (
+        not isinstance(ns_raw, list) or not all(isinstance(x, str) for x in ns_raw)
+    ):
+        raise ConfigError("upstream.mx.nameservers: expected a list of host[:port] strings")
+    mx = MxMode(
+        port=m.integer("port", 1),
+        tls=m.string("tls", ("none", "opportunistic", "starttls")),
+        verify=m.boolean("verify"),
+        nameservers=None if ns_raw is None else tuple(ns_raw),
+        dns_timeout=m.duration("dns_timeout"),
+    )
+    m.finish()
+    r.finish()
+    return Upstream(mode=mode, helo=helo, smarthost=smarthost, mx=mx)
+
+
+def _destination(
+    name: str, data: object, star: object, timeouts: Mapping[str, float]
+) -> Destination:
+    key = f"destinations.{name}" if re.fullmatch(r"[\w.-]+", name) else f'destinations."{name}"'
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key}: expected a mapping")
+    inherited = dict(star) if isinstance(star, Mapping) else {}
+    r = _Reader({**DESTINATION_DEFAULTS, **inherited, **data}, key)
+    rate = parse_rate(r.get("rate"), r.key("rate"))
+    burst_v = r.get("burst")
+    if burst_v is None:
+        burst = max(1.0, rate) if rate else 1.0
+    elif isinstance(burst_v, int | float) and not isinstance(burst_v, bool) and burst_v >= 1:
+        burst = float(burst_v)
+    else:
+        raise ConfigError(f"{r.key('burst')}: expected a number >= 1")
+    dest = Destination(
+        name=name.lower(),
+        max_connections=r.integer("max_connections", 1),
+        rate=rate,
+        burst=burst,
+        daily_limit=r.opt_int("daily_limit", 0),
+        max_messages_per_connection=r.integer("max_messages_per_connection", 1),
+        connect_timeout=r.opt_duration("connect_timeout") or timeouts["connect"],
+        command_timeout=r.opt_duration("command_timeout") or timeouts["command"],
+        data_timeout=r.opt_duration("data_timeout") or timeouts["data"],
+        ambiguous=r.string("ambiguous", ("retry", "assume-delivered")),
+        circuit_failures=r.integer("circuit_failures", 1),
+        circuit_cooldown=r.duration("circuit_cooldown"),
+    )
+    r.finish()
+    return dest
+
+
+def _identity(name: str, data: object) -> Identity:
+    key = f"identities.{name}"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key}: expected a mapping")
+    r = _Reader({**IDENTITY_DEFAULTS, **data}, key)
+    daily = r.opt_int("daily_limit", 0)
+    w = r.get("warmup")
+    warm = None
+    if w is not None:
+        wr = _Reader({"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
+                     if isinstance(w, Mapping) else w, f"{key}.warmup")
+        start = wr.get("start")
+        start_s = str(start) if start is not None else None
+        try:
+            import datetime as _dt
+
+            if start_s is None:
+                raise ValueError
+            _dt.date.fromisoformat(start_s)
+        except ValueError:
+            raise ConfigError(f"{key}.warmup.start: {start!r} is not a date (YYYY-MM-DD)") from None
+        sched = wr.get("schedule")
+        if sched is not None and (
+            not isinstance(sched, list)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sched)
+        ):
+            raise ConfigError(f"{key}.warmup.schedule: expected a list of whole numbers")
+        warm = WarmupConf(
+            start=start_s,
+            schedule=None if sched is None else tuple(sched),
+            initial=wr.integer("initial", 1),
+            factor=wr.number("factor", 1.0, 100.0),
+            ceiling=wr.opt_int("ceiling", 1),
+        )
+        wr.finish()
+    r.finish()
+    return Identity(name=name.lower(), daily_limit=daily, warmup=warm)

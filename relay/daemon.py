@@ -1,0 +1,247 @@
+"""Wiring: listeners, spool writer, delivery engine, admin endpoint, signals, sd_notify.
+
+Rules:
+- One event loop. Listeners are `loop.create_server(...)` with aiosmtpd's protocol, never
+  aiosmtpd's Controller (which runs its own thread and loop).
+- Start order: config -> spool (migrate, recover) -> engine -> listeners -> admin -> READY=1.
+- SIGTERM/SIGINT: new connections get `421 4.3.2`, SMTP transactions in flight finish, the
+  engine stops claiming and lets deliveries finish up to `shutdown_timeout`, claims not
+  finished go back to `deferred` (due now), then the spool closes. Nothing stays `sending`.
+- SIGHUP: reload the config; a bad one is logged and the old one kept. Listener addresses
+  and the spool path need a restart; limits, destinations, lanes, retry, log level reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from relay import __version__
+from relay.admin import AdminServer
+from relay.alerts import run_alert
+from relay.config import Config, ConfigError, load_config
+from relay.delivery.engine import Engine
+from relay.dsn import queue_dsn
+from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.logs import log_event, reconfigure, setup_logging
+from relay.metrics import Metrics
+from relay.sdnotify import Notifier, watchdog_loop
+from relay.spool import bodies, ops
+from relay.spool.writer import SpoolWriter
+
+log = logging.getLogger(__name__)
+
+MAINTENANCE_EVERY = 2.0  # seconds: suppression refresh, runtime snapshot (CLI sees <= 2 s)
+PRUNE_EVERY = 600.0
+RETENTION = 7 * 86400.0  # finished messages are kept this long for `queue list --all`
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.writer = SpoolWriter(config.spool_path)
+        self.suppressions = Suppressions()
+        self.stats = InboundStats(metrics=self.metrics)
+        self.handlers: list[InboundHandler] = []
+        self.servers: list[asyncio.Server] = []
+        self.engine: Engine | None = None
+        self.admin: AdminServer | None = None
+        self.notifier = Notifier()
+        self._stop = asyncio.Event()
+        self._reload = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.started_at = time.time()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.writer.on_commit = self._on_commit
+        await asyncio.to_thread(self.writer.start)
+        await self.suppressions.refresh(self.writer)
+        self.engine = Engine(
+            self.config, self.writer, metrics=self.metrics,
+            on_dead_letter=self._dead_letter, is_suppressed=self.suppressions.get,
+            on_suppressed=self.suppressions.add_local,
+        )
+        for lst in self.config.listen:
+            h = InboundHandler(self.config, lst, self.writer, self.suppressions,
+                               on_queued=self.engine.wake, stats=self.stats)
+            srv = await loop.create_server(h.protocol, host=lst.host, port=lst.port,
+                                           reuse_address=True)
+            self.handlers.append(h)
+            self.servers.append(srv)
+        if self.config.admin_listen is not None:
+            self.admin = AdminServer(self)
+            await self.admin.start(*self.config.admin_listen)
+        for sig, fn in ((signal.SIGTERM, self._stop.set), (signal.SIGINT, self._stop.set),
+                        (signal.SIGHUP, self._reload.set)):
+            loop.add_signal_handler(sig, fn)
+        self._tasks = [
+            loop.create_task(self.engine.run(), name="engine"),
+            loop.create_task(self._maintenance(), name="maintenance"),
+            loop.create_task(self._reloader(), name="reloader"),
+            loop.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval()),
+                             name="watchdog"),
+        ]
+        addrs = [f"{lst.host}:{s.sockets[0].getsockname()[1]}"
+                 for lst, s in zip(self.config.listen, self.servers, strict=True)]
+        log_event(log, logging.INFO, "startup", "relay is ready", version=__version__,
+                  listen=addrs, spool=str(self.config.spool_path),
+                  mode=self.config.upstream.mode)
+        self.notifier.ready()
+        self.notifier.status(f"accepting on {', '.join(addrs)}")
+        await self._stop.wait()
+        await self.shutdown()
+        return 0
+
+    async def shutdown(self) -> None:
+        log_event(log, logging.INFO, "shutdown", "stopping: refusing new mail, finishing"
+                  " what is in flight")
+        self.notifier.stopping()
+        for h in self.handlers:
+            h.closing = True
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        # let SMTP transactions in DATA finish (their 250 depends on the spool)
+        while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for s in self.servers:
+            s.close()
+        assert self.engine is not None
+        await self.engine.stop(max(0.0, deadline - time.monotonic()))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for s in self.servers:
+            s.close()
+            try:
+                await asyncio.wait_for(s.wait_closed(), 1.0)
+            except TimeoutError:
+                pass
+        await self._write_runtime()
+        if self.admin is not None:
+            await self.admin.stop()
+        await asyncio.to_thread(self.writer.close)
+        log_event(log, logging.INFO, "shutdown", "stopped cleanly")
+
+    # --- background work ----------------------------------------------------------------
+
+    async def _maintenance(self) -> None:
+        last_prune = 0.0
+        while True:
+            try:
+                await self.suppressions.refresh(self.writer)
+                await self._write_runtime()
+                if time.monotonic() - last_prune > PRUNE_EVERY:
+                    last_prune = time.monotonic()
+                    await self._prune()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log_event(log, logging.ERROR, "maintenance_error", "", exc=e)
+            await asyncio.sleep(MAINTENANCE_EVERY)
+            if self.engine is not None:
+                self.engine.wake()  # pick up CLI changes (retry, release, flush) promptly
+
+    async def _write_runtime(self) -> None:
+        if self.engine is None:
+            return
+        snap = self.engine.snapshot()
+        snap["pid"] = os.getpid()
+        snap["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))
+        snap["inbound"] = {"accepted": self.stats.accepted,
+                           "deduplicated": self.stats.deduplicated,
+                           "rejected": self.stats.rejected, "sessions": self.stats.sessions}
+        now = time.time()
+        await self.writer.run(lambda c: ops.put_runtime(c, "daemon", snap, now))
+
+    async def _prune(self) -> None:
+        now = time.time()
+        window = self.config.dedup_window
+        paths = await self.writer.run(lambda c: ops.prune(c, now, window, RETENTION))
+        known = await self.writer.run(ops.body_paths)
+        await asyncio.to_thread(bodies.delete_bodies, self.config.spool_path, paths)
+        removed = await asyncio.to_thread(bodies.sweep, self.config.spool_path, known)
+        if paths or removed:
+            log_event(log, logging.INFO, "pruned", "", messages=len(paths),
+                      orphan_bodies=len(removed))
+
+    async def _reloader(self) -> None:
+        while True:
+            await self._reload.wait()
+            self._reload.clear()
+            self.reload()
+
+    def reload(self) -> bool:
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config.path)
+        except ConfigError as e:
+            log_event(log, logging.ERROR, "config_rejected",
+                      "new config rejected; keeping the running one", error=str(e))
+            self.notifier.ready()
+            return False
+        changed_restart = []
+        if [(lst.host, lst.port) for lst in new.listen] != [
+                (lst.host, lst.port) for lst in self.config.listen]:
+            changed_restart.append("listen")
+        if new.spool_path != self.config.spool_path:
+            changed_restart.append("spool.path")
+        if changed_restart:
+            log_event(log, logging.WARNING, "config_reloaded",
+                      "some changes need a restart to take effect", keys=changed_restart)
+        self.config = new
+        by_name = {lst.name: lst for lst in new.listen}
+        for h in self.handlers:
+            h.reconfigure(new)
+            if h.listener.name in by_name:
+                lst = by_name[h.listener.name]
+                if (lst.host, lst.port) == (h.listener.host, h.listener.port):
+                    h.listener = lst
+        assert self.engine is not None
+        self.engine.reconfigure(new)
+        reconfigure(new.log.level, new.log.format, new.log.unmask)
+        log_event(log, logging.INFO, "config_reloaded", "configuration reloaded")
+        self.notifier.ready()
+        return True
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    def _on_commit(self, seconds: float, jobs: int) -> None:
+        self.metrics.commit_latency.observe(seconds)
+        self.metrics.commit_batch.observe(jobs)
+
+    async def _dead_letter(self, doc: dict[str, Any]) -> None:
+        cfg = self.config
+        if cfg.alerts.command:
+            await run_alert(cfg.alerts.command, doc, cfg.alerts.timeout)
+        if cfg.dsn.enabled and doc.get("sender"):
+            try:
+                await queue_dsn(self, doc)
+            except Exception as e:
+                log_event(log, logging.ERROR, "dsn_failed", "could not queue a DSN", exc=e,
+                          queue_id=doc.get("queue_id"))
+
+
+def serve(config_path: str | None) -> int:
+    try:
+        config = load_config(config_path)
+    except ConfigError as e:
+        print(f"relay: {e}", flush=True, file=sys.stderr)
+        return 78
+    setup_logging(config.log.level, config.log.format, config.log.unmask)
+    try:
+        return asyncio.run(Daemon(config).run())
+    except OSError as e:
+        log_event(log, logging.ERROR, "startup_failed", str(e))
+        return 71  # EX_OSERR
+    except KeyboardInterrupt:
+        return 0
+
+

@@ -1,0 +1,55 @@
+"""Dedup keys (pure).
+
+Rules:
+- The dedup unit is (client namespace, Message-ID, recipient): the namespace is the listener
+  (`host:port` as configured) or, once AUTH exists, the authenticated user, so two tenants
+  that happen to reuse a Message-ID never swallow each other's mail.
+- Message-IDs compare without angle brackets and surrounding space, with the part after "@"
+  lowercased (domains are case-insensitive, RFC 5321 §2.4); the local part keeps its case.
+- Recipients compare lowercased: in practice no provider has two mailboxes that differ only
+  in case, and a false "new" would send a duplicate.
+- A message without a Message-ID gets one derived from a hash of its content (headers minus
+  trace headers, plus the body), so a byte-identical resubmission gets the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from relay.message import TRACE_HEADERS, parse_headers
+
+
+def normalize_message_id(value: str) -> str:
+    v = value.strip()
+    if v.startswith("<") and ">" in v:
+        v = v[1 : v.index(">")]
+    v = v.strip()
+    local, at, dom = v.rpartition("@")
+    return f"{local}@{dom.lower()}" if at else v
+
+
+def normalize_address(address: str) -> str:
+    return address.strip().strip("<>").lower()
+
+
+def dedup_key(namespace: str, message_id: str, recipient: str) -> str:
+    h = hashlib.sha256()
+    for part in (namespace, normalize_message_id(message_id), normalize_address(recipient)):
+        h.update(part.encode("utf-8", errors="surrogateescape"))
+        h.update(b"\x00")
+    return h.hexdigest()[:40]
+
+
+def content_message_id(header_block: bytes, body: bytes, hostname: str) -> str:
+    """A stable Message-ID for a message that has none: `<sha256-prefix@relay.hostname>`."""
+    h = hashlib.sha256()
+    for name, value in parse_headers(header_block):
+        if name.lower() in TRACE_HEADERS:
+            continue
+        h.update(name.lower().encode("utf-8", errors="surrogateescape"))
+        h.update(b":")
+        h.update(value.encode("utf-8", errors="surrogateescape"))
+        h.update(b"\r\n")
+    h.update(b"\r\n")
+    h.update(body)
+    return f"<{h.hexdigest()[:32]}.content@{hostname}>"

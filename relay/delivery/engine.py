@@ -1,0 +1,778 @@
+"""The delivery engine: claims due recipients, shapes traffic per destination, sends, and
+records every outcome.
+
+Rules:
+- The spool is the queue. The engine claims due recipients (`sending`, transactional lane
+  first), groups them into jobs (one message x one destination = one transaction), and hands
+  each job to its destination. A crash loses nothing: unrecorded claims come back at start.
+- A destination is "smarthost" in smarthost mode, the recipient domain in MX mode. Each has a
+  token bucket (rate, burst), a connection limit, a daily ceiling, an adaptive (AIMD)
+  multiplier, a circuit breaker and an operator/rule suspension. Waiting on any of these
+  burns no attempt: the recipient is deferred with a reason, or simply waits its turn.
+- Connections are reused for up to `max_messages_per_connection` messages. Transactional
+  jobs are always taken before bulk ones; bulk may use at most its share of connections,
+  so a campaign never takes the last connection from a password reset.
+- Outcomes: delivered; transient -> deferred per retry schedule (or failed when expired);
+  bounce -> bounced + suppressed; fail -> failed. Every bounced/failed/expired recipient is a
+  dead letter: an ERROR line `event=dead_letter`, the alert command, and a DSN if enabled.
+- Ambiguous (connection lost after the final "."): logged as `ambiguous`; retried by default
+  (at-least-once), or counted delivered with `ambiguous: assume-delivered`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import logging
+import math
+import random
+import time
+import zoneinfo
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay import retry, shaping
+from relay.config import Config, Destination
+from relay.delivery.errors import DnsPermanentError, DnsTransientError
+from relay.delivery.mx import MxHost, Resolver
+from relay.delivery.transport import (
+    ConnectFailed,
+    Connection,
+    RcptResult,
+    Timeouts,
+    TlsPolicy,
+    TransactionResult,
+)
+from relay.logs import log_event
+from relay.metrics import Metrics
+from relay.model import RcptState
+from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.spool import bodies, ops
+from relay.spool.writer import SpoolWriter
+
+log = logging.getLogger(__name__)
+
+IDLE_CLOSE = 5.0  # seconds an idle connection stays open waiting for more work
+
+
+@dataclass(slots=True)
+class Job:
+    msg_id: str
+    destination: str  # effective destination name
+    lane: str
+    identity: str
+    sender: str
+    created_at: float
+    claims: list[ops.Claim]
+    envelope: ops.Envelope
+    enqueued_at: float = 0.0
+
+
+@dataclass(slots=True)
+class DestState:
+    name: str
+    conf: Destination
+    bucket: shaping.TokenBucket | None
+    adaptive: shaping.Adaptive
+    breaker: shaping.Breaker
+    queues: dict[str, deque[Job]] = field(
+        default_factory=lambda: {"transactional": deque(), "bulk": deque()})
+    workers: set[asyncio.Task[None]] = field(default_factory=set)
+    active: dict[str, int] = field(default_factory=lambda: {"transactional": 0, "bulk": 0})
+    suspended_until: float = 0.0
+    suspend_reason: str = ""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: int = 0
+    reserved: int = 0
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+
+DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config,
+        writer: SpoolWriter,
+        *,
+        metrics: Metrics | None = None,
+        resolver: Resolver | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        on_dead_letter: DeadLetterHook | None = None,
+        is_suppressed: Callable[[str], tuple[str, float] | None] = lambda a: None,
+        on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
+    ) -> None:
+        self.writer = writer
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.on_dead_letter = on_dead_letter
+        self.is_suppressed = is_suppressed
+        self.on_suppressed = on_suppressed
+        self.dests: dict[str, DestState] = {}
+        self.counts: dict[str, int] = {}
+        self.counts_day = ""
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._pending_records: list[ops.Outcome] = []
+        self.config = config
+        self.resolver = resolver
+        self._apply_config(config)
+
+    # --- configuration ------------------------------------------------------------------
+
+    def _apply_config(self, config: Config) -> None:
+        self.config = config
+        self.tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
+        rules_raw = config.shaping.rules
+        operator_rules = [shaping.parse_rule(r) for r in (rules_raw or [])]
+        self.rules = [*operator_rules, *shaping.DEFAULT_RULES]
+        if self.resolver is None or config.upstream.mx.nameservers != getattr(
+            self, "_ns", None
+        ):
+            self._ns = config.upstream.mx.nameservers
+            self.resolver = Resolver(
+                nameservers=list(config.upstream.mx.nameservers)
+                if config.upstream.mx.nameservers else None,
+                timeout=config.upstream.mx.dns_timeout, rng=self.rng)
+        for name, st in self.dests.items():
+            conf = config.destination(name)
+            st.conf = conf
+            st.adaptive.base_rate = conf.rate or shaping.UNLIMITED
+            st.adaptive.base_connections = conf.max_connections
+            st.breaker.threshold = conf.circuit_failures
+            st.breaker.cooldown = conf.circuit_cooldown
+            self._retune(st)
+
+    def reconfigure(self, config: Config) -> None:
+        self._apply_config(config)
+        self.wake()
+
+    def dest(self, name: str) -> DestState:
+        st = self.dests.get(name)
+        if st is None:
+            conf = self.config.destination(name)
+            now = self.clock()
+            bucket = None
+            if conf.rate:
+                bucket = shaping.TokenBucket(rate=conf.rate, burst=conf.burst, updated=now)
+            st = DestState(
+                name=name, conf=conf, bucket=bucket,
+                adaptive=shaping.Adaptive(base_rate=conf.rate or shaping.UNLIMITED,
+                                          base_connections=conf.max_connections),
+                breaker=shaping.Breaker(threshold=conf.circuit_failures,
+                                        cooldown=conf.circuit_cooldown),
+            )
+            self.dests[name] = st
+        return st
+
+    def _retune(self, st: DestState) -> None:
+        rate = st.adaptive.effective_rate()
+        now = self.clock()
+        if not rate:
+            st.bucket = None
+        elif st.bucket is None:
+            st.bucket = shaping.TokenBucket(rate=rate, burst=st.conf.burst, updated=now)
+        else:
+            st.bucket.burst = st.conf.burst
+            st.bucket.set_rate(rate, now)
+        self.metrics.effective_rate.labels(st.name).set(rate or 0)
+        self.metrics.effective_connections.labels(st.name).set(
+            st.adaptive.effective_connections())
+
+    def destination_of(self, domain: str) -> str:
+        return "smarthost" if self.config.upstream.mode == "smarthost" else domain
+
+    # --- main loop ------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        now = self.clock()
+        recovered = await self.writer.run(lambda c: ops.recover(c, now))
+        if recovered:
+            log_event(log, logging.WARNING, "recovered",
+                      "claims left by a crash are due again", count=recovered)
+        await self._load_counts()
+        while not self._stopping:
+            try:
+                claimed = await self._claim_and_dispatch()
+            except Exception as e:
+                log_event(log, logging.ERROR, "engine_error", "claim loop failed", exc=e)
+                claimed = 0
+            if self._stopping:
+                break
+            if claimed and self._inflight < self._max_inflight():
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
+            except TimeoutError:
+                pass
+
+    def _max_inflight(self) -> int:
+        return max(self.config.delivery.batch, 1)
+
+    async def stop(self, timeout: float) -> None:
+        """Stop claiming; let jobs in flight finish up to `timeout`; put the rest back."""
+        self._stopping = True
+        self._wake.set()
+        for st in self.dests.values():
+            st.wake.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            log_event(log, logging.WARNING, "shutdown",
+                      "deliveries still running at shutdown_timeout; they will be retried",
+                      inflight=self._inflight)
+        tasks = [t for st in self.dests.values() for t in st.workers]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # queued but not started: back to deferred, due now
+        back: list[ops.Outcome] = []
+        for st in self.dests.values():
+            for q in st.queues.values():
+                while q:
+                    job = q.popleft()
+                    back.extend(self._outcomes_wait(job, self.clock(), "daemon stopped"))
+        if back:
+            now = self.clock()
+            await self.writer.run(lambda c: ops.record(c, back, now))
+        now = self.clock()
+        await self.writer.run(lambda c: ops.recover(c, now))
+
+    async def _load_counts(self) -> None:
+        now = self.clock()
+        day = self._day(now)
+        self.counts = await self.writer.run(lambda c: ops.daily_counts(c, day))
+        self.counts_day = day
+
+    def _day(self, now: float) -> str:
+        return shaping.day_key(now, self.tz, self.config.shaping.window_length)
+
+    async def _claim_and_dispatch(self) -> int:
+        cap = self._max_inflight() - self._inflight
+        if cap <= 0:
+            return 0
+        now = self.clock()
+
+        def claim(c: Any) -> tuple[list[ops.Claim], dict[str, ops.Envelope], dict[str, Any]]:
+            claims = ops.claim_due(c, now, cap)
+            envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
+            return claims, envs, ops.suspensions(c, now)
+
+        claims, envs, susp = await self.writer.run(claim)
+        for name, (until, reason) in susp.items():
+            st = self.dest(name)
+            if until > st.suspended_until or st.suspend_reason.startswith("operator"):
+                st.suspended_until, st.suspend_reason = until, f"operator: {reason}"
+        for st in self.dests.values():
+            if st.suspend_reason.startswith("operator") and st.name not in susp:
+                st.suspended_until, st.suspend_reason = 0.0, ""
+        if not claims:
+            return 0
+        jobs: dict[tuple[str, str], Job] = {}
+        for cl in claims:
+            env = envs.get(cl.msg_id)
+            dname = self.destination_of(cl.destination)
+            if env is None:
+                continue
+            key = (cl.msg_id, dname)
+            job = jobs.get(key)
+            if job is None:
+                job = jobs[key] = Job(
+                    msg_id=cl.msg_id, destination=dname, lane=cl.lane, identity=cl.identity,
+                    sender=env.sender, created_at=cl.created_at, claims=[], envelope=env,
+                    enqueued_at=now)
+            job.claims.append(cl)
+        immediate: list[ops.Outcome] = []
+        for job in jobs.values():
+            immediate.extend(self._dispatch(job, now))
+        if immediate:
+            await self._record(immediate)
+        return len(claims)
+
+    def _dispatch(self, job: Job, now: float) -> list[ops.Outcome]:
+        """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
+        open, over the daily ceiling): those outcomes burn no attempt."""
+        out: list[ops.Outcome] = []
+        keep: list[ops.Claim] = []
+        for cl in job.claims:
+            supp = self.is_suppressed(cl.address)
+            if supp is not None:
+                self.metrics.suppressed.labels(job.destination).inc()
+                log_event(log, logging.WARNING, "suppressed", "recipient is suppressed",
+                          queue_id=job.msg_id, rcpt=cl.address, reason=supp[0])
+                out.append(ops.Outcome(
+                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.SUPPRESSED,
+                    count_attempt=False, next_attempt_at=None,
+                    last_reply=f"suppressed: {supp[0]}",
+                    log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None)))
+            else:
+                keep.append(cl)
+        job.claims = keep
+        if not keep:
+            return out
+        st = self.dest(job.destination)
+        if st.suspended_until > now:
+            out.extend(self._outcomes_wait(job, st.suspended_until,
+                                           f"destination {st.name} suspended until "
+                                           f"{_iso(st.suspended_until)} ({st.suspend_reason})"))
+            return out
+        if not st.breaker.allow(now) and st.breaker.state(now) == "open":
+            until = (st.breaker.opened_at or now) + st.breaker.cooldown
+            out.extend(self._outcomes_wait(
+                job, until, f"circuit open for {st.name} until {_iso(until)}"))
+            return out
+        over = self._over_ceiling(job, st, now)
+        if over is not None:
+            until, reason = over
+            self.metrics.deferred.labels(st.name, "daily_limit").inc(len(job.claims))
+            log_event(log, logging.INFO, "deferred", reason, queue_id=job.msg_id,
+                      destination=st.name, rcpts=[c.address for c in job.claims])
+            out.extend(self._outcomes_wait(job, until, reason))
+            return out
+        n = len(job.claims)
+        st.reserved += n
+        self._reserve(job, n)
+        st.queues.get(job.lane, st.queues["transactional"]).append(job)
+        self._inflight += n
+        self._idle.clear()
+        self._spawn_workers(st)
+        st.wake.set()
+        return out
+
+    def _outcomes_wait(self, job: Job, until: float, reason: str) -> list[ops.Outcome]:
+        return [ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DEFERRED,
+                            count_attempt=False, next_attempt_at=until, last_reply=None,
+                            reason=reason) for cl in job.claims]
+
+    # --- daily ceilings -------------------------------------------------------------------
+
+    def _limits_for(self, job: Job, st: DestState, now: float) -> list[tuple[str, str, int]]:
+        """(counter scope, display name, limit) for each ceiling that applies."""
+        out = []
+        if st.conf.daily_limit is not None:
+            out.append((f"dest:{st.name}", st.name, st.conf.daily_limit))
+        ident = self.config.identity(job.identity)
+        if ident is not None:
+            warm = None
+            if ident.warmup is not None:
+                w = ident.warmup
+                today = dt.datetime.fromtimestamp(now, self.tz).date()
+                warm = shaping.warmup_limit(shaping.Warmup(
+                    start=dt.date.fromisoformat(w.start), schedule=w.schedule,
+                    initial=w.initial, factor=w.factor, ceiling=w.ceiling), today)
+            lim = shaping.effective_daily_limit(ident.daily_limit, warm)
+            if lim is not None:
+                out.append((f"id:{job.identity}", job.identity, lim))
+        return out
+
+    def _over_ceiling(self, job: Job, st: DestState, now: float) -> tuple[float, str] | None:
+        day = self._day(now)
+        if day != self.counts_day:
+            self.counts = {}
+            self.counts_day = day
+            for d in self.dests.values():
+                d.reserved = 0
+        n = len(job.claims)
+        for scope, name, limit in self._limits_for(job, st, now):
+            used = self.counts.get(scope, 0) + self.counts.get("reserved:" + scope, 0)
+            if used + n > limit:
+                nxt = shaping.next_window(now, self.tz, self.config.shaping.window_length)
+                return nxt, shaping.ceiling_reason(limit, name, nxt)
+        return None
+
+    def _reserve(self, job: Job, n: int) -> None:
+        st = self.dests[job.destination]
+        for scope, _name, _lim in self._limits_for(job, st, self.clock()):
+            k = "reserved:" + scope
+            self.counts[k] = self.counts.get(k, 0) + n
+
+    def _unreserve(self, job: Job, n: int, delivered: int) -> tuple[str, ...]:
+        st = self.dests[job.destination]
+        scopes = []
+        for scope, _name, _lim in self._limits_for(job, st, self.clock()):
+            k = "reserved:" + scope
+            self.counts[k] = max(0, self.counts.get(k, 0) - n)
+            self.counts[scope] = self.counts.get(scope, 0) + delivered
+            scopes.append(scope)
+        if st.conf.daily_limit is None:
+            # count deliveries per destination anyway, for `relay stats`
+            self.counts[f"dest:{st.name}"] = self.counts.get(f"dest:{st.name}", 0) + delivered
+            scopes.append(f"dest:{st.name}")
+        return tuple(dict.fromkeys(scopes))
+
+    # --- workers --------------------------------------------------------------------------
+
+    def _spawn_workers(self, st: DestState) -> None:
+        limit = st.adaptive.effective_connections()
+        want = min(limit, st.queued())
+        while len(st.workers) < want:
+            task = asyncio.get_running_loop().create_task(self._worker(st))
+            st.workers.add(task)
+            task.add_done_callback(st.workers.discard)
+
+    def _next_job(self, st: DestState) -> Job | None:
+        if st.queues["transactional"]:
+            return st.queues["transactional"].popleft()
+        if st.queues["bulk"]:
+            share = self.config.lanes.shares.get("bulk", 0.5)
+            cap = max(1, math.floor(st.adaptive.effective_connections() * share))
+            if st.active["bulk"] < cap:
+                return st.queues["bulk"].popleft()
+        return None
+
+    async def _worker(self, st: DestState) -> None:
+        conn: Connection | None = None
+        try:
+            while True:
+                job = self._next_job(st)
+                if job is None:
+                    if self._stopping:
+                        return
+                    st.wake.clear()
+                    try:
+                        await asyncio.wait_for(st.wake.wait(), IDLE_CLOSE)
+                    except TimeoutError:
+                        return
+                    continue
+                if len(st.workers) > st.adaptive.effective_connections():
+                    # slowed down: this worker bows out after putting the job back
+                    st.queues[job.lane].appendleft(job)
+                    return
+                st.active[job.lane] += 1
+                try:
+                    conn = await self._deliver(st, job, conn)
+                finally:
+                    st.active[job.lane] -= 1
+        finally:
+            if conn is not None:
+                await conn.quit()
+            if st.queued() and not self._stopping:
+                self._spawn_workers(st)
+
+    async def _wait_token(self, st: DestState) -> None:
+        while st.bucket is not None:
+            now = self.clock()
+            if st.bucket.try_take(now):
+                return
+            await asyncio.sleep(max(0.001, st.bucket.wait_time(now)))
+
+    async def _deliver(self, st: DestState, job: Job, conn: Connection | None
+                       ) -> Connection | None:
+        now = self.clock()
+        if st.suspended_until > now or (not st.breaker.allow(now)):
+            until = max(st.suspended_until,
+                        (st.breaker.opened_at or now) + st.breaker.cooldown)
+            reason = (f"destination {st.name} suspended until {_iso(until)}"
+                      if st.suspended_until > now else
+                      f"circuit open for {st.name} until {_iso(until)}")
+            await self._finish(job, self._outcomes_wait(job, until, reason), delivered=0)
+            return conn
+        await self._wait_token(st)
+        body = job.envelope.body
+        if body is None and job.envelope.body_path:
+            try:
+                body = await asyncio.to_thread(bodies.read_body, self.config.spool_path,
+                                               job.envelope.body_path)
+            except OSError as e:
+                reply = Reply(451, "4.3.0", f"spool body unreadable: {e.strerror}")
+                await self._apply(st, job, {c.address: RcptResult(
+                    Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION), reply,
+                    Phase.CONNECT) for c in job.claims}, host=None, duration=0.0)
+                return conn
+        assert body is not None
+        sender = job.sender
+        rcpts = [c.address for c in job.claims]
+        if conn is not None and (not conn.usable or conn.messages >=
+                                 st.conf.max_messages_per_connection):
+            await conn.quit()
+            conn = None
+        result: TransactionResult | None = None
+        if conn is None:
+            conn, failure = await self._connect(st, job)
+            if conn is None:
+                assert failure is not None
+                await self._apply(st, job, failure, host=None, duration=0.0,
+                                  connection_failed=True)
+                return None
+        result = await conn.send(sender, rcpts, body)
+        await self._apply(st, job, result.results, host=conn.label,
+                          duration=result.duration,
+                          connection_failed=result.connection_failed)
+        if not conn.usable:
+            conn.close()
+            return None
+        return conn
+
+    async def _connect(self, st: DestState, job: Job
+                       ) -> tuple[Connection | None, dict[str, RcptResult] | None]:
+        cfg = self.config
+        up = cfg.upstream
+        dc = st.conf
+        timeouts = Timeouts(connect=dc.connect_timeout, command=dc.command_timeout,
+                            data=dc.data_timeout)
+        rcpts = [c.address for c in job.claims]
+        if up.mode == "smarthost":
+            sh = up.smarthost
+            hosts = [MxHost(name=sh.host, preference=0, addresses=(sh.host,))]
+            port = sh.port
+            tls = TlsPolicy(sh.tls, sh.verify, sh.ca_file)
+            user, pw = sh.username, sh.password
+        else:
+            port = up.mx.port
+            tls = TlsPolicy(up.mx.tls, up.mx.verify, None)
+            user = pw = None
+            assert self.resolver is not None
+            try:
+                hosts = await self.resolver.resolve(job.destination)
+            except (DnsPermanentError, DnsTransientError) as e:
+                permanent = isinstance(e, DnsPermanentError)
+                v = Verdict(Outcome.BOUNCE if permanent else Outcome.TRANSIENT, True, False,
+                            Scope.TRANSACTION)
+                return None, {r: RcptResult(v, e.reply, Phase.CONNECT) for r in rcpts}
+        last: ConnectFailed | None = None
+        for h in hosts:
+            for addr in h.addresses:
+                c = Connection(host=h.name, address=addr, port=port, helo=up.helo, tls=tls,
+                               timeouts=timeouts, username=user, password=pw)
+                try:
+                    await c.open()
+                    return c, None
+                except ConnectFailed as e:
+                    last = e
+                    if e.operator_fault:
+                        log_event(log, logging.ERROR, "upstream_config_error",
+                                  "upstream refused our configuration (credentials, TLS);"
+                                  " mail is kept and retried, fix the config",
+                                  destination=st.name, host=c.label, reply=str(e.reply))
+                    if e.verdict.outcome is not Outcome.TRANSIENT:
+                        # a permanent greeting/EHLO refusal: no point trying siblings
+                        return None, {r: RcptResult(e.verdict, e.reply, e.phase)
+                                      for r in rcpts}
+        assert last is not None
+        # every host failed transiently: connection-level transient for all
+        return None, {r: RcptResult(last.verdict, last.reply, last.phase) for r in rcpts}
+
+    # --- outcomes -------------------------------------------------------------------------
+
+    async def _apply(self, st: DestState, job: Job, results: dict[str, RcptResult], *,
+                     host: str | None, duration: float,
+                     connection_failed: bool = False) -> None:
+        now = self.clock()
+        outcomes: list[ops.Outcome] = []
+        dead: list[dict[str, Any]] = []
+        delivered = 0
+        throttled = False
+        rule_hit: shaping.ShapingRule | None = None
+        for cl in job.claims:
+            res = results.get(cl.address)
+            if res is None:
+                res = RcptResult(Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
+                                 Reply(451, "4.3.0", "no reply recorded"), Phase.MAIL)
+            reply_s = str(res.reply)
+            outcome = res.verdict.outcome
+            logged = outcome.value
+            if res.ambiguous:
+                logged = "ambiguous"
+                log_event(log, logging.WARNING, "ambiguous",
+                          "connection lost after the final dot: the upstream may have the"
+                          " message", queue_id=job.msg_id, rcpt=cl.address,
+                          destination=st.name, policy=st.conf.ambiguous)
+                if st.conf.ambiguous == "assume-delivered":
+                    outcome = Outcome.DELIVERED
+            attempt = ops.AttemptLog(logged, reply_s, st.name, host, round(duration, 4))
+            self.metrics.attempts.labels(st.name, logged).inc()
+            if res.verdict.throttled:
+                throttled = True
+                rule_hit = rule_hit or shaping.match_rules(self.rules, reply_s)
+            if outcome is Outcome.DELIVERED:
+                delivered += 1
+                outcomes.append(ops.Outcome(
+                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DELIVERED,
+                    count_attempt=True, next_attempt_at=None, last_reply=reply_s, log=attempt))
+                self.metrics.delivered.labels(st.name).inc()
+                self.metrics.latency.observe(max(0.0, now - job.created_at))
+                log_event(log, logging.INFO, "delivered", "", queue_id=job.msg_id,
+                          rcpt=cl.address, destination=st.name, host=host,
+                          reply=reply_s, duration=round(duration, 3))
+            elif outcome is Outcome.TRANSIENT:
+                nxt = retry.next_attempt_at(
+                    now, job.created_at, cl.attempts + 1, self.config.retry.schedule,
+                    self.config.retry.max_age, self.rng, self.config.retry.min_delay)
+                if nxt is None:
+                    expired = f"expired after {_human(self.config.retry.max_age)} in queue;" \
+                              f" last reply: {reply_s}"
+                    outcomes.append(ops.Outcome(
+                        rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.FAILED,
+                        count_attempt=True, next_attempt_at=None, last_reply=expired,
+                        log=attempt))
+                    self.metrics.failed.labels(st.name).inc()
+                    dead.append(self._dead(job, cl, "expired", expired, st.name))
+                else:
+                    outcomes.append(ops.Outcome(
+                        rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DEFERRED,
+                        count_attempt=True, next_attempt_at=nxt, last_reply=reply_s,
+                        log=attempt))
+                    self.metrics.deferred.labels(st.name, "transient").inc()
+                    log_event(log, logging.WARNING, "deferred", "", queue_id=job.msg_id,
+                              rcpt=cl.address, destination=st.name, host=host,
+                              reply=reply_s, next_attempt_at=_iso(nxt),
+                              attempts=cl.attempts + 1)
+            elif outcome is Outcome.BOUNCE:
+                outcomes.append(ops.Outcome(
+                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.BOUNCED,
+                    count_attempt=True, next_attempt_at=None, last_reply=reply_s, log=attempt,
+                    suppress=(cl.address, reply_s)))
+                self.on_suppressed(cl.address, reply_s, now)
+                self.metrics.bounced.labels(st.name).inc()
+                dead.append(self._dead(job, cl, "bounced", reply_s, st.name))
+            else:
+                outcomes.append(ops.Outcome(
+                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.FAILED,
+                    count_attempt=True, next_attempt_at=None, last_reply=reply_s, log=attempt))
+                self.metrics.failed.labels(st.name).inc()
+                dead.append(self._dead(job, cl, "failed", reply_s, st.name))
+        # destination health
+        if connection_failed:
+            st.breaker.on_failure(now)
+        else:
+            st.breaker.on_success(now)
+        self.metrics.circuit_open.labels(st.name).set(
+            0 if st.breaker.state(now) == "closed" else 1)
+        if throttled:
+            hold = 0.0
+            if rule_hit is not None and rule_hit.action == "suspend":
+                st.suspended_until = max(st.suspended_until, now + rule_hit.duration)
+                st.suspend_reason = f"rule: {rule_hit.pattern.pattern}"
+                log_event(log, logging.WARNING, "destination_suspended",
+                          "a shaping rule matched the reply", destination=st.name,
+                          until=_iso(st.suspended_until))
+            elif rule_hit is not None:
+                hold = rule_hit.duration
+            if st.adaptive.on_throttle(now, hold):
+                log_event(log, logging.WARNING, "slowdown",
+                          "destination asked us to slow down", destination=st.name,
+                          rate=st.adaptive.effective_rate(),
+                          connections=st.adaptive.effective_connections())
+            self._retune(st)
+        elif delivered and st.adaptive.on_success(now):
+            self._retune(st)
+            self._spawn_workers(st)
+        await self._finish(job, outcomes, delivered)
+        for d in dead:
+            log_event(log, logging.ERROR, "dead_letter", d["reason"], queue_id=d["queue_id"],
+                      rcpt=d["recipient"], destination=d["destination"], reply=d["reply"],
+                      state=d["state"], dedup_key=d["dedup_key"])
+            if self.on_dead_letter is not None:
+                try:
+                    await self.on_dead_letter(d)
+                except Exception as e:
+                    log_event(log, logging.ERROR, "alert_failed", "dead-letter hook failed",
+                              exc=e)
+
+    def _dead(self, job: Job, cl: ops.Claim, state: str, reply: str, dest: str
+              ) -> dict[str, Any]:
+        return {
+            "event": "dead_letter", "queue_id": job.msg_id, "recipient": cl.address,
+            "sender": job.sender, "message_id": job.envelope.message_id, "state": state,
+            "reply": reply, "destination": dest, "attempts": cl.attempts + 1,
+            "reason": {"bounced": "permanent address failure; address suppressed",
+                       "failed": "permanent failure", "expired": "gave up: max_age reached"
+                       }[state],
+            "dedup_key": None, "at": _iso(self.clock()),
+        }
+
+    async def _finish(self, job: Job, outcomes: Sequence[ops.Outcome], delivered: int) -> None:
+        n = len(job.claims)
+        scopes = self._unreserve(job, n, delivered)
+        st = self.dests[job.destination]
+        st.reserved = max(0, st.reserved - n)
+        st.sent += delivered
+        if delivered:
+            outcomes = [dataclasses.replace(o, counters=scopes)
+                        if o.state is RcptState.DELIVERED else o for o in outcomes]
+        try:
+            await self._record(outcomes)
+        finally:
+            self._inflight -= n
+            if self._inflight <= 0:
+                self._inflight = 0
+                self._idle.set()
+            self.wake()
+
+    async def _record(self, outcomes: Sequence[ops.Outcome]) -> None:
+        now = self.clock()
+        day = self._day(now)
+        for _ in range(5):
+            try:
+                await self.writer.run(lambda c: ops.record(c, outcomes, now, day))
+                return
+            except Exception as e:
+                log_event(log, logging.ERROR, "spool_error",
+                          "could not record outcomes; retrying", exc=e)
+                await asyncio.sleep(1.0)
+        # Left `sending`: recovery at the next start makes them due again (at-least-once).
+
+    # --- views ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        out: dict[str, Any] = {}
+        for name, st in self.dests.items():
+            limits = {}
+            if st.conf.daily_limit is not None:
+                limits[name] = {"limit": st.conf.daily_limit,
+                                "today": self.counts.get(f"dest:{name}", 0)}
+            out[name] = {
+                "effective_rate": st.adaptive.effective_rate() or None,
+                "configured_rate": st.conf.rate,
+                "effective_connections": st.adaptive.effective_connections(),
+                "max_connections": st.conf.max_connections,
+                "active_connections": len(st.workers),
+                "queued_in_memory": st.queued(),
+                "circuit": st.breaker.state(now),
+                "suspended_until": _iso(st.suspended_until)
+                if st.suspended_until > now else None,
+                "suspend_reason": st.suspend_reason if st.suspended_until > now else None,
+                "delivered_today": self.counts.get(f"dest:{name}", 0),
+                "daily_limit": st.conf.daily_limit,
+            }
+        idents = {}
+        for key, ident in self.config.identities.items():
+            warm = None
+            if ident.warmup is not None:
+                w = ident.warmup
+                warm = shaping.warmup_limit(shaping.Warmup(
+                    start=dt.date.fromisoformat(w.start), schedule=w.schedule,
+                    initial=w.initial, factor=w.factor, ceiling=w.ceiling),
+                    dt.datetime.fromtimestamp(now, self.tz).date())
+            idents[key] = {"today": self.counts.get(f"id:{key}", 0),
+                           "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
+                           "warmup_limit": warm}
+        return {"destinations": out, "identities": idents, "day": self.counts_day,
+                "inflight": self._inflight, "updated_at": _iso(now)}
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _human(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

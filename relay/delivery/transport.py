@@ -1,0 +1,294 @@
+"""One outbound SMTP connection (aiosmtplib), with every step's phase known.
+
+Rules:
+- Every command is bounded: connect by the connect timeout, each reply by the command
+  timeout, the reply to the final "." by the data timeout. A hung upstream costs at most
+  those, and only its own destination's worker.
+- Replies are values: each recipient gets a (Verdict, Reply). The engine decides states.
+- MAIL and DATA replies apply to every recipient of the transaction, RCPT replies to one.
+- TLS: `starttls`/`implicit` verify certificates (smarthost); `opportunistic` tries STARTTLS
+  without verification and falls back to plain text if the handshake fails (MX, like
+  Postfix's `may` level); `none` never upgrades.
+- The DATA step is split so the reply to the final "." is its own phase: a connection lost
+  there is "ambiguous" (the message may have been delivered).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiosmtplib
+from aiosmtplib.email import quote_address
+from aiosmtplib.protocol import PERIOD_REGEX
+
+from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
+from relay.replies import Outcome, Phase, Reply, Verdict, classify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsPolicy:
+    mode: str  # none | opportunistic | starttls | implicit
+    verify: bool
+    ca_file: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float
+    command: float
+    data: float
+
+
+@dataclass(frozen=True, slots=True)
+class RcptResult:
+    verdict: Verdict
+    reply: Reply
+    phase: Phase
+    ambiguous: bool = False
+
+
+@dataclass(slots=True)
+class TransactionResult:
+    results: dict[str, RcptResult] = field(default_factory=dict)
+    connection_failed: bool = False  # the failure was about the connection, not the mail
+    operator_fault: bool = False
+    duration: float = 0.0
+
+
+class ConnectFailed(Exception):
+    def __init__(self, verdict: Verdict, reply: Reply, phase: Phase, operator_fault: bool):
+        super().__init__(str(reply))
+        self.verdict = verdict
+        self.reply = reply
+        self.phase = phase
+        self.operator_fault = operator_fault
+
+
+def _tls_context(policy: TlsPolicy) -> ssl.SSLContext:
+    if policy.verify:
+        ctx = ssl.create_default_context(
+            cafile=str(policy.ca_file) if policy.ca_file else None)
+    else:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class Connection:
+    """An open, greeted (and possibly TLS-upgraded and authenticated) SMTP session."""
+
+    def __init__(self, *, host: str, address: str, port: int, helo: str, tls: TlsPolicy,
+                 timeouts: Timeouts, username: str | None = None,
+                 password: str | None = None) -> None:
+        self.host = host
+        self.address = address
+        self.port = port
+        self.helo = helo
+        self.tls = tls
+        self.timeouts = timeouts
+        self.username = username
+        self.password = password
+        self.smtp: aiosmtplib.SMTP | None = None
+        self.messages = 0
+        self.tls_active = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}[{self.address}]:{self.port}"
+
+    @property
+    def usable(self) -> bool:
+        return self.smtp is not None and self.smtp.is_connected
+
+    async def open(self) -> None:
+        """Connect, EHLO, STARTTLS per policy, AUTH. Raises ConnectFailed."""
+        try:
+            await self._open(self.tls.mode)
+        except ConnectFailed as e:
+            if (self.tls.mode == "opportunistic" and e.phase == Phase.STARTTLS):
+                log.info("STARTTLS to %s failed (%s); retrying without TLS", self.label,
+                         e.reply)
+                self.close()
+                await self._open("none")
+                return
+            raise
+
+    async def _open(self, mode: str) -> None:
+        phase = Phase.CONNECT
+        smtp = aiosmtplib.SMTP(
+            hostname=self.address, port=self.port, local_hostname=self.helo,
+            timeout=self.timeouts.command, use_tls=mode == "implicit", start_tls=False,
+            validate_certs=self.tls.verify,
+            tls_context=_tls_context(self.tls) if mode in ("implicit",) else None,
+        )
+        self.smtp = smtp
+        try:
+            await smtp.connect(timeout=self.timeouts.connect)
+            phase = Phase.EHLO
+            await smtp.ehlo(timeout=self.timeouts.command)
+            if mode in ("starttls", "opportunistic") and (
+                mode == "starttls" or smtp.supports_extension("starttls")
+            ):
+                phase = Phase.STARTTLS
+                if not smtp.supports_extension("starttls"):
+                    reply = Reply(421, "4.7.0", f"{self.label} does not offer STARTTLS, "
+                                  "which upstream tls: starttls requires")
+                    raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, phase, True)
+                await smtp.starttls(tls_context=_tls_context(self.tls),
+                                    server_hostname=self.host, timeout=self.timeouts.command)
+                self.tls_active = True
+                phase = Phase.EHLO
+                await smtp.ehlo(timeout=self.timeouts.command)
+            elif mode == "implicit":
+                self.tls_active = True
+            if self.username:
+                phase = Phase.AUTH
+                await smtp.login(self.username, self.password or "",
+                                 timeout=self.timeouts.command)
+        except ConnectFailed:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            verdict, reply = classify_exception(e, phase)
+            fault = is_operator_fault(e) or (phase == Phase.AUTH) or (
+                phase == Phase.STARTTLS and self.tls.verify)
+            raise ConnectFailed(verdict, _with_host(reply, self.label), phase, fault) from e
+
+    async def send(self, sender: str, recipients: list[str], body: bytes) -> TransactionResult:
+        """One transaction. Never raises for SMTP or network failures."""
+        assert self.smtp is not None
+        smtp = self.smtp
+        started = time.monotonic()
+        out = TransactionResult()
+        phase = Phase.MAIL
+        to = self.timeouts
+        try:
+            opts = []
+            if smtp.supports_extension("size"):
+                opts.append(f"SIZE={len(body)}".encode())
+            if smtp.supports_extension("8bitmime") and any(b > 127 for b in body[:65536]):
+                opts.append(b"BODY=8BITMIME")
+            utf8 = not (sender + "".join(recipients)).isascii()
+            if utf8 and smtp.supports_extension("smtputf8"):
+                opts.append(b"SMTPUTF8")
+            enc = "utf-8" if utf8 else "ascii"
+            # MAIL FROM:<> for the null sender: quote_address("") gives "<>".
+            resp = await smtp.execute_command(
+                b"MAIL", b"FROM:" + quote_address(sender).encode(enc), *opts,
+                timeout=to.command)
+            if resp.code != 250:
+                reply = Reply.parse(resp.code, resp.message)
+                v = classify(reply, Phase.MAIL)
+                for r in recipients:
+                    out.results[r] = RcptResult(v, reply, Phase.MAIL)
+                await self._reset_or_close(v)
+                return out
+            phase = Phase.RCPT
+            accepted: list[str] = []
+            for r in recipients:
+                resp = await smtp.execute_command(
+                    b"RCPT", b"TO:" + quote_address(r).encode(enc),
+                    timeout=to.command)
+                reply = Reply.parse(resp.code, resp.message)
+                if resp.code in (250, 251, 252):
+                    accepted.append(r)
+                else:
+                    v = classify(reply, Phase.RCPT)
+                    out.results[r] = RcptResult(v, reply, Phase.RCPT)
+                    if v.closes_connection:
+                        # 421 to a RCPT: the server is going away; the rest wait too.
+                        for rest in recipients:
+                            out.results.setdefault(rest, RcptResult(v, reply, Phase.RCPT))
+                        self.close()
+                        return out
+            if not accepted:
+                await self._reset_or_close(None)
+                return out
+            phase = Phase.DATA
+            reply, phase = await self._data(body)
+            v = classify(reply, phase)
+            for r in accepted:
+                out.results[r] = RcptResult(v, reply, phase)
+            if v.closes_connection:
+                self.close()
+            elif v.outcome is not Outcome.DELIVERED:
+                await self._reset_or_close(v)
+            self.messages += 1
+        except Exception as e:
+            verdict, reply = classify_exception(e, phase)
+            reply = _with_host(reply, self.label)
+            amb = is_ambiguous(e, phase)
+            for r in recipients:
+                out.results.setdefault(r, RcptResult(verdict, reply, phase, ambiguous=amb))
+            out.connection_failed = not isinstance(e, aiosmtplib.SMTPResponseException)
+            self.close()
+        finally:
+            out.duration = time.monotonic() - started
+        return out
+
+    async def _data(self, body: bytes) -> tuple[Reply, Phase]:
+        """DATA, then the body and the final "."; returns the reply and the phase it ended
+        in. aiosmtplib's `data()` does both steps under one timeout and one exception type;
+        we need the reply to the final dot as a phase of its own (ambiguity, RFC 5321
+        §4.5.3.2.6 data-termination timeout), so we drive its protocol the same way."""
+        smtp = self.smtp
+        assert smtp is not None and smtp.protocol is not None
+        proto: Any = smtp.protocol
+        async with proto._command_lock:
+            proto._response_pending = True
+            proto.write(b"DATA\r\n")
+            start = await proto.read_response(timeout=self.timeouts.command)
+            if start.code != 354:
+                return Reply.parse(start.code, start.message), Phase.DATA
+            if not body.endswith(b"\r\n"):
+                body += b"\r\n"
+            payload = PERIOD_REGEX.sub(b"..", body) + b".\r\n"
+            proto._response_pending = True
+            proto.write(payload)
+            try:
+                final = await proto.read_response(timeout=self.timeouts.data)
+            except BaseException:
+                smtp.close()
+                raise
+        return Reply.parse(final.code, final.message), Phase.DOT
+
+    async def _reset_or_close(self, verdict: Verdict | None) -> None:
+        if verdict is not None and verdict.closes_connection:
+            self.close()
+            return
+        try:
+            assert self.smtp is not None
+            await self.smtp.rset(timeout=self.timeouts.command)
+        except Exception:
+            self.close()
+
+    async def quit(self) -> None:
+        if self.smtp is not None and self.smtp.is_connected:
+            try:
+                await self.smtp.quit(timeout=min(5.0, self.timeouts.command))
+            except Exception:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        if self.smtp is not None:
+            try:
+                self.smtp.close()
+            except Exception:
+                pass
+            self.smtp = None
+
+
+def _with_host(reply: Reply, label: str) -> Reply:
+    if label in reply.text:
+        return reply
+    return Reply(reply.code, reply.enhanced, f"{reply.text} ({label})")

@@ -1,0 +1,106 @@
+"""Delivery status notifications (RFC 3464) for dead letters, when `dsn.enabled`.
+
+Rules:
+- A DSN goes to the envelope sender of the failed message, from the null sender `<>`
+  (RFC 5321 §4.5.5), so a DSN that fails is never answered by another: no bounce loops.
+- Never for a message whose sender is null (that message was itself a bounce).
+- One DSN per dead recipient, with the original headers (text/rfc822-headers), never the
+  body. It is queued through the spool like any message, with a dedup key of
+  (queue id, recipient), so a replayed dead letter does not notify twice.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from email.utils import formatdate
+from typing import TYPE_CHECKING, Any
+
+from relay import dedup
+from relay.lanes import LANE_PRIORITY
+from relay.message import split_message
+from relay.spool import bodies, ops
+
+if TYPE_CHECKING:
+    from relay.daemon import Daemon
+
+
+def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, recipient: str,
+              status: str, reply: str, action: str, original_headers: bytes,
+              now: float) -> tuple[str, bytes]:
+    boundary = f"=_{uuid.uuid4().hex}"
+    mid = f"<{uuid.uuid4().hex}.dsn@{hostname}>"
+    human = (
+        f"This is the mail relay at {hostname}.\r\n\r\n"
+        f"Your message could not be delivered to <{recipient}>.\r\n"
+        f"The remote server said: {reply}\r\n\r\n"
+        f"Queue id: {queue_id}\r\n"
+    )
+    report = (
+        f"Reporting-MTA: dns; {hostname}\r\n"
+        f"X-Relay-Queue-ID: {queue_id}\r\n"
+        f"Arrival-Date: {formatdate(now, usegmt=True)}\r\n\r\n"
+        f"Final-Recipient: rfc822; {recipient}\r\n"
+        f"Action: {action}\r\n"
+        f"Status: {status}\r\n"
+        f"Diagnostic-Code: smtp; {reply}\r\n"
+    )
+    parts = [
+        f"From: Mail Delivery System <{from_addr}>",
+        f"To: <{to_addr}>",
+        "Subject: Undelivered Mail Returned to Sender",
+        f"Date: {formatdate(now, usegmt=True)}",
+        f"Message-ID: {mid}",
+        "Auto-Submitted: auto-replied",
+        "MIME-Version: 1.0",
+        f'Content-Type: multipart/report; report-type=delivery-status; boundary="{boundary}"',
+        "",
+        f"--{boundary}",
+        "Content-Type: text/plain; charset=us-ascii",
+        "",
+        human,
+        f"--{boundary}",
+        "Content-Type: message/delivery-status",
+        "",
+        report,
+        f"--{boundary}",
+        "Content-Type: text/rfc822-headers",
+        "",
+    ]
+    text = "\r\n".join(parts).encode("utf-8", errors="replace") + b"\r\n"
+    text += original_headers + f"\r\n--{boundary}--\r\n".encode()
+    return mid, text
+
+
+async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
+    cfg = daemon.config
+    sender = str(doc.get("sender") or "")
+    if not sender or sender == "<>":
+        return None
+    queue_id = str(doc["queue_id"])
+    body, path = await daemon.writer.run(lambda c: ops.message_body(c, queue_id))
+    if body is None and path:
+        body = bodies.read_body(cfg.spool_path, path)
+    headers, _ = split_message(body or b"")
+    enh = str(doc.get("reply", "")).split(" ")[1:2]
+    status = enh[0] if enh and enh[0][:1] in "45" and enh[0].count(".") == 2 else "5.0.0"
+    if status.startswith("4"):
+        status = "5" + status[1:]  # expired after transient failures: final now
+    now = time.time()
+    from_addr = cfg.dsn.sender or f"MAILER-DAEMON@{cfg.hostname}"
+    mid, data = build_dsn(
+        hostname=cfg.hostname, from_addr=from_addr, to_addr=sender, queue_id=queue_id,
+        recipient=str(doc["recipient"]), status=status, reply=str(doc.get("reply", "")),
+        action="failed", original_headers=headers, now=now)
+    new_id = ops.new_queue_id(now)
+    key = dedup.dedup_key("dsn", f"{queue_id}/{doc['recipient']}", sender)
+    msg = ops.NewMessage(
+        queue_id=new_id, message_id=dedup.normalize_message_id(mid), sender="", size=len(data),
+        created_at=now, client="dsn", peer="127.0.0.1", lane="transactional",
+        lane_prio=LANE_PRIORITY["transactional"], identity="<>", body=data, body_path=None,
+        recipients=(ops.NewRecipient(sender, sender.rpartition("@")[2].lower(), key),))
+    window = cfg.dedup_window
+    res = await daemon.writer.run(lambda c: ops.accept(c, msg, window))
+    if daemon.engine is not None:
+        daemon.engine.wake()
+    return res.queue_id

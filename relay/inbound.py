@@ -1,0 +1,357 @@
+"""Inbound SMTP: checks, then the spool, then `250`. It never delivers.
+
+Rules:
+- `250` after DATA only once the message and all its recipients are committed (WAL fsync'd);
+  any failure on that path answers `451 4.3.0` (or `452 4.3.1` when the disk is full), never
+  5xx: the client keeps the message and retries (RFC 5321 §4.2.5).
+- A hook exception becomes `451 4.3.0` too (aiosmtpd would answer a permanent `500`).
+- A client outside every `allow` network, not authenticated, gets `554 5.7.1` at RCPT for any
+  domain: never an open relay.
+- Suppressed recipients are refused at RCPT with `550 5.1.1` saying why and since when.
+- Limits answer with their RFC 5321 replies: too many recipients `452 4.5.3`
+  (§4.5.3.1.10), too much data `552 5.3.4` (§4.5.3.1.7), over-long lines `500 5.5.2`
+  (§4.5.3.1.6). The session carries on.
+- Only <CRLF>.<CRLF> ends DATA (aiosmtpd >= 1.4.5); bare CR/LF become CRLF in the stored copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from relay import dedup
+from relay.config import Config, Listener
+from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
+from relay.logs import log_event
+from relay.message import (
+    header,
+    normalize_line_endings,
+    parse_headers,
+    received_header,
+    split_message,
+)
+from relay.metrics import Metrics
+from relay.spool import bodies, ops
+from relay.spool.writer import SpoolError, SpoolWriter
+
+log = logging.getLogger(__name__)
+
+# Enhanced status codes (RFC 3463, advertised per RFC 2034) for aiosmtpd's built-in replies,
+# which carry none.
+_ENHANCED_BY_CODE = {
+    "221": "2.0.0", "250": "2.0.0", "251": "2.1.5", "252": "2.0.0",
+    "421": "4.3.2", "450": "4.2.0", "451": "4.3.0", "452": "4.3.1", "454": "4.7.0",
+    "500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4",
+    "530": "5.7.0", "550": "5.0.0", "552": "5.3.4", "553": "5.1.3", "554": "5.0.0",
+    "555": "5.5.4",
+}
+_HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}\b")
+
+
+def with_enhanced(status: str) -> str:
+    if status == "250 HELP":  # last line of the EHLO reply: no status code (RFC 2034 §3)
+        return status
+    if len(status) < 4 or status[3] != " " or _HAS_ENHANCED.match(status):
+        return status
+    code = status[:3]
+    enh = _ENHANCED_BY_CODE.get(code)
+    if enh is None:
+        return status
+    text = status[4:]
+    if text.startswith("Error: "):
+        text = text[7:]
+    return f"{code} {enh} {text}"
+
+
+@dataclass(slots=True)
+class InboundStats:
+    accepted: int = 0
+    deduplicated: int = 0
+    rejected: int = 0
+    sessions: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    metrics: Metrics | None = None
+
+    def reject(self, reason: str) -> None:
+        self.rejected += 1
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
+
+
+class Suppressions:
+    """An in-memory copy of the suppression list, refreshed from the spool (so that a CLI
+    change takes effect within the refresh interval)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, float]] = {}
+        self.version: tuple[int, int, float] | None = None
+
+    def get(self, address: str) -> tuple[str, float] | None:
+        return self.entries.get(address.lower())
+
+    async def refresh(self, writer: SpoolWriter) -> None:
+        version = await writer.run(ops.suppression_version)
+        if version == self.version:
+            return
+        rows = await writer.run(ops.suppression_list)
+        self.entries = {r["address"]: (r["reason"], r["created_at"]) for r in rows}
+        self.version = version
+
+    def add_local(self, address: str, reason: str, when: float) -> None:
+        self.entries[address.lower()] = (reason, when)
+
+
+class RelaySMTP(SMTP):
+    """aiosmtpd's protocol with our limits, enhanced codes, and a 421 while shutting down."""
+
+    def __init__(self, handler: InboundHandler, **kwargs: Any) -> None:
+        limits = handler.config.limits
+        self.line_length_limit = limits.max_line_length + 1  # + transparent dot
+        self.command_size_limit = limits.max_command_length
+        super().__init__(handler, **kwargs)
+        self._relay_handler = handler
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._relay_handler.closing and self.transport is None:
+            # RFC 5321 §3.8: a server shutting down answers 421 and closes.
+            cast(asyncio.Transport, transport).write(b"421 4.3.2 " + self.hostname.encode() + b" shutting down\r\n")
+            transport.close()
+            return
+        self._relay_handler.stats.sessions += 1
+        super().connection_made(transport)
+
+    async def push(self, status: Any) -> None:
+        if isinstance(status, str):
+            status = with_enhanced(status)
+            if status.startswith("552 5.3.4 Too much mail data"):
+                status = "552 5.3.4 Message size exceeds fixed maximum message size"
+        await super().push(status)
+
+
+class InboundHandler:
+    def __init__(
+        self,
+        config: Config,
+        listener: Listener,
+        writer: SpoolWriter,
+        suppressions: Suppressions,
+        on_queued: Callable[[], None] = lambda: None,
+        stats: InboundStats | None = None,
+    ) -> None:
+        self.config = config
+        self.listener = listener
+        self.writer = writer
+        self.suppressions = suppressions
+        self.on_queued = on_queued
+        self.stats = stats or InboundStats()
+        self.closing = False
+        self.in_flight = 0
+        self._lane_rules = parse_lane_rules(list(config.lanes.rules))
+
+    def reconfigure(self, config: Config) -> None:
+        self._lane_rules = parse_lane_rules(list(config.lanes.rules))
+        self.config = config
+
+    def protocol(self) -> RelaySMTP:
+        cfg = self.config
+        return RelaySMTP(
+            self,
+            hostname=cfg.hostname,
+            ident="relay ESMTP",
+            data_size_limit=cfg.limits.max_message_size,
+            timeout=cfg.limits.session_timeout,
+            decode_data=False,
+            enable_SMTPUTF8=True,
+        )
+
+    # --- hooks ------------------------------------------------------------------------
+
+    async def handle_EHLO(
+        self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+        responses: list[str],
+    ) -> list[str]:
+        session.host_name = hostname
+        last = responses.pop()  # "250 HELP"
+        responses.extend(["250-PIPELINING", "250-ENHANCEDSTATUSCODES", last])
+        return responses
+
+    def _peer_allowed(self, session: Session) -> bool:
+        if session.authenticated:
+            return True
+        peer = session.peer
+        if not peer:
+            return False
+        try:
+            ip = ipaddress.ip_address(peer[0] if isinstance(peer, tuple) else str(peer))
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in net for net in self.listener.allow)
+
+    async def handle_RCPT(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str,
+        rcpt_options: list[str],
+    ) -> str:
+        if not self._peer_allowed(session):
+            self.stats.reject("relay_denied")
+            return "554 5.7.1 Relay access denied: authenticate or connect from an allowed network"
+        local, at, domain = address.rpartition("@")
+        if not at or not local or not domain or not _valid_domain(domain):
+            self.stats.reject("bad_address")
+            return "553 5.1.3 Recipient address must be a fully qualified mailbox"
+        if len(envelope.rcpt_tos) >= self.config.limits.max_recipients:
+            self.stats.reject("too_many_recipients")
+            return "452 4.5.3 Too many recipients"
+        supp = self.suppressions.get(address)
+        if supp is not None:
+            self.stats.reject("suppressed")
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(supp[1]))
+            return (f"550 5.1.1 Recipient is suppressed since {since}: "
+                    f"{_printable(supp[0])[:200]}")
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 2.1.5 OK"
+
+    async def handle_MAIL(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str,
+        mail_options: list[str],
+    ) -> str:
+        if address not in ("", "<>"):
+            local, at, domain = address.rpartition("@")
+            if not at or not local or not _valid_domain(domain):
+                return "553 5.1.7 Sender address must be a fully qualified mailbox or <>"
+        envelope.mail_from = address or "<>"
+        envelope.mail_options.extend(mail_options)
+        return "250 2.1.0 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        self.in_flight += 1
+        try:
+            return await self._accept(session, envelope)
+        finally:
+            self.in_flight -= 1
+
+    async def handle_exception(self, error: Exception) -> str:
+        log.error("inbound session error: %s: %s", type(error).__name__, error)
+        return "451 4.3.0 Internal error; message not accepted, try again later"
+
+    # --- accepting --------------------------------------------------------------------
+
+    async def _accept(self, session: Session, envelope: Envelope) -> str:
+        cfg = self.config
+        now = time.time()
+        raw = envelope.original_content or b""
+        data = normalize_line_endings(raw)
+        head, body = split_message(data)
+        headers = parse_headers(head)
+        sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
+        queue_id = ops.new_queue_id(now)
+
+        added = b""
+        mid = header(headers, "Message-ID")
+        if not mid or not dedup.normalize_message_id(mid):
+            if len(data) > 1 << 20:
+                mid = await asyncio.to_thread(dedup.content_message_id, head, body,
+                                              cfg.hostname)
+            else:
+                mid = dedup.content_message_id(head, body, cfg.hostname)
+            added = f"Message-ID: {mid}\r\n".encode()
+        peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+        rcpts = list(envelope.rcpt_tos)
+        trace = received_header(
+            helo=session.host_name or "unknown", peer_ip=peer_ip, hostname=cfg.hostname,
+            queue_id=queue_id, recipient=rcpts[0] if len(rcpts) == 1 else None,
+            protocol="ESMTP" if session.extended_smtp else "SMTP", now=now,
+        )
+        content = trace + added + data
+        namespace = self._namespace(session)
+        lane = self.listener.lane or classify_lane(
+            self._lane_rules, sender=sender, headers=headers, listener=self.listener.name
+        )
+        new_rcpts = tuple(
+            ops.NewRecipient(
+                address=r, destination=r.rpartition("@")[2].lower(),
+                dedup_key=dedup.dedup_key(namespace, mid, r),
+            )
+            for r in rcpts
+        )
+        identity = (sender.rpartition("@")[2].lower() if cfg.shaping.identity_by ==
+                    "sender_domain" else sender.lower()) or "<>"
+        body_path: str | None = None
+        inline: bytes | None = content
+        try:
+            if len(content) > cfg.inline_max:
+                inline = None
+                body_path = await asyncio.to_thread(
+                    bodies.write_body, cfg.spool_path, queue_id, content)
+            msg = ops.NewMessage(
+                queue_id=queue_id, message_id=dedup.normalize_message_id(mid), sender=sender,
+                size=len(content), created_at=now, client=namespace, peer=peer_ip, lane=lane,
+                lane_prio=LANE_PRIORITY.get(lane, 0), identity=identity, body=inline,
+                body_path=body_path, recipients=new_rcpts,
+            )
+            window = cfg.dedup_window
+            result = await self.writer.run(lambda c: ops.accept(c, msg, window))
+        except (SpoolError, OSError) as e:
+            if body_path:
+                bodies.delete_bodies(cfg.spool_path, [body_path])
+            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            full = full or "full" in str(e).lower()
+            log_event(log, logging.ERROR, "spool_error", "message not accepted",
+                      queue_id=queue_id, error=str(e))
+            self.stats.reject("spool_error")
+            if full:
+                return "452 4.3.1 Insufficient system storage; try again later"
+            return "451 4.3.0 Spool unavailable; message not accepted, try again later"
+        if result.queue_id is None:
+            if body_path:
+                bodies.delete_bodies(cfg.spool_path, [body_path])
+            self.stats.deduplicated += 1
+            if self.stats.metrics is not None:
+                self.stats.metrics.deduplicated.inc()
+            log_event(log, logging.INFO, "deduplicated", "resubmission not queued again",
+                      message_id=mid, rcpts=list(result.duplicates), client=namespace)
+            return "250 2.0.0 Ok: already queued (duplicate suppressed)"
+        self.stats.accepted += 1
+        if self.stats.metrics is not None:
+            self.stats.metrics.accepted.labels(lane).inc()
+        log_event(log, logging.INFO, "accepted", "message queued", queue_id=queue_id,
+                  message_id=mid, sender=sender or "<>", rcpts=list(result.queued),
+                  duplicates=len(result.duplicates), size=len(content), lane=lane,
+                  client=namespace)
+        self.on_queued()
+        return f"250 2.0.0 Ok: queued as {queue_id}"
+
+    def _namespace(self, session: Session) -> str:
+        user = getattr(session, "auth_data", None)
+        if session.authenticated and user is not None:
+            login = getattr(user, "login", user)
+            if isinstance(login, bytes):
+                login = login.decode("utf-8", errors="replace")
+            return f"user:{login}"
+        return f"listener:{self.listener.name}"
+
+
+_DOMAIN = re.compile(
+    r"^(\[[0-9a-fA-F.:]+\]|(?=.{1,253}$)([A-Za-z0-9\u0080-\uffff]"
+    r"([A-Za-z0-9\u0080-\uffff-]{0,61}[A-Za-z0-9\u0080-\uffff])?\.?)+)$"
+)
+
+
+def _valid_domain(domain: str) -> bool:
+    return bool(_DOMAIN.match(domain)) and ".." not in domain
+
+
+def _printable(text: str) -> str:
+    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)

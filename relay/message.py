@@ -1,0 +1,84 @@
+"""Raw message bytes: line endings, the header block, and the headers we add.
+
+Rules:
+- Stored and relayed messages end every line with CRLF (RFC 5321 §2.3.8). A bare LF or bare
+  CR inside the DATA (the raw material of SMTP smuggling) is turned into CRLF at accept, so
+  what goes upstream never carries a bare line ending and never a second message: aiosmtpd
+  ends DATA only at <CRLF>.<CRLF>, and aiosmtplib dot-stuffs every line that begins with ".".
+- The header block is everything up to the first empty line (RFC 5322 §2.1).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from email.utils import formatdate
+
+_BARE = re.compile(rb"\r\n|\r|\n")
+_HEADER_END = b"\r\n\r\n"
+
+
+def normalize_line_endings(data: bytes) -> bytes:
+    if b"\r" not in data and b"\n" not in data:
+        return data
+    # fast path: already CRLF-only
+    if data.count(b"\n") == data.count(b"\r\n") and data.count(b"\r") == data.count(b"\r\n"):
+        return data
+    return _BARE.sub(b"\r\n", data)
+
+
+def split_message(data: bytes) -> tuple[bytes, bytes]:
+    """(header block including its final CRLF, body after the empty line)."""
+    if data.startswith(b"\r\n"):
+        return b"", data[2:]
+    i = data.find(_HEADER_END)
+    if i < 0:
+        return data, b""
+    return data[: i + 2], data[i + 4 :]
+
+
+def parse_headers(block: bytes) -> list[tuple[str, str]]:
+    """Unfolded (name, value) pairs; undecodable bytes survive as surrogates."""
+    out: list[tuple[str, str]] = []
+    text = block.decode("utf-8", errors="surrogateescape")
+    for line in text.split("\r\n"):
+        if not line:
+            continue
+        if line[0] in " \t" and out:
+            name, value = out[-1]
+            out[-1] = (name, value + " " + line.strip())
+            continue
+        name, sep, value = line.partition(":")
+        if sep and name and " " not in name.strip():
+            out.append((name.strip(), value.strip()))
+    return out
+
+
+def header(headers: list[tuple[str, str]], name: str) -> str | None:
+    low = name.lower()
+    for n, v in headers:
+        if n.lower() == low:
+            return v
+    return None
+
+
+# Trace and transport headers that differ between two submissions of the same message
+# (RFC 5321 §4.4; RFC 5322 §3.6.7), left out when deriving a content Message-ID. `Date` stays
+# in: a daily cron report with the same text but a new Date is a new message.
+TRACE_HEADERS = frozenset({"received", "return-path", "x-received", "delivered-to",
+                           "x-originating-ip"})
+
+
+def received_header(*, helo: str, peer_ip: str, hostname: str, queue_id: str,
+                    recipient: str | None, protocol: str, now: float | None = None) -> bytes:
+    """The Received: trace header (RFC 5321 §4.4), folded below 78 columns."""
+    when = formatdate(time.time() if now is None else now, usegmt=True)
+    helo_clean = re.sub(r"[^\w.\-\[\]:]", "", helo)[:100] or "unknown"
+    lines = [
+        f"Received: from {helo_clean} ([{peer_ip}])",
+        f"\tby {hostname} (relay) with {protocol} id {queue_id}",
+    ]
+    if recipient:
+        lines.append(f"\tfor <{recipient}>")
+    lines[-1] += f"; {when}"
+    return ("\r\n".join(lines) + "\r\n").encode("ascii", errors="replace")

@@ -1,0 +1,79 @@
+"""Message bodies too large to keep inline in the database.
+
+Rules:
+- A body file is written to a temporary name, fsync'd, renamed into place, and its folder
+  fsync'd, all before the row that names it commits. So a committed row always has its body
+  on disk; a crash in between leaves only an orphan file, which `sweep` removes.
+- Small bodies (below `spool.inline_max`) are stored inline in the message row instead: the
+  same group commit that makes the row durable makes the body durable, with no extra fsync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from relay.spool.db import fsync_dir
+
+BODIES = "bodies"
+
+
+def body_path(spool_dir: Path, queue_id: str) -> Path:
+    return spool_dir / BODIES / queue_id[:2] / queue_id
+
+
+def write_body(spool_dir: Path, queue_id: str, data: bytes) -> str:
+    """Write durably; returns the path relative to the spool folder (as stored in the row)."""
+    final = body_path(spool_dir, queue_id)
+    folder = final.parent
+    if not folder.exists():
+        folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+        fsync_dir(folder.parent)
+    tmp = folder / f".{queue_id}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(folder)
+    return str(final.relative_to(spool_dir))
+
+
+def read_body(spool_dir: Path, rel: str) -> bytes:
+    return (spool_dir / rel).read_bytes()
+
+
+def delete_bodies(spool_dir: Path, rels: Iterable[str]) -> None:
+    for rel in rels:
+        try:
+            (spool_dir / rel).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def sweep(spool_dir: Path, known: set[str], grace: float = 60.0) -> list[str]:
+    """Remove body files that no row names (a crash between write and commit), older than
+    `grace` seconds so that a write in flight is never touched."""
+    root = spool_dir / BODIES
+    removed: list[str] = []
+    if not root.exists():
+        return removed
+    cutoff = time.time() - grace
+    for f in root.glob("*/*"):
+        rel = str(f.relative_to(spool_dir))
+        if rel in known:
+            continue
+        try:
+            if f.stat().st_mtime < cutoff:
+                f.unlink()
+                removed.append(rel)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,174 @@
+"""Opening the spool database: pragmas on every connection, and versioned migrations.
+
+Rules:
+- WAL journal and `synchronous=FULL` on every connection: a commit returns only after the
+  WAL is fsync'd, so a `250` sent after a commit survives a power cut.
+- Writes use `BEGIN IMMEDIATE` (take the write lock up front, wait `busy_timeout` for it)
+  so that the daemon and the CLI never deadlock upgrading a read lock.
+- The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` brings version i to
+  i+1. Never edit a released migration: append a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DB_NAME = "relay.sqlite"
+BUSY_TIMEOUT_MS = 5000
+
+MIGRATIONS: list[str] = [
+    # 0 -> 1: the first schema.
+    """
+    CREATE TABLE messages (
+        id          TEXT PRIMARY KEY,          -- queue id
+        message_id  TEXT NOT NULL,             -- the Message-ID header, normalized
+        sender      TEXT NOT NULL,             -- envelope sender, '' for the null sender
+        size        INTEGER NOT NULL,
+        created_at  REAL NOT NULL,
+        client      TEXT NOT NULL,             -- dedup namespace: listener or AUTH user
+        peer        TEXT NOT NULL,
+        lane        TEXT NOT NULL,
+        identity    TEXT NOT NULL,             -- sending identity for daily ceilings
+        body        BLOB,                      -- small bodies live inline ...
+        body_path   TEXT                       -- ... large ones in a file, fsync'd first
+    );
+    CREATE TABLE recipients (
+        id              INTEGER PRIMARY KEY,
+        msg_id          TEXT NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        address         TEXT NOT NULL,
+        destination     TEXT NOT NULL,         -- 'smarthost' or the recipient domain
+        lane_prio       INTEGER NOT NULL,
+        state           TEXT NOT NULL,
+        attempts        INTEGER NOT NULL DEFAULT 0,
+        next_attempt_at REAL,
+        last_reply      TEXT,
+        reason          TEXT,                  -- why it waits (shaping, circuit, operator)
+        dedup_key       TEXT NOT NULL,
+        updated_at      REAL NOT NULL
+    );
+    CREATE INDEX recipients_msg ON recipients(msg_id);
+    CREATE INDEX recipients_due ON recipients(lane_prio, next_attempt_at)
+        WHERE state IN ('pending', 'deferred');
+    CREATE INDEX recipients_state ON recipients(state);
+    CREATE TABLE attempts (
+        id          INTEGER PRIMARY KEY,
+        msg_id      TEXT NOT NULL,
+        rcpt_id     INTEGER,
+        at          REAL NOT NULL,
+        destination TEXT NOT NULL,
+        host        TEXT,
+        outcome     TEXT NOT NULL,     -- delivered, transient, bounce, fail, ambiguous, ...
+        reply       TEXT,
+        duration    REAL
+    );
+    CREATE INDEX attempts_msg ON attempts(msg_id);
+    CREATE TABLE dedup (
+        key         TEXT PRIMARY KEY,
+        msg_id      TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX dedup_age ON dedup(created_at);
+    CREATE TABLE suppression (
+        address     TEXT PRIMARY KEY,
+        reason      TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE daily_counts (
+        scope       TEXT NOT NULL,     -- 'dest:<name>' or 'id:<identity>'
+        day         TEXT NOT NULL,
+        count       INTEGER NOT NULL,
+        PRIMARY KEY (scope, day)
+    ) WITHOUT ROWID;
+    CREATE TABLE destinations (
+        name            TEXT PRIMARY KEY,
+        suspended_until REAL,
+        reason          TEXT
+    );
+    CREATE TABLE runtime (              -- the daemon's live view, for `relay stats`
+        name        TEXT PRIMARY KEY,
+        value       TEXT NOT NULL,
+        updated_at  REAL NOT NULL
+    );
+    CREATE TABLE oplog (                -- operator actions, for the audit trail
+        id          INTEGER PRIMARY KEY,
+        at          REAL NOT NULL,
+        action      TEXT NOT NULL,
+        detail      TEXT NOT NULL
+    );
+    """,
+]
+
+
+def db_path(spool_dir: Path) -> Path:
+    return spool_dir / DB_NAME
+
+
+def connect(spool_dir: Path, *, create: bool = True) -> sqlite3.Connection:
+    """Open the spool with the durability pragmas, migrating it if needed."""
+    if create:
+        spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    elif not db_path(spool_dir).exists():
+        raise FileNotFoundError(f"no spool at {db_path(spool_dir)}")
+    conn = sqlite3.connect(
+        db_path(spool_dir), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+        check_same_thread=False,
+    )
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    migrate(conn)
+    return conn
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise RuntimeError(
+            f"spool schema version {version} is newer than this relay understands "
+            f"({len(MIGRATIONS)}); upgrade relay"
+        )
+    while version < len(MIGRATIONS):
+        with transaction(conn):
+            # re-check under the write lock: another process may have migrated meanwhile
+            current: int = conn.execute("PRAGMA user_version").fetchone()[0]
+            if current == version:
+                for stmt in _statements(MIGRATIONS[version]):
+                    conn.execute(stmt)
+                conn.execute(f"PRAGMA user_version={version + 1}")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    return version
+
+
+def _statements(script: str) -> Iterator[str]:
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            if buf.strip():
+                yield buf
+            buf = ""
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,542 @@
+"""The spool's operations: plain synchronous functions over one SQLite connection.
+
+Rules:
+- Every function here runs inside a transaction its caller opened: the daemon's group-commit
+  writer batches many of them under one `BEGIN IMMEDIATE ... COMMIT` (one fsync for all), the
+  CLI runs one at a time under its own. So they never commit and never open one themselves.
+- The spool stores states; it never decides them. Callers pass the new state, the spool
+  applies it only from the states the transition table allows (a conditional UPDATE), so an
+  operator's `hold` or `delete` racing with a delivery never resurrects or loses a recipient.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay.model import FINAL, RcptState, message_state, sources_for
+
+_CROCKFORD = "0123456789BCDFGHJKLMNPQRSTVWXYZ"  # no vowels: ids never spell words
+
+
+def new_queue_id(now: float | None = None) -> str:
+    """16 characters, sortable by creation time (ms), 40 random bits."""
+    ms = int((time.time() if now is None else now) * 1000)
+    n = (ms << 40) | secrets.randbits(40)
+    out = []
+    for _ in range(16):
+        n, r = divmod(n, 31)
+        out.append(_CROCKFORD[r])
+    return "".join(reversed(out))
+
+
+# --- accepting ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NewRecipient:
+    address: str
+    destination: str
+    dedup_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    queue_id: str
+    message_id: str
+    sender: str
+    size: int
+    created_at: float
+    client: str
+    peer: str
+    lane: str
+    lane_prio: int
+    identity: str
+    body: bytes | None
+    body_path: str | None
+    recipients: tuple[NewRecipient, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptResult:
+    queue_id: str | None  # None when every recipient was a duplicate
+    queued: tuple[str, ...]
+    duplicates: tuple[str, ...]
+
+
+def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> AcceptResult:
+    """Queue the recipients whose dedup key was not seen within the window."""
+    cutoff = msg.created_at - dedup_window
+    fresh: list[NewRecipient] = []
+    dupes: list[str] = []
+    seen: set[str] = set()
+    for r in msg.recipients:
+        if r.dedup_key in seen:
+            dupes.append(r.address)
+            continue
+        seen.add(r.dedup_key)
+        row = conn.execute(
+            "SELECT created_at FROM dedup WHERE key = ?", (r.dedup_key,)
+        ).fetchone()
+        if row is not None and row[0] > cutoff:
+            dupes.append(r.address)
+        else:
+            fresh.append(r)
+    if not fresh:
+        return AcceptResult(None, (), tuple(dupes))
+    conn.execute(
+        "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
+        " identity, body, body_path) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        (msg.queue_id, msg.message_id, msg.sender, msg.size, msg.created_at, msg.client,
+         msg.peer, msg.lane, msg.identity, msg.body, msg.body_path),
+    )
+    conn.executemany(
+        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
+        " next_attempt_at, dedup_key, updated_at) VALUES (?,?,?,?,?,0,?,?,?)",
+        [(msg.queue_id, r.address, r.destination, msg.lane_prio, RcptState.PENDING.value,
+          msg.created_at, r.dedup_key, msg.created_at) for r in fresh],
+    )
+    conn.executemany(
+        "INSERT OR REPLACE INTO dedup (key, msg_id, created_at) VALUES (?,?,?)",
+        [(r.dedup_key, msg.queue_id, msg.created_at) for r in fresh],
+    )
+    return AcceptResult(msg.queue_id, tuple(r.address for r in fresh), tuple(dupes))
+
+
+# --- claiming and recording -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    rcpt_id: int
+    msg_id: str
+    address: str
+    destination: str
+    attempts: int
+    created_at: float
+    lane: str
+    identity: str
+
+
+def claim_due(conn: sqlite3.Connection, now: float, limit: int) -> list[Claim]:
+    """Mark up to `limit` due recipients `sending`, transactional lane first."""
+    rows = conn.execute(
+        "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts, m.created_at, m.lane,"
+        " m.identity FROM recipients r JOIN messages m ON m.id = r.msg_id"
+        " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?"
+        " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
+        (now, limit),
+    ).fetchall()
+    if not rows:
+        return []
+    conn.executemany(
+        "UPDATE recipients SET state = 'sending', updated_at = ? WHERE id = ?",
+        [(now, r[0]) for r in rows],
+    )
+    return [Claim(*r) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    msg_id: str
+    message_id: str
+    sender: str
+    size: int
+    body: bytes | None
+    body_path: str | None
+
+
+def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str, Envelope]:
+    ids = list(set(msg_ids))
+    out: dict[str, Envelope] = {}
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        q = ",".join("?" * len(chunk))
+        for row in conn.execute(
+            f"SELECT id, message_id, sender, size, body, body_path FROM messages"
+            f" WHERE id IN ({q})", chunk,
+        ):
+            out[row[0]] = Envelope(*row)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLog:
+    outcome: str
+    reply: str | None
+    destination: str
+    host: str | None
+    duration: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt did to one recipient, as decided by the delivery engine."""
+
+    rcpt_id: int
+    msg_id: str
+    state: RcptState
+    count_attempt: bool  # False for shaping/circuit deferrals: they burn no attempt
+    next_attempt_at: float | None
+    last_reply: str | None
+    reason: str | None = None
+    log: AttemptLog | None = None
+    suppress: tuple[str, str] | None = None  # (address, reason)
+    counters: tuple[str, ...] = field(default=())  # daily_counts scopes to bump (with day)
+
+
+def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
+           day: str | None = None) -> int:
+    """Apply outcomes of claimed recipients; returns how many rows changed."""
+    changed = 0
+    for o in outcomes:
+        cur = conn.execute(
+            "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
+            " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?"
+            " WHERE id = ? AND state = 'sending'",
+            (o.state.value, 1 if o.count_attempt else 0, o.next_attempt_at, o.last_reply,
+             o.reason, now, o.rcpt_id),
+        )
+        changed += cur.rowcount
+        if cur.rowcount == 0:
+            continue  # deleted or changed by an operator meanwhile
+        if o.log is not None:
+            conn.execute(
+                "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
+                " duration) VALUES (?,?,?,?,?,?,?,?)",
+                (o.msg_id, o.rcpt_id, now, o.log.destination, o.log.host, o.log.outcome,
+                 o.log.reply, o.log.duration),
+            )
+        if o.suppress is not None:
+            conn.execute(
+                "INSERT OR IGNORE INTO suppression (address, reason, created_at)"
+                " VALUES (?,?,?)",
+                (o.suppress[0].lower(), o.suppress[1], now),
+            )
+        for scope in o.counters:
+            conn.execute(
+                "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, 1)"
+                " ON CONFLICT (scope, day) DO UPDATE SET count = count + 1",
+                (scope, day or ""),
+            )
+    return changed
+
+
+def recover(conn: sqlite3.Connection, now: float) -> int:
+    """After a crash: every claim that never recorded an outcome is due again."""
+    return conn.execute(
+        "UPDATE recipients SET state = 'deferred', next_attempt_at = ?, updated_at = ?,"
+        " reason = 'recovered after restart' WHERE state = 'sending'",
+        (now, now),
+    ).rowcount
+
+
+def prune(conn: sqlite3.Connection, now: float, dedup_window: float,
+          retention: float) -> list[str]:
+    """Forget expired dedup keys and finished messages older than `retention`; returns the
+    body files to delete (after the commit)."""
+    conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
+    finals = ",".join(f"'{s.value}'" for s in FINAL)
+    old = [r[0] for r in conn.execute(
+        f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
+        f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT 5000",
+        (now - retention,),
+    )]
+    return delete_messages(conn, old)
+
+
+def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
+    paths: list[str] = []
+    for mid in ids:
+        row = conn.execute("SELECT body_path FROM messages WHERE id = ?", (mid,)).fetchone()
+        if row is None:
+            continue
+        if row[0]:
+            paths.append(row[0])
+        conn.execute("DELETE FROM attempts WHERE msg_id = ?", (mid,))
+        conn.execute("DELETE FROM recipients WHERE msg_id = ?", (mid,))
+        conn.execute("DELETE FROM messages WHERE id = ?", (mid,))
+    return paths
+
+
+def body_paths(conn: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in conn.execute(
+        "SELECT body_path FROM messages WHERE body_path IS NOT NULL")}
+
+
+# --- daily counters, destinations, runtime view -------------------------------------------
+
+
+def daily_counts(conn: sqlite3.Connection, day: str) -> dict[str, int]:
+    return {r[0]: r[1] for r in conn.execute(
+        "SELECT scope, count FROM daily_counts WHERE day = ?", (day,))}
+
+
+def suspensions(conn: sqlite3.Connection, now: float) -> dict[str, tuple[float, str]]:
+    return {r[0]: (r[1], r[2] or "") for r in conn.execute(
+        "SELECT name, suspended_until, reason FROM destinations WHERE suspended_until > ?",
+        (now,))}
+
+
+def suspend_destination(conn: sqlite3.Connection, name: str, until: float, reason: str) -> None:
+    conn.execute(
+        "INSERT INTO destinations (name, suspended_until, reason) VALUES (?,?,?)"
+        " ON CONFLICT (name) DO UPDATE SET suspended_until = excluded.suspended_until,"
+        " reason = excluded.reason", (name.lower(), until, reason))
+
+
+def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
+    name = name.lower()
+    conn.execute("DELETE FROM destinations WHERE name = ?", (name,))
+    # in smarthost mode every recipient goes to the destination "smarthost"
+    return conn.execute(
+        "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
+        " WHERE (destination = ? OR ? = 'smarthost') AND state = 'deferred'"
+        " AND reason IS NOT NULL", (now, now, name, name)).rowcount
+
+
+def put_runtime(conn: sqlite3.Connection, name: str, value: Any, now: float) -> None:
+    conn.execute(
+        "INSERT INTO runtime (name, value, updated_at) VALUES (?,?,?) ON CONFLICT (name)"
+        " DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+        (name, json.dumps(value, sort_keys=True), now))
+
+
+def get_runtime(conn: sqlite3.Connection, name: str) -> tuple[Any, float] | None:
+    row = conn.execute("SELECT value, updated_at FROM runtime WHERE name = ?",
+                       (name,)).fetchone()
+    return None if row is None else (json.loads(row[0]), row[1])
+
+
+def log_operator(conn: sqlite3.Connection, action: str, detail: Any, now: float) -> None:
+    conn.execute("INSERT INTO oplog (at, action, detail) VALUES (?,?,?)",
+                 (now, action, json.dumps(detail, sort_keys=True)))
+
+
+# --- suppression ----------------------------------------------------------------------------
+
+
+def suppression_list(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    return [dict(address=r[0], reason=r[1], created_at=r[2]) for r in conn.execute(
+        "SELECT address, reason, created_at FROM suppression ORDER BY created_at, address")]
+
+
+def suppression_get(conn: sqlite3.Connection, address: str) -> tuple[str, float] | None:
+    row = conn.execute("SELECT reason, created_at FROM suppression WHERE address = ?",
+                       (address.lower(),)).fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+def suppression_add(conn: sqlite3.Connection, address: str, reason: str, now: float) -> bool:
+    return conn.execute(
+        "INSERT OR REPLACE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
+        (address.lower(), reason, now)).rowcount > 0
+
+
+def suppression_remove(conn: sqlite3.Connection, address: str) -> bool:
+    return conn.execute("DELETE FROM suppression WHERE address = ?",
+                        (address.lower(),)).rowcount > 0
+
+
+def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
+    row = conn.execute(
+        "SELECT count(*), coalesce(max(rowid), 0), total(created_at) FROM suppression"
+    ).fetchone()
+    return (row[0], row[1], row[2])
+
+
+# --- operator queue changes ---------------------------------------------------------------
+
+
+def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptState,
+               src: Iterable[str], now: float, *, due_now: bool, reset: bool) -> int:
+    src_list = list(src)
+    sets = ["state = ?", "updated_at = ?", "reason = NULL"]
+    params: list[Any] = [dst.value, now]
+    if due_now:
+        sets.append("next_attempt_at = ?")
+        params.append(now)
+    if reset:
+        sets.append("attempts = 0")
+    sql = (f"UPDATE recipients SET {', '.join(sets)}"
+           f" WHERE state IN ({','.join('?' * len(src_list))})")
+    params.extend(src_list)
+    if ids is not None:
+        if not ids:
+            return 0
+        sql += f" AND msg_id IN ({','.join('?' * len(ids))})"
+        params.extend(ids)
+    return conn.execute(sql, params).rowcount
+
+
+def retry(conn: sqlite3.Connection, ids: Sequence[str] | None, now: float,
+          failed_only: bool = False) -> int:
+    """Make recipients due now with attempts reset. With `failed_only` (or ids None): the dead
+    letters (bounced/failed) come back; their dedup keys stay, so nothing is sent twice to
+    a recipient already delivered."""
+    src = ({RcptState.BOUNCED.value, RcptState.FAILED.value} if failed_only
+           else {RcptState.DEFERRED.value, RcptState.PENDING.value, RcptState.BOUNCED.value,
+                 RcptState.FAILED.value, RcptState.SUPPRESSED.value, RcptState.HELD.value})
+    # leaving the suppression list is a separate, explicit operator act
+    return _set_state(conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True)
+
+
+def hold(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
+    return _set_state(conn, ids, RcptState.HELD, sources_for(RcptState.HELD), now,
+                      due_now=False, reset=False)
+
+
+def release(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
+    return _set_state(conn, ids, RcptState.DEFERRED, [RcptState.HELD.value], now,
+                      due_now=True, reset=False)
+
+
+def flush(conn: sqlite3.Connection, now: float) -> int:
+    return conn.execute(
+        "UPDATE recipients SET next_attempt_at = ?, updated_at = ?"
+        " WHERE state IN ('deferred', 'pending') AND next_attempt_at > ?",
+        (now, now, now)).rowcount
+
+
+def existing_ids(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
+    return [i for i in ids if conn.execute(
+        "SELECT 1 FROM messages WHERE id = ?", (i,)).fetchone()]
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def list_messages(
+    conn: sqlite3.Connection,
+    *,
+    state: str | None = None,
+    include_finished: bool = False,
+    recipient: str | None = None,
+    domain: str | None = None,
+    older_than: float | None = None,
+    now: float | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    now = time.time() if now is None else now
+    where = []
+    params: list[Any] = []
+    finals = ",".join(f"'{s.value}'" for s in FINAL)
+    if not include_finished and state not in ("sent", "failed"):
+        where.append(f"EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+                     f" AND r.state NOT IN ({finals}))")
+    if recipient:
+        where.append("EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+                     " AND lower(r.address) = ?)")
+        params.append(recipient.lower())
+    if domain:
+        where.append("EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+                     " AND r.destination = ?)")
+        params.append(domain.lower())
+    if older_than is not None:
+        where.append("m.created_at <= ?")
+        params.append(now - older_than)
+    sql = ("SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane FROM messages m"
+           + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY m.created_at, m.id")
+    msgs = conn.execute(sql, params).fetchall()
+    out = []
+    rcpts_by: dict[str, list[sqlite3.Row]] = {}
+    ids = [m[0] for m in msgs]
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        for r in conn.execute(
+            f"SELECT msg_id, address, state, attempts, last_reply, next_attempt_at, reason,"
+            f" destination FROM recipients WHERE msg_id IN ({','.join('?' * len(chunk))})"
+            f" ORDER BY id", chunk,
+        ):
+            rcpts_by.setdefault(r[0], []).append(r)
+    for m in msgs:
+        rc = rcpts_by.get(m[0], [])
+        mstate = message_state(r[2] for r in rc)
+        if state and mstate.value != state:
+            continue
+        waiting = [r[5] for r in rc if r[2] in ("pending", "deferred") and r[5] is not None]
+        out.append({
+            "id": m[0],
+            "state": mstate.value,
+            "message_id": m[1],
+            "sender": m[2],
+            "size": m[3],
+            "created_at": _iso(m[4]),
+            "lane": m[5],
+            "attempts": max((r[3] for r in rc), default=0),
+            "next_attempt_at": _iso(min(waiting)) if waiting else None,
+            "recipients": [
+                {"address": r[1], "state": r[2], "attempts": r[3], "last_reply": r[4],
+                 "destination": r[7], "next_attempt_at": _iso(r[5])
+                 if r[2] in ("pending", "deferred") else None, "reason": r[6]}
+                for r in rc
+            ],
+        })
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT id, client, peer, identity, body, body_path FROM messages"
+                       " WHERE id = ?", (queue_id,)).fetchone()
+    if row is None:
+        return None
+    base = [m for m in list_messages(conn, include_finished=True) if m["id"] == queue_id]
+    if not base:
+        return None
+    msg = base[0]
+    msg["client"] = row[1]
+    msg["peer"] = row[2]
+    msg["identity"] = row[3]
+    msg["attempt_log"] = [
+        {"at": _iso(a[0]), "recipient": a[1], "destination": a[2], "host": a[3],
+         "outcome": a[4], "reply": a[5], "duration": a[6]}
+        for a in conn.execute(
+            "SELECT a.at, r.address, a.destination, a.host, a.outcome, a.reply, a.duration"
+            " FROM attempts a LEFT JOIN recipients r ON r.id = a.rcpt_id"
+            " WHERE a.msg_id = ? ORDER BY a.id", (queue_id,))
+    ]
+    return msg
+
+
+def message_body(conn: sqlite3.Connection, queue_id: str) -> tuple[bytes | None, str | None]:
+    row = conn.execute("SELECT body, body_path FROM messages WHERE id = ?",
+                       (queue_id,)).fetchone()
+    return (None, None) if row is None else (row[0], row[1])
+
+
+def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    by_state = {s.value: 0 for s in RcptState}
+    for r in conn.execute("SELECT state, count(*) FROM recipients GROUP BY state"):
+        by_state[r[0]] = r[1]
+    oldest = conn.execute(
+        "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
+        " WHERE r.state IN ('pending', 'deferred', 'sending', 'held')").fetchone()[0]
+    msgs = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
+    supp = conn.execute("SELECT count(*) FROM suppression").fetchone()[0]
+    dedup = conn.execute("SELECT count(*) FROM dedup").fetchone()[0]
+    by_dest: dict[str, dict[str, int]] = {}
+    for r in conn.execute("SELECT destination, state, count(*) FROM recipients"
+                          " GROUP BY destination, state"):
+        by_dest.setdefault(r[0], {})[r[1]] = r[2]
+    return {
+        "messages": msgs,
+        "recipients": by_state,
+        "oldest_queued_age": None if oldest is None else round(now - oldest, 3),
+        "suppressed_addresses": supp,
+        "dedup_keys": dedup,
+        "destinations": by_dest,
+    }

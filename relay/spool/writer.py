@@ -1,0 +1,165 @@
+"""The daemon's one writer: a thread that owns the spool connection and commits in groups.
+
+Rules:
+- Every daemon read and write of the spool is a job: a plain function `(conn) -> result`
+  from `relay.spool.ops`. Jobs queue up; the thread takes everything queued, runs it under
+  one `BEGIN IMMEDIATE ... COMMIT` (one WAL fsync for the whole batch), then resolves each
+  job's future. Concurrent SMTP sessions therefore share fsyncs instead of queueing behind
+  one fsync each: durability does not cap throughput.
+- Each job runs inside its own SAVEPOINT, so one failing job (a constraint, a bug) rolls
+  back alone and fails only its own caller; the rest of the batch commits.
+- A failed COMMIT (disk full, I/O error) fails every job of the batch: their callers answer
+  4xx (the client keeps the message and retries), never 250.
+- Why not aiosqlite: it runs one statement per round trip to its thread, which would defeat
+  the batching; this thread runs the whole batch in one hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from relay.spool import db
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Job = Callable[[sqlite3.Connection], Any]
+
+MAX_BATCH = 512
+
+
+class SpoolError(Exception):
+    """The spool could not durably take a write (the caller answers 4xx)."""
+
+
+class SpoolWriter:
+    def __init__(self, spool_dir: Path) -> None:
+        self.spool_dir = spool_dir
+        self._q: queue.SimpleQueue[tuple[Job, Future[Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self.batches = 0
+        self.jobs = 0
+        self.last_commit_seconds = 0.0
+        self.commit_seconds_total = 0.0
+        self.failures = 0
+        self.healthy = True
+        self.on_commit: Callable[[float, int], None] | None = None
+
+    def start(self) -> None:
+        self._conn = db.connect(self.spool_dir)
+        self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def run(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        fut: Future[T] = Future()
+        self._q.put((job, fut))
+        try:
+            return await asyncio.wrap_future(fut)
+        except sqlite3.Error as e:
+            raise SpoolError(str(e)) from e
+
+    def run_sync(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        """For code that is not on the event loop (start-up, tests)."""
+        fut: Future[T] = Future()
+        self._q.put((job, fut))
+        return fut.result()
+
+    def _run(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        stop = False
+        while not stop:
+            first = self._q.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < MAX_BATCH:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._commit(conn, batch)
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[tuple[Job, Future[Any]]]) -> None:
+        started = time.monotonic()
+        results: list[tuple[Future[Any], Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            self._fail_all(batch, e)
+            return
+        for job, fut in batch:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                conn.execute("SAVEPOINT job")
+                res = job(conn)
+                conn.execute("RELEASE job")
+                results.append((fut, res, None))
+            except Exception as e:
+                try:
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
+                except sqlite3.Error:
+                    pass
+                results.append((fut, None, e))
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            log.error("spool commit failed: %s", e)
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self.failures += 1
+            self.healthy = False
+            for fut, _res, _err in results:
+                fut.set_exception(e)
+            return
+        self.healthy = True
+        elapsed = time.monotonic() - started
+        self.batches += 1
+        self.jobs += len(batch)
+        self.last_commit_seconds = elapsed
+        self.commit_seconds_total += elapsed
+        if self.on_commit is not None:
+            try:
+                self.on_commit(elapsed, len(batch))
+            except Exception:  # metrics must never break the spool
+                log.exception("on_commit hook failed")
+        for fut, res, err in results:
+            if err is None:
+                fut.set_result(res)
+            else:
+                fut.set_exception(err)
+
+    def _fail_all(self, batch: list[tuple[Job, Future[Any]]], e: BaseException) -> None:
+        log.error("spool transaction could not start: %s", e)
+        self.failures += 1
+        self.healthy = False
+        for _job, fut in batch:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(e)
