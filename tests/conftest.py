@@ -1,0 +1,45 @@
+"""Fixtures are factories that clean up after themselves (see tests/harness.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import RelayProcess, Upstream, deep_merge, smarthost_config
+
+
+@pytest.fixture
+def upstream() -> Iterator[Callable[..., Upstream]]:
+    made: list[Upstream] = []
+
+    def factory(**kwargs: Any) -> Upstream:
+        up = Upstream(**kwargs).start()
+        made.append(up)
+        return up
+
+    yield factory
+    for up in made:
+        up.stop()
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[Callable[..., RelayProcess]]:
+    made: list[RelayProcess] = []
+
+    def factory(config: dict[str, Any] | None = None, upstream: Upstream | None = None,
+                name: str = "relay", env: dict[str, str] | None = None,
+                start: bool = True) -> RelayProcess:
+        cfg = smarthost_config(upstream) if upstream is not None else {}
+        cfg = deep_merge(cfg, config or {})
+        r = RelayProcess(tmp_path / name, cfg, env)
+        made.append(r)
+        if start:
+            r.start()
+        return r
+
+    yield factory
+    for r in made:
+        r.kill()
