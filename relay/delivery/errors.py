@@ -206,6 +206,8 @@ def classify_refused_recipients(
 
 
 def _with_outcome(outcome: Outcome) -> Verdict:
+    # A failed lookup concerns every recipient at the domain, and there is no connection
+    # to reuse.
     return Verdict(
         outcome=outcome, closes_connection=True, throttled=False, scope=Scope.TRANSACTION
     )
@@ -244,12 +246,19 @@ def _response(exc: SMTPResponseException, phase: Phase) -> tuple[Verdict, Reply]
         # classify() already treats AUTH replies as TRANSIENT; this also covers the 334 that
         # aiosmtplib reports for a bad CRAM-MD5 challenge.
         reply = synthetic(454, "4.7.0", f"authentication failed: {reply}")
-        verdict = Verdict(Outcome.TRANSIENT, False, False, verdict.scope)
-    elif verdict.outcome is Outcome.DELIVERED:
+        verdict = Verdict(
+            outcome=Outcome.TRANSIENT,
+            closes_connection=False,
+            throttled=False,
+            scope=verdict.scope,
+        )
+    elif not (reply.is_transient or reply.is_permanent):
         # aiosmtplib raised, so the reply was not the one the command needed (e.g. 250 to
-        # DATA instead of 354): the session is out of step.
+        # DATA instead of 354): the session is out of step.  Never record a positive code
+        # as the reason a delivery failed.
+        # The whole session is suspect, so every recipient of the transaction is affected.
         reply = synthetic(451, "4.5.0", f"unexpected reply to {_PHASE_LABEL[phase]}: {reply}")
-        verdict = Verdict(Outcome.TRANSIENT, True, False, verdict.scope)
+        verdict = _TRANSPORT_VERDICT
     return verdict, reply
 
 
@@ -266,12 +275,16 @@ def _transport_reply(exc: BaseException, phase: Phase, peer: str | None) -> Repl
     # before those.  aiosmtplib wraps an implicit-TLS handshake failure in SMTPConnectError.
     cert_error = _find_cause(exc, ssl.SSLCertVerificationError)
     if cert_error is not None:
-        reason = cert_error.verify_message or str(cert_error)
-        return synthetic(454, "4.7.5", f"TLS certificate verification failed{at}: {reason}")
+        # verify_message ("self-signed certificate", "Hostname mismatch ...") is set by the
+        # ssl module on real handshake failures only.
+        reason = getattr(cert_error, "verify_message", None)
+        prefix = f"TLS certificate verification failed{at}"
+        return synthetic(
+            454, "4.7.5", f"{prefix}: {reason}" if reason else _detail(prefix, cert_error)
+        )
     tls_error = _find_cause(exc, ssl.SSLError)
     if tls_error is not None:
-        reason = getattr(tls_error, "reason", None) or str(tls_error)
-        return synthetic(454, "4.7.5", f"TLS handshake failed{at}: {reason}")
+        return synthetic(454, "4.7.5", _detail(f"TLS handshake failed{at}", tls_error))
     if _find_cause(exc, socket.gaierror) is not None:
         return synthetic(451, "4.4.3", _detail(f"DNS lookup failed{at}", exc))
     if isinstance(exc, TimeoutError):
@@ -328,7 +341,7 @@ def _find_cause(exc: BaseException, wanted: type[_E]) -> _E | None:
 
 def _detail(prefix: str, exc: BaseException) -> str:
     """``prefix: <exception text>``, bounded (it ends up in DSNs and logs)."""
-    text = str(exc).strip() or type(exc).__name__
+    text = (str(exc).strip() if exc.args else "") or type(exc).__name__
     if len(text) > _DETAIL_MAX:
         text = text[: _DETAIL_MAX - 3] + "..."
     return f"{prefix}: {text}"
