@@ -139,7 +139,7 @@ class Connection:
             ):
                 phase = Phase.STARTTLS
                 if not smtp.supports_extension("starttls"):
-                    reply = Reply(421, "4.7.0", f"{self.label} does not offer STARTTLS, "
+                    reply = Reply(454, "4.7.0", f"{self.label} does not offer STARTTLS, "
                                   "which upstream tls: starttls requires")
                     raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, phase, True)
                 await smtp.starttls(tls_context=_tls_context(self.tls),
