@@ -175,7 +175,7 @@ class Connection:
             opts = []
             if smtp.supports_extension("size"):
                 opts.append(f"SIZE={len(body)}".encode())
-            if smtp.supports_extension("8bitmime") and any(b > 127 for b in body[:65536]):
+            if smtp.supports_extension("8bitmime") and not body.isascii():
                 opts.append(b"BODY=8BITMIME")
             utf8 = not (sender + "".join(recipients)).isascii()
             if utf8 and smtp.supports_extension("smtputf8"):
