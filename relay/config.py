@@ -109,7 +109,7 @@ _RATE_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d
 
 
 def parse_duration(value: object, key: str) -> float:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, float) and value != value):  # NaN
         raise ConfigError(f"{key}: {value!r} is not a duration")
     if isinstance(value, int | float):
         if value < 0:
