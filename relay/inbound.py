@@ -115,7 +115,7 @@ def _class_dir(obj: object) -> list[str]:
     return names
 
 
-aiosmtpd.smtp.inspect = _ClassInspect()  # type: ignore[assignment]
+aiosmtpd.smtp.inspect = _ClassInspect()  # type: ignore[assignment,attr-defined]
 aiosmtpd.smtp.dir = _class_dir  # type: ignore[attr-defined]
 
 
