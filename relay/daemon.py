@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from relay import __version__
@@ -229,6 +230,20 @@ class Daemon:
                           queue_id=doc.get("queue_id"))
 
 
+def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:
+    """uvloop when installed (libuv: about twice asyncio's socket throughput, which is what
+    an SMTP relay spends its CPU on); the standard loop otherwise, or when
+    RELAY_EVENT_LOOP=asyncio."""
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None  # type: ignore[assignment]
+        if uvloop is not None:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 def serve(config_path: str | None) -> int:
     try:
         config = load_config(config_path)
@@ -237,7 +252,7 @@ def serve(config_path: str | None) -> int:
         return 78
     setup_logging(config.log.level, config.log.format, config.log.unmask)
     try:
-        return asyncio.run(Daemon(config).run())
+        return _run_loop(Daemon(config).run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
     except OSError as e:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 71  # EX_OSERR
