@@ -29,8 +29,11 @@ def write_body(spool_dir: Path, queue_id: str, data: bytes) -> str:
     final = body_path(spool_dir, queue_id)
     folder = final.parent
     if not folder.exists():
+        new_root = not folder.parent.exists()  # the first large body: bodies/ is new too
         folder.mkdir(parents=True, exist_ok=True, mode=0o750)
         fsync_dir(folder.parent)
+        if new_root:
+            fsync_dir(folder.parent.parent)  # make the spool folder's "bodies" entry durable
     tmp = folder / f".{queue_id}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:

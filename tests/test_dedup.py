@@ -1,0 +1,314 @@
+"""Pure tests of relay/dedup.py (dedup keys, Message-ID normalization, content Message-IDs)
+and relay/message.py (line endings, header block, header parsing, the trace header)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relay import dedup
+from relay.message import (
+    TRACE_HEADERS,
+    header,
+    normalize_line_endings,
+    parse_headers,
+    received_header,
+    split_message,
+)
+
+# --- Message-ID and address normalization ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("<abc@example.com>", "abc@example.com"),
+        ("abc@example.com", "abc@example.com"),
+        ("  <abc@example.com>  ", "abc@example.com"),
+        ("< abc@example.com >", "abc@example.com"),
+        # the domain is case-insensitive, the local part is not
+        ("<ABC@Example.COM>", "ABC@example.com"),
+        ("<Abc.Def@MAIL.Example.Org>", "Abc.Def@mail.example.org"),
+        # trailing comment after the angle brackets is dropped
+        ("<x@y.example> (sent by cron)", "x@y.example"),
+        # the last "@" separates the domain
+        ('<"a@b"@Host.Example>', '"a@b"@host.example'),
+        # no "@": kept as is (trimmed)
+        ("<no-at-sign>", "no-at-sign"),
+        ("  bare-token ", "bare-token"),
+        # an empty id normalizes to the empty string (the relay then derives one)
+        ("<>", ""),
+        ("   ", ""),
+    ],
+)
+def test_normalize_message_id(raw: str, expected: str) -> None:
+    assert dedup.normalize_message_id(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("user@example.org", "user@example.org"),
+        ("User@Example.ORG", "user@example.org"),
+        ("<User@Example.ORG>", "user@example.org"),
+        ("  <a@b.example>  ", "a@b.example"),
+    ],
+)
+def test_normalize_address(raw: str, expected: str) -> None:
+    assert dedup.normalize_address(raw) == expected
+
+
+# --- dedup keys --------------------------------------------------------------------------------
+
+NS = "listener:127.0.0.1:2525"
+
+
+def test_dedup_key_shape_and_golden_value() -> None:
+    key = dedup.dedup_key(NS, "<Abc@Example.COM>", "User@Example.org")
+    assert re.fullmatch(r"[0-9a-f]{40}", key)
+    # Keys are stored in the spool and compared across restarts and upgrades: a change in
+    # the derivation would silently let every resubmission through once. Pin it.
+    assert key == "37422c0e4df0e8b1b56515484b2ae597299cb23b"
+    # ... and it is the documented derivation: sha256 over the normalized parts, NUL-ended
+    h = hashlib.sha256(f"{NS}\x00Abc@example.com\x00user@example.org\x00".encode())
+    assert key == h.hexdigest()[:40]
+
+
+def test_dedup_key_is_stable_across_equivalent_spellings() -> None:
+    base = dedup.dedup_key(NS, "<abc@example.com>", "user@example.org")
+    for mid in ("abc@example.com", " <abc@EXAMPLE.com> ", "<abc@Example.Com> (x)"):
+        for rcpt in ("user@example.org", "USER@Example.Org", "<user@example.org>"):
+            assert dedup.dedup_key(NS, mid, rcpt) == base, (mid, rcpt)
+    # repeated calls give the same key (no salt, no time)
+    assert dedup.dedup_key(NS, "<abc@example.com>", "user@example.org") == base
+
+
+def test_dedup_key_separates_its_parts() -> None:
+    base = dedup.dedup_key(NS, "<abc@example.com>", "user@example.org")
+    different = [
+        dedup.dedup_key("listener:127.0.0.1:2526", "<abc@example.com>", "user@example.org"),
+        dedup.dedup_key("user:alice", "<abc@example.com>", "user@example.org"),
+        dedup.dedup_key(NS, "<ABC@example.com>", "user@example.org"),  # local part case
+        dedup.dedup_key(NS, "<abd@example.com>", "user@example.org"),
+        dedup.dedup_key(NS, "<abc@example.com>", "user2@example.org"),
+    ]
+    assert base not in different
+    assert len(set(different)) == len(different)
+    # the NUL separator keeps ("ab", "c") and ("a", "bc") apart
+    assert dedup.dedup_key("ns", "ab", "c@x.example") != dedup.dedup_key("nsa", "b", "c@x.example")
+
+
+# --- content Message-ID ---------------------------------------------------------------------
+
+HEAD = (
+    b"From: cron@host.example\r\n"
+    b"To: ops@example.org\r\n"
+    b"Subject: nightly report\r\n"
+    b"Date: Mon, 01 Jan 2024 03:00:00 +0000\r\n"
+)
+BODY = b"all good\r\n"
+
+
+def test_content_message_id_shape_and_stability() -> None:
+    mid = dedup.content_message_id(HEAD, BODY, "relay.test")
+    assert re.fullmatch(r"<[0-9a-f]{32}\.content@relay\.test>", mid)
+    assert dedup.content_message_id(HEAD, BODY, "relay.test") == mid
+    assert dedup.normalize_message_id(mid) == mid[1:-1]
+
+
+def test_content_message_id_ignores_trace_headers() -> None:
+    base = dedup.content_message_id(HEAD, BODY, "relay.test")
+    traced = (
+        b"Received: from a (a [10.0.0.1]) by b; Mon, 01 Jan 2024 03:00:01 +0000\r\n"
+        b"Return-Path: <cron@host.example>\r\n"
+        + HEAD
+        + b"X-Received: by 10.0.0.2 with SMTP id x\r\n"
+        b"Delivered-To: ops@example.org\r\n"
+        b"X-Originating-IP: [10.1.2.3]\r\n"
+    )
+    assert dedup.content_message_id(traced, BODY, "relay.test") == base
+    # a second hop's Received header (folded) is ignored too
+    refolded = b"Received: from c\r\n\tby d with ESMTP id 1;\r\n\tMon, 1 Jan 2024\r\n" + HEAD
+    assert dedup.content_message_id(refolded, BODY, "relay.test") == base
+    assert {"received", "return-path"} <= TRACE_HEADERS
+    assert "date" not in TRACE_HEADERS
+
+
+def test_content_message_id_depends_on_date_headers_and_body() -> None:
+    base = dedup.content_message_id(HEAD, BODY, "relay.test")
+    new_date = HEAD.replace(b"03:00:00", b"03:00:01")
+    assert dedup.content_message_id(new_date, BODY, "relay.test") != base
+    new_subject = HEAD.replace(b"nightly", b"weekly")
+    assert dedup.content_message_id(new_subject, BODY, "relay.test") != base
+    assert dedup.content_message_id(HEAD, BODY + b"!", "relay.test") != base
+    assert dedup.content_message_id(HEAD, b"", "relay.test") != base
+    # the body is not confused with a header: moving a line across the boundary matters
+    assert dedup.content_message_id(
+        HEAD + b"X-A: 1\r\n", BODY, "relay.test"
+    ) != dedup.content_message_id(HEAD, b"X-A: 1\r\n" + BODY, "relay.test")
+    # header names compare case-insensitively, as they do in RFC 5322
+    assert (
+        dedup.content_message_id(HEAD.replace(b"Subject:", b"SUBJECT:"), BODY, "relay.test") == base
+    )
+    # the relay's hostname is part of the id (and so of the namespace of derived ids)
+    other = dedup.content_message_id(HEAD, BODY, "other.test")
+    assert other != base and other.endswith("@other.test>")
+    assert other[1:33] == base[1:33]
+
+
+# --- line endings -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b"", b""),
+        (b"no line ending", b"no line ending"),
+        (b"a\r\nb\r\n", b"a\r\nb\r\n"),
+        (b"a\nb\n", b"a\r\nb\r\n"),
+        (b"a\rb\r", b"a\r\nb\r\n"),
+        (b"a\r\r\nb", b"a\r\n\r\nb"),
+        (b"a\n\rb", b"a\r\n\r\nb"),
+        (b"a\n\nb", b"a\r\n\r\nb"),
+        (b"a\r\n\nb", b"a\r\n\r\nb"),
+        # the smuggling shapes: a bare LF/CR before the dot is just a line ending
+        (b"x\n.\r\nMAIL FROM:<e@x>\r\n", b"x\r\n.\r\nMAIL FROM:<e@x>\r\n"),
+        (b"x\r\n.\nRCPT TO:<v@y>\r\n", b"x\r\n.\r\nRCPT TO:<v@y>\r\n"),
+        (b"x\r.\rDATA\r\n", b"x\r\n.\r\nDATA\r\n"),
+    ],
+)
+def test_normalize_line_endings_table(raw: bytes, expected: bytes) -> None:
+    assert normalize_line_endings(raw) == expected
+
+
+def _bare_endings(data: bytes) -> int:
+    stripped = data.replace(b"\r\n", b"")
+    return stripped.count(b"\r") + stripped.count(b"\n")
+
+
+@given(
+    st.lists(
+        st.sampled_from([b"a", b"b.", b".", b"\r", b"\n", b"\r\n", b" ", b"\xff"]), max_size=40
+    )
+)
+def test_normalize_line_endings_properties(parts: list[bytes]) -> None:
+    raw = b"".join(parts)
+    out = normalize_line_endings(raw)
+    assert _bare_endings(out) == 0
+    assert normalize_line_endings(out) == out  # idempotent
+    # only line endings change: the other bytes are kept, in order
+    assert out.replace(b"\r", b"").replace(b"\n", b"") == raw.replace(b"\r", b"").replace(
+        b"\n", b""
+    )
+    if _bare_endings(raw) == 0:
+        assert out == raw  # CRLF-only input is returned untouched
+
+
+# --- header block and header parsing ------------------------------------------------------------
+
+
+def test_split_message() -> None:
+    assert split_message(b"A: 1\r\nB: 2\r\n\r\nbody\r\n") == (b"A: 1\r\nB: 2\r\n", b"body\r\n")
+    # only the first empty line separates
+    assert split_message(b"A: 1\r\n\r\nx\r\n\r\ny\r\n") == (b"A: 1\r\n", b"x\r\n\r\ny\r\n")
+    # no empty line: everything is header
+    assert split_message(b"A: 1\r\nB: 2\r\n") == (b"A: 1\r\nB: 2\r\n", b"")
+    # starts with the empty line: no headers at all
+    assert split_message(b"\r\nbody only\r\n") == (b"", b"body only\r\n")
+    assert split_message(b"A: 1\r\n\r\n") == (b"A: 1\r\n", b"")
+
+
+def test_parse_headers_unfolds_continuation_lines() -> None:
+    block = (
+        b"Subject: a long\r\n"
+        b"  subject line\r\n"
+        b"\tcontinued with a tab\r\n"
+        b"To: x@example.org,\r\n"
+        b" y@example.org\r\n"
+        b"Message-ID:<id-1@example.com>\r\n"
+        b"X-Empty:\r\n"
+        b"X-Colon: a: b: c\r\n"
+    )
+    assert parse_headers(block) == [
+        ("Subject", "a long subject line continued with a tab"),
+        ("To", "x@example.org, y@example.org"),
+        ("Message-ID", "<id-1@example.com>"),
+        ("X-Empty", ""),
+        ("X-Colon", "a: b: c"),
+    ]
+
+
+def test_parse_headers_skips_garbage_and_keeps_undecodable_bytes() -> None:
+    block = (
+        b" leading continuation with nothing before it\r\n"
+        b"not a header line\r\n"
+        b"Bad Name: has a space in its name\r\n"
+        b"Subject: caf\xe9 latin-1\r\n"
+        b"X-Utf8: caf\xc3\xa9\r\n"
+    )
+    got = parse_headers(block)
+    assert [n for n, _v in got] == ["Subject", "X-Utf8"]
+    assert got[0][1].encode("utf-8", errors="surrogateescape") == b"caf\xe9 latin-1"
+    assert got[1][1] == "café"
+
+
+def test_header_lookup_is_case_insensitive_and_first_wins() -> None:
+    hs = parse_headers(b"message-id: <a@x>\r\nMessage-ID: <b@x>\r\nSubject: s\r\n")
+    assert header(hs, "Message-ID") == "<a@x>"
+    assert header(hs, "SUBJECT") == "s"
+    assert header(hs, "Date") is None
+
+
+# --- the trace header ------------------------------------------------------------------------
+
+
+def test_received_header_shape() -> None:
+    h = received_header(
+        helo="client.test",
+        peer_ip="127.0.0.1",
+        hostname="relay.test",
+        queue_id="0123456789BCDFGH",
+        recipient="user@example.org",
+        protocol="ESMTP",
+        now=1_700_000_000,
+    )
+    assert h == (
+        b"Received: from client.test ([127.0.0.1])\r\n"
+        b"\tby relay.test (relay) with ESMTP id 0123456789BCDFGH\r\n"
+        b"\tfor <user@example.org>; Tue, 14 Nov 2023 22:13:20 GMT\r\n"
+    )
+    assert all(len(line) <= 78 for line in h.split(b"\r\n"))
+    assert parse_headers(h)[0][0] == "Received"
+    # without a single recipient there is no "for" clause
+    h2 = received_header(
+        helo="c",
+        peer_ip="::1",
+        hostname="relay.test",
+        queue_id="Q",
+        recipient=None,
+        protocol="SMTP",
+        now=0,
+    )
+    assert b"for <" not in h2 and h2.endswith(b"; Thu, 01 Jan 1970 00:00:00 GMT\r\n")
+
+
+def test_received_header_cannot_be_used_to_inject_headers() -> None:
+    h = received_header(
+        helo="evil\r\nX-Injected: 1\r\n\r\nbody",
+        peer_ip="127.0.0.1",
+        hostname="relay.test",
+        queue_id="Q",
+        recipient=None,
+        protocol="ESMTP",
+        now=0,
+    )
+    assert b"X-Injected: 1\r\n" not in h
+    lines = h.split(b"\r\n")
+    assert lines[-1] == b""
+    assert lines[0].startswith(b"Received: from ")
+    assert all(line.startswith(b"\t") for line in lines[1:-1])
+    assert _bare_endings(h) == 0

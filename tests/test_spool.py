@@ -1,0 +1,872 @@
+"""The spool, in-process, on real SQLite files: schema and pragmas, the recipient state
+transitions, dedup, large bodies on disk, pruning, the group-commit writer, and the JSON the
+operator CLI prints from it."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiosmtpd.smtp import Envelope, Session
+
+from relay import dedup
+from relay.config import from_mapping
+from relay.inbound import InboundHandler, Suppressions
+from relay.model import RcptState
+from relay.spool import bodies, db, ops
+from relay.spool.writer import SpoolError, SpoolWriter
+from tests.harness import ROOT
+
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+NS = "listener:127.0.0.1:2525"
+T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
+
+
+@pytest.fixture
+def conn(spool: Path) -> Iterator[sqlite3.Connection]:
+    c = db.connect(spool)
+    yield c
+    c.close()
+
+
+def new_message(
+    qid: str,
+    rcpts: list[str],
+    *,
+    message_id: str = "<m@app.example>",
+    created_at: float = T0,
+    body: bytes | None = b"Subject: s\r\n\r\nhi\r\n",
+    body_path: str | None = None,
+    lane: str = "transactional",
+    sender: str = "app@example.com",
+    namespace: str = NS,
+) -> ops.NewMessage:
+    return ops.NewMessage(
+        queue_id=qid,
+        message_id=dedup.normalize_message_id(message_id),
+        sender=sender,
+        size=len(body or b""),
+        created_at=created_at,
+        client=namespace,
+        peer="127.0.0.1",
+        lane=lane,
+        lane_prio=0 if lane == "transactional" else 1,
+        identity="example.com",
+        body=body,
+        body_path=body_path,
+        recipients=tuple(
+            ops.NewRecipient(r, r.rpartition("@")[2], dedup.dedup_key(namespace, message_id, r))
+            for r in rcpts
+        ),
+    )
+
+
+def accept(
+    conn: sqlite3.Connection, msg: ops.NewMessage, window: float = 7 * 86400
+) -> ops.AcceptResult:
+    with db.transaction(conn):
+        return ops.accept(conn, msg, window)
+
+
+def states(conn: sqlite3.Connection, qid: str) -> dict[str, str]:
+    return {
+        r[0]: r[1]
+        for r in conn.execute(
+            "SELECT address, state FROM recipients WHERE msg_id = ? ORDER BY id", (qid,)
+        )
+    }
+
+
+# --- schema, migrations, pragmas -----------------------------------------------------------
+
+
+def test_migrations_set_user_version_and_reopen_idempotently(spool: Path) -> None:
+    c = db.connect(spool)
+    assert c.execute("PRAGMA user_version").fetchone()[0] == len(db.MIGRATIONS) >= 1
+    tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"messages", "recipients", "attempts", "dedup", "suppression"} <= tables
+    accept(c, new_message("Q1", ["a@example.org"]))
+    c.close()
+    schema = sorted(
+        tuple(r)
+        for r in sqlite3.connect(spool / db.DB_NAME).execute(
+            "SELECT type, name, sql FROM sqlite_master"
+        )
+    )
+    for _ in range(2):  # reopening neither re-runs nor breaks a migration
+        c = db.connect(spool)
+        assert c.execute("PRAGMA user_version").fetchone()[0] == len(db.MIGRATIONS)
+        assert db.migrate(c) == len(db.MIGRATIONS)
+        assert states(c, "Q1") == {"a@example.org": "pending"}
+        assert (
+            sorted(tuple(r) for r in c.execute("SELECT type, name, sql FROM sqlite_master"))
+            == schema
+        )
+        c.close()
+
+
+def test_a_newer_schema_is_refused_and_a_missing_spool_is_not_created(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    with pytest.raises(FileNotFoundError):
+        db.connect(spool, create=False)
+    assert not spool.exists()
+    c = db.connect(spool)
+    c.execute(f"PRAGMA user_version={len(db.MIGRATIONS) + 1}")
+    c.close()
+    with pytest.raises(RuntimeError, match="newer than this relay understands"):
+        db.connect(spool)
+
+
+def test_every_connection_is_wal_and_synchronous_full(spool: Path) -> None:
+    conns = [db.connect(spool), db.connect(spool, create=False)]
+    try:
+        for c in conns:
+            assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert c.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+            assert c.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+            assert c.execute("PRAGMA busy_timeout").fetchone()[0] == db.BUSY_TIMEOUT_MS
+    finally:
+        for c in conns:
+            c.close()
+    assert (spool / "relay.sqlite").exists()
+
+
+def test_transaction_rolls_back_on_error(conn: sqlite3.Connection) -> None:
+    with pytest.raises(ZeroDivisionError), db.transaction(conn):
+        ops.accept(conn, new_message("Q1", ["a@example.org"]), 60)
+        _ = 1 / 0
+    assert conn.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+    assert not conn.in_transaction
+
+
+def test_queue_ids_sort_by_arrival() -> None:
+    ids = [ops.new_queue_id(T0 + i / 1000) for i in range(200)]
+    assert all(re.fullmatch(r"[0-9A-Z]{16}", i) for i in ids)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert ops.new_queue_id(T0) < ops.new_queue_id(T0 + 0.001) < ops.new_queue_id(T0 + 86400)
+
+
+# --- accept, claim, record, recover ---------------------------------------------------------
+
+
+def test_recipient_lifecycle(conn: sqlite3.Connection) -> None:
+    res = accept(
+        conn,
+        new_message("Q1", ["a@example.org", "b@example.org", "c@example.org", "d@example.org"]),
+    )
+    assert res == ops.AcceptResult(
+        "Q1", ("a@example.org", "b@example.org", "c@example.org", "d@example.org"), ()
+    )
+    assert set(states(conn, "Q1").values()) == {"pending"}
+    assert conn.execute("SELECT count(*) FROM dedup").fetchone()[0] == 4
+
+    # not due before created_at
+    with db.transaction(conn):
+        assert ops.claim_due(conn, T0 - 1, 10) == []
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0, 10)
+    assert [c.address for c in claims] == [
+        "a@example.org",
+        "b@example.org",
+        "c@example.org",
+        "d@example.org",
+    ]
+    assert set(states(conn, "Q1").values()) == {"sending"}
+    with db.transaction(conn):  # a claimed recipient is not claimed twice
+        assert ops.claim_due(conn, T0 + 10, 10) == []
+    by = {c.address: c for c in claims}
+
+    def out(addr: str, state: RcptState, **kw: Any) -> ops.Outcome:
+        c = by[addr]
+        return ops.Outcome(
+            rcpt_id=c.rcpt_id,
+            msg_id="Q1",
+            state=state,
+            count_attempt=True,
+            log=ops.AttemptLog(
+                state.value, kw.get("last_reply"), "smarthost", "up[127.0.0.1]:25", 0.1
+            ),
+            **{"next_attempt_at": None, "last_reply": None, **kw},
+        )
+
+    with db.transaction(conn):
+        changed = ops.record(
+            conn,
+            [
+                out("a@example.org", RcptState.DELIVERED, last_reply="250 2.0.0 ok"),
+                out(
+                    "b@example.org",
+                    RcptState.DEFERRED,
+                    next_attempt_at=T0 + 60,
+                    last_reply="451 4.3.0 later",
+                ),
+                out(
+                    "c@example.org",
+                    RcptState.BOUNCED,
+                    last_reply="550 5.1.1 no such user",
+                    suppress=("C@Example.org", "550 5.1.1 no such user"),
+                ),
+            ],
+            T0 + 1,
+            "2023-11-14",
+        )
+    assert changed == 3
+    assert states(conn, "Q1") == {
+        "a@example.org": "delivered",
+        "b@example.org": "deferred",
+        "c@example.org": "bounced",
+        "d@example.org": "sending",
+    }
+    assert ops.suppression_get(conn, "c@example.org") == ("550 5.1.1 no such user", T0 + 1)
+    assert conn.execute("SELECT count(*) FROM attempts WHERE msg_id='Q1'").fetchone()[0] == 3
+    row = conn.execute(
+        "SELECT attempts, next_attempt_at, last_reply FROM recipients WHERE address='b@example.org'"
+    ).fetchone()
+    assert tuple(row) == (1, T0 + 60, "451 4.3.0 later")
+
+    # an outcome for a recipient that is no longer `sending` changes nothing
+    with db.transaction(conn):
+        assert ops.record(conn, [out("a@example.org", RcptState.FAILED)], T0 + 2) == 0
+    assert states(conn, "Q1")["a@example.org"] == "delivered"
+
+    # the deferred one is due at its time, not before
+    with db.transaction(conn):
+        assert ops.claim_due(conn, T0 + 59, 10) == []
+    with db.transaction(conn):
+        again = ops.claim_due(conn, T0 + 60, 10)
+    assert [(c.address, c.attempts) for c in again] == [("b@example.org", 1)]
+
+    # a crash: every `sending` comes back deferred, due now
+    with db.transaction(conn):
+        assert ops.recover(conn, T0 + 100) == 2
+    assert states(conn, "Q1") == {
+        "a@example.org": "delivered",
+        "b@example.org": "deferred",
+        "c@example.org": "bounced",
+        "d@example.org": "deferred",
+    }
+    rows = conn.execute(
+        "SELECT next_attempt_at, reason FROM recipients WHERE state = 'deferred'"
+    ).fetchall()
+    assert [tuple(r) for r in rows] == [(T0 + 100, "recovered after restart")] * 2
+    with db.transaction(conn):
+        assert ops.recover(conn, T0 + 101) == 0
+    with db.transaction(conn):
+        assert {c.address for c in ops.claim_due(conn, T0 + 100, 10)} == {
+            "b@example.org",
+            "d@example.org",
+        }
+
+
+def test_claim_takes_transactional_before_bulk_and_respects_the_limit(
+    conn: sqlite3.Connection,
+) -> None:
+    accept(
+        conn,
+        new_message("B1", ["x@example.org"], message_id="<b1@x>", lane="bulk", created_at=T0 - 10),
+    )
+    accept(conn, new_message("T1", ["y@example.org"], message_id="<t1@x>", created_at=T0))
+    accept(conn, new_message("T2", ["z@example.org"], message_id="<t2@x>", created_at=T0 - 5))
+    with db.transaction(conn):
+        first = ops.claim_due(conn, T0, 2)
+    assert [c.msg_id for c in first] == ["T2", "T1"]
+    assert [(c.lane, c.identity) for c in first] == [("transactional", "example.com")] * 2
+    with db.transaction(conn):
+        assert [c.msg_id for c in ops.claim_due(conn, T0, 2)] == ["B1"]
+
+
+def test_message_state_is_derived_from_recipients(conn: sqlite3.Connection) -> None:
+    accept(conn, new_message("Q1", ["a@example.org", "b@example.org"]))
+    assert ops.list_messages(conn, now=T0)[0]["state"] == "queued"
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0, 1)
+    assert ops.list_messages(conn, now=T0)[0]["state"] == "sending"
+    with db.transaction(conn):
+        ops.record(
+            conn,
+            [ops.Outcome(claims[0].rcpt_id, "Q1", RcptState.DELIVERED, True, None, "250 ok")],
+            T0,
+        )
+    assert ops.list_messages(conn, now=T0)[0]["state"] == "queued"  # b still pending
+    with db.transaction(conn):
+        c2 = ops.claim_due(conn, T0, 1)
+        ops.record(
+            conn, [ops.Outcome(c2[0].rcpt_id, "Q1", RcptState.FAILED, True, None, "554 no")], T0
+        )
+    assert ops.list_messages(conn, now=T0) == []  # finished: not listed by default
+    assert ops.list_messages(conn, include_finished=True, now=T0)[0]["state"] == "failed"
+
+
+# --- dedup -------------------------------------------------------------------------------------
+
+
+def test_accept_dedups_per_recipient(conn: sqlite3.Connection) -> None:
+    assert accept(conn, new_message("Q1", ["a@example.org"])).queue_id == "Q1"
+    # same Message-ID and recipient: nothing queued
+    res = accept(conn, new_message("Q2", ["A@Example.org"], created_at=T0 + 5))
+    assert res == ops.AcceptResult(None, (), ("A@Example.org",))
+    assert conn.execute("SELECT count(*) FROM messages WHERE id='Q2'").fetchone()[0] == 0
+    # same Message-ID, one old and one new recipient: only the new one
+    res = accept(conn, new_message("Q3", ["a@example.org", "b@example.org"], created_at=T0 + 6))
+    assert res == ops.AcceptResult("Q3", ("b@example.org",), ("a@example.org",))
+    assert states(conn, "Q3") == {"b@example.org": "pending"}
+    # the same recipient twice in one envelope is queued once
+    res = accept(
+        conn,
+        new_message(
+            "Q4", ["c@example.org", "C@example.org"], message_id="<other@x>", created_at=T0 + 7
+        ),
+    )
+    assert res.queued == ("c@example.org",) and res.duplicates == ("C@example.org",)
+    # another namespace (listener or user) is not a duplicate
+    res = accept(
+        conn, new_message("Q5", ["a@example.org"], namespace="user:bob", created_at=T0 + 8)
+    )
+    assert res.queue_id == "Q5"
+
+
+def test_dedup_window_expiry(conn: sqlite3.Connection) -> None:
+    window = 2.0
+    assert accept(conn, new_message("Q1", ["a@example.org"]), window).queue_id == "Q1"
+    assert (
+        accept(conn, new_message("Q2", ["a@example.org"], created_at=T0 + 1.9), window).queue_id
+        is None
+    )
+    # past the window the key is forgotten: queued again, and remembered anew from then
+    assert (
+        accept(conn, new_message("Q3", ["a@example.org"], created_at=T0 + 2.5), window).queue_id
+        == "Q3"
+    )
+    assert (
+        accept(conn, new_message("Q4", ["a@example.org"], created_at=T0 + 4.0), window).queue_id
+        is None
+    )
+    assert (
+        accept(conn, new_message("Q5", ["a@example.org"], created_at=T0 + 4.6), window).queue_id
+        == "Q5"
+    )
+    # prune forgets expired keys only
+    with db.transaction(conn):
+        ops.prune(conn, T0 + 5.0, window, retention=86400)
+    assert [r[0] for r in conn.execute("SELECT msg_id FROM dedup")] == ["Q5"]
+
+
+# --- bodies on disk ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every os.fsync, as the path of the file or folder it synced."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return seen
+
+
+def test_write_body_is_durable(spool: Path, fsyncs: list[str]) -> None:
+    spool.mkdir()  # as db.connect leaves it: no bodies/ folder yet
+    data = b"Subject: big\r\n\r\n" + b"x" * 200_000
+    rel = bodies.write_body(spool, "ABCDEF", data)
+    assert rel == "bodies/AB/ABCDEF"
+    assert (spool / rel).read_bytes() == data == bodies.read_body(spool, rel)
+    assert [p.name for p in (spool / "bodies" / "AB").iterdir()] == ["ABCDEF"]  # no tmp
+    folder = str((spool / "bodies" / "AB").resolve())
+    # the file's data, under its temporary name (so before the rename)
+    assert sum(p.endswith("/bodies/AB/.ABCDEF.tmp") for p in fsyncs) == 1
+    # every folder that gained an entry: the new bodies/ in the spool, AB/ in bodies/, and
+    # the file's final name in AB/ (last)
+    assert {str(spool.resolve()), str((spool / "bodies").resolve()), folder} <= set(fsyncs)
+    assert fsyncs[-1] == folder
+
+    # a second body in the same folder: its data, then its folder
+    fsyncs.clear()
+    rel2 = bodies.write_body(spool, "ABXYZ", b"second")
+    assert rel2 == "bodies/AB/ABXYZ"
+    assert fsyncs[0].endswith("/bodies/AB/.ABXYZ.tmp") and fsyncs[1:] == [folder]
+    bodies.delete_bodies(spool, [rel, rel2, "bodies/XX/missing"])
+    assert not (spool / rel).exists()
+
+
+async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: list[str]) -> None:
+    """Through the real inbound hook: a body above inline_max goes to a file that is
+    written and fsync'd before the job that inserts its row runs."""
+    cfg = from_mapping(
+        {"hostname": "relay.test", "spool": {"path": str(spool), "inline_max": "1KiB"}}, spool
+    )
+    at_insert: list[dict[str, Any]] = []
+
+    class Watching(SpoolWriter):
+        async def run(self, job: Any) -> Any:
+            def watched(c: sqlite3.Connection) -> Any:
+                files = (
+                    {
+                        str(p.relative_to(spool)): p.read_bytes()
+                        for p in (spool / "bodies").glob("*/*")
+                    }
+                    if (spool / "bodies").exists()
+                    else {}
+                )
+                at_insert.append({"files": files, "fsyncs": list(fsyncs)})
+                return job(c)
+
+            return await super().run(watched)
+
+    writer = Watching(spool)
+    writer.start()
+    try:
+        handler = InboundHandler(cfg, cfg.listen[0], writer, Suppressions())
+        loop = asyncio.get_running_loop()
+
+        def envelope(content: bytes) -> tuple[Session, Envelope]:
+            session = Session(loop)
+            session.peer = ("127.0.0.1", 40000)
+            session.host_name = "client.test"
+            session.extended_smtp = True
+            env = Envelope()
+            env.mail_from = "app@example.com"
+            env.rcpt_tos = ["user@example.org"]
+            env.original_content = content
+            return session, env
+
+        big = b"Subject: big\r\nMessage-ID: <big@app.example>\r\n\r\n" + b"y" * 50_000 + b"\r\n"
+        status = await handler.handle_DATA(None, *envelope(big))
+        assert status.startswith("250 2.0.0 Ok: queued as ")
+        qid = status.rsplit(" ", 1)[1]
+        small = b"Subject: small\r\nMessage-ID: <small@app.example>\r\n\r\nhi\r\n"
+        status2 = await handler.handle_DATA(None, *envelope(small))
+        assert status2.startswith("250 2.0.0 Ok: queued as ")
+        qid2 = status2.rsplit(" ", 1)[1]
+    finally:
+        writer.close()
+
+    c = db.connect(spool)
+    try:
+        raw, rel = ops.message_body(c, qid)
+        raw2, rel2 = ops.message_body(c, qid2)
+    finally:
+        c.close()
+    assert raw is None and rel == f"bodies/{qid[:2]}/{qid}"
+    stored = (spool / rel).read_bytes()
+    assert stored.endswith(big) and stored.startswith(b"Received: ")
+    # when the accept job ran, the file was complete and both it and its folder fsync'd
+    insert = next(s for s in at_insert if rel in s["files"])
+    assert insert["files"][rel] == stored
+    folder = str((spool / rel).parent.resolve())
+    assert folder in insert["fsyncs"]
+    # the small one stayed inline: no file
+    assert rel2 is None and raw2 is not None and raw2.endswith(small)
+    assert not list((spool / "bodies").glob(f"*/{qid2}"))
+
+
+def test_orphan_sweep(spool: Path) -> None:
+    keep = bodies.write_body(spool, "KEEP0001", b"referenced")
+    orphan = bodies.write_body(spool, "ORPH0001", b"nobody names me")
+    fresh = bodies.write_body(spool, "FRSH0001", b"a write in flight")
+    tmp = spool / "bodies" / "OR" / ".ORPH0002.tmp"  # a crash in the middle of a write
+    tmp.write_bytes(b"half")
+    old = time.time() - 3600
+    for p in (keep, orphan):
+        os.utime(spool / p, (old, old))
+    os.utime(tmp, (old, old))
+    removed = bodies.sweep(spool, known={keep}, grace=60)
+    assert sorted(removed) == sorted([orphan, str(tmp.relative_to(spool))])
+    assert (spool / keep).read_bytes() == b"referenced"
+    assert (spool / fresh).exists()  # younger than the grace period
+    assert not (spool / orphan).exists() and not tmp.exists()
+    assert bodies.sweep(spool / "nothing-here", known=set()) == []
+
+
+def test_prune_removes_old_finished_messages_and_expired_dedup_keys(
+    conn: sqlite3.Connection, spool: Path
+) -> None:
+    day = 86400.0
+    now = T0 + 30 * day
+    rel = bodies.write_body(spool, "OLDDONE1", b"big old body")
+    accept(
+        conn,
+        new_message(
+            "OLDDONE1",
+            ["a@example.org"],
+            message_id="<1@x>",
+            created_at=now - 10 * day,
+            body=None,
+            body_path=rel,
+        ),
+    )
+    accept(
+        conn,
+        new_message("OLDWAIT1", ["b@example.org"], message_id="<2@x>", created_at=now - 10 * day),
+    )
+    accept(
+        conn,
+        new_message("NEWDONE1", ["c@example.org"], message_id="<3@x>", created_at=now - 1 * day),
+    )
+    # finish OLDDONE1 and NEWDONE1 (delivered, with an attempt logged); OLDWAIT1 deferred
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, now, 10)
+        ops.record(
+            conn,
+            [
+                ops.Outcome(
+                    c.rcpt_id,
+                    c.msg_id,
+                    RcptState.DEFERRED if c.msg_id == "OLDWAIT1" else RcptState.DELIVERED,
+                    True,
+                    now + 60 if c.msg_id == "OLDWAIT1" else None,
+                    "reply",
+                    log=ops.AttemptLog("x", "reply", "smarthost", None, 0.0),
+                )
+                for c in claims
+            ],
+            now,
+        )
+    with db.transaction(conn):
+        paths = ops.prune(conn, now, dedup_window=7 * day, retention=7 * day)
+    assert paths == [rel]
+    left = {r[0] for r in conn.execute("SELECT id FROM messages")}
+    assert left == {"OLDWAIT1", "NEWDONE1"}
+    for table in ("recipients", "attempts"):
+        assert (
+            conn.execute(f"SELECT count(*) FROM {table} WHERE msg_id = 'OLDDONE1'").fetchone()[0]
+            == 0
+        )
+    # dedup keys older than the window are gone, the fresh one stays
+    assert [r[0] for r in conn.execute("SELECT msg_id FROM dedup")] == ["NEWDONE1"]
+    assert ops.body_paths(conn) == set()
+
+
+# --- the group-commit writer ------------------------------------------------------------------
+
+
+@pytest.fixture
+def writer(spool: Path) -> Iterator[SpoolWriter]:
+    w = SpoolWriter(spool)
+    w.start()
+    yield w
+    w.close()
+
+
+async def test_a_failing_job_fails_alone_and_the_batch_commits(
+    writer: SpoolWriter, spool: Path
+) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(c: sqlite3.Connection) -> str:
+        started.set()
+        assert release.wait(30)
+        return "blocked"
+
+    first = asyncio.ensure_future(writer.run(blocker))
+    assert await asyncio.to_thread(started.wait, 30)
+    # queued while the thread is busy: these three share the next batch
+    good1 = asyncio.ensure_future(
+        writer.run(
+            lambda c: ops.accept(c, new_message("G1", ["a@example.org"], message_id="<g1@x>"), 60)
+        )
+    )
+
+    def bad(c: sqlite3.Connection) -> None:
+        ops.accept(c, new_message("BAD", ["b@example.org"], message_id="<bad@x>"), 60)
+        # the same queue id again: a constraint violation after a successful insert
+        ops.accept(c, new_message("BAD", ["c@example.org"], message_id="<bad2@x>"), 60)
+
+    failing = asyncio.ensure_future(writer.run(bad))
+    good2 = asyncio.ensure_future(
+        writer.run(
+            lambda c: ops.accept(c, new_message("G2", ["d@example.org"], message_id="<g2@x>"), 60)
+        )
+    )
+    await asyncio.sleep(0.05)
+    release.set()
+    assert await first == "blocked"
+    assert (await good1).queue_id == "G1"
+    assert (await good2).queue_id == "G2"
+    with pytest.raises(SpoolError, match="UNIQUE constraint failed"):
+        await failing
+    assert writer.batches == 2 and writer.jobs == 4
+    assert writer.healthy
+    # what another connection sees: both good jobs committed, nothing of the bad one
+    other = db.connect(spool)
+    try:
+        assert {r[0] for r in other.execute("SELECT id FROM messages")} == {"G1", "G2"}
+        assert {r[0] for r in other.execute("SELECT address FROM recipients")} == {
+            "a@example.org",
+            "d@example.org",
+        }
+        assert other.execute("SELECT count(*) FROM dedup").fetchone()[0] == 2
+    finally:
+        other.close()
+
+
+async def test_group_commit_batches_concurrent_accepts(writer: SpoolWriter, spool: Path) -> None:
+    n = 200
+    results = await asyncio.gather(
+        *(
+            writer.run(
+                lambda c, i=i: ops.accept(
+                    c, new_message(f"Q{i:04d}", [f"u{i}@example.org"], message_id=f"<{i}@x>"), 60
+                )
+            )
+            for i in range(n)
+        )
+    )
+    assert [r.queue_id for r in results] == [f"Q{i:04d}" for i in range(n)]
+    assert writer.jobs == n
+    assert 1 <= writer.batches < n
+    other = db.connect(spool)
+    try:
+        assert other.execute("SELECT count(*) FROM messages").fetchone()[0] == n
+        assert other.execute("SELECT count(*) FROM recipients").fetchone()[0] == n
+    finally:
+        other.close()
+
+
+async def test_a_locked_spool_fails_the_job_and_the_writer_recovers(
+    spool: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db, "BUSY_TIMEOUT_MS", 300)  # the daemon waits 5 s; keep this quick
+    w = SpoolWriter(spool)
+    w.start()
+    try:
+        locker = sqlite3.connect(spool / db.DB_NAME, isolation_level=None, timeout=10)
+        locker.execute("BEGIN EXCLUSIVE")
+        try:
+            with pytest.raises(SpoolError, match="locked"):
+                await w.run(lambda c: ops.accept(c, new_message("L1", ["a@example.org"]), 60))
+            assert not w.healthy and w.failures >= 1
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        res = await w.run(lambda c: ops.accept(c, new_message("L2", ["a@example.org"]), 60))
+        assert res.queue_id == "L2"  # nothing of L1 was kept: no dedup hit
+        assert w.healthy
+        assert w.run_sync(lambda c: c.execute("SELECT count(*) FROM messages").fetchone()[0]) == 1
+    finally:
+        w.close()
+
+
+# --- the operator CLI's JSON over this spool -------------------------------------------------
+
+
+def _cli(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RELAY_CONFIG"}
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args, "-c", str(cfg)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def populated(tmp_path: Path, spool: Path) -> Path:
+    """A config over a spool with a deferred message (one attempt logged), a delivered one,
+    and a held one; returns the config path."""
+    cfg = tmp_path / "relay.yaml"
+    cfg.write_text(yaml.safe_dump({"spool": {"path": "spool"}}))
+    now = time.time()
+    c = db.connect(spool)
+    try:
+        body = (
+            b"From: app@example.com\r\nSubject: Deferred one\r\n"
+            b"Message-ID: <def@app.example>\r\n\r\nSECRET BODY TEXT\r\n"
+        )
+        accept(
+            c,
+            new_message(
+                "DEFER0000000001",
+                ["a@example.org", "b@example.org"],
+                message_id="<def@app.example>",
+                created_at=now - 120,
+                body=body,
+            ),
+        )
+        accept(
+            c,
+            new_message(
+                "SENT00000000001", ["c@example.org"], message_id="<sent@x>", created_at=now - 60
+            ),
+        )
+        accept(
+            c,
+            new_message(
+                "HELD00000000001",
+                ["d@example.org"],
+                message_id="<held@x>",
+                created_at=now - 30,
+                sender="",
+            ),
+        )
+        with db.transaction(c):
+            claims = {cl.address: cl for cl in ops.claim_due(c, now, 10)}
+            ops.record(
+                c,
+                [
+                    ops.Outcome(
+                        claims["a@example.org"].rcpt_id,
+                        "DEFER0000000001",
+                        RcptState.DEFERRED,
+                        True,
+                        now + 300,
+                        "451 4.7.1 try later",
+                        log=ops.AttemptLog(
+                            "transient",
+                            "451 4.7.1 try later",
+                            "smarthost",
+                            "up[127.0.0.1]:25",
+                            0.25,
+                        ),
+                    ),
+                    ops.Outcome(
+                        claims["b@example.org"].rcpt_id,
+                        "DEFER0000000001",
+                        RcptState.DELIVERED,
+                        True,
+                        None,
+                        "250 2.0.0 ok",
+                        log=ops.AttemptLog(
+                            "delivered", "250 2.0.0 ok", "smarthost", "up[127.0.0.1]:25", 0.2
+                        ),
+                    ),
+                    ops.Outcome(
+                        claims["c@example.org"].rcpt_id,
+                        "SENT00000000001",
+                        RcptState.DELIVERED,
+                        True,
+                        None,
+                        "250 2.0.0 ok",
+                    ),
+                    ops.Outcome(
+                        claims["d@example.org"].rcpt_id,
+                        "HELD00000000001",
+                        RcptState.DEFERRED,
+                        False,
+                        now + 60,
+                        None,
+                    ),
+                ],
+                now,
+            )
+            ops.hold(c, ["HELD00000000001"], now)
+    finally:
+        c.close()
+    return cfg
+
+
+def test_queue_list_json_shape(populated: Path) -> None:
+    res = _cli(populated, "queue", "list", "--json")
+    assert res.returncode == 0, res.stderr
+    msgs = json.loads(res.stdout)
+    assert isinstance(msgs, list)
+    assert [m["id"] for m in msgs] == ["DEFER0000000001", "HELD00000000001"]  # unfinished
+    required = {
+        "id",
+        "state",
+        "message_id",
+        "sender",
+        "size",
+        "created_at",
+        "attempts",
+        "next_attempt_at",
+        "recipients",
+    }
+    for m in msgs:
+        assert required <= set(m), m
+        assert m["state"] in {"queued", "deferred", "sending", "held", "sent", "failed"}
+        assert ISO.match(m["created_at"])
+        assert m["next_attempt_at"] is None or ISO.match(m["next_attempt_at"])
+        assert isinstance(m["size"], int) and isinstance(m["attempts"], int)
+        for r in m["recipients"]:
+            assert {"address", "state", "attempts", "last_reply"} <= set(r), r
+    d, h = msgs
+    assert d["state"] == "deferred" and d["message_id"] == "def@app.example"
+    assert d["sender"] == "app@example.com" and d["attempts"] == 1
+    assert d["size"] == len(
+        b"From: app@example.com\r\nSubject: Deferred one\r\n"
+        b"Message-ID: <def@app.example>\r\n\r\nSECRET BODY TEXT\r\n"
+    )
+    assert d["recipients"] == [
+        {
+            **d["recipients"][0],
+            "address": "a@example.org",
+            "state": "deferred",
+            "attempts": 1,
+            "last_reply": "451 4.7.1 try later",
+        },
+        {
+            **d["recipients"][1],
+            "address": "b@example.org",
+            "state": "delivered",
+            "attempts": 1,
+            "last_reply": "250 2.0.0 ok",
+        },
+    ]
+    created = calendar.timegm(time.strptime(d["created_at"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert abs(created - (time.time() - 120)) < 60  # UTC, not local time
+    assert d["next_attempt_at"] is not None
+    assert h["state"] == "held" and h["sender"] == "" and h["next_attempt_at"] is None
+    assert h["recipients"][0]["attempts"] == 0
+
+    everything = json.loads(_cli(populated, "queue", "list", "--all", "--json").stdout)
+    assert [m["id"] for m in everything] == [
+        "DEFER0000000001",
+        "SENT00000000001",
+        "HELD00000000001",
+    ]
+    assert everything[1]["state"] == "sent" and everything[1]["next_attempt_at"] is None
+    held = json.loads(_cli(populated, "queue", "list", "--state", "held", "--json").stdout)
+    assert [m["id"] for m in held] == ["HELD00000000001"]
+    sent = json.loads(_cli(populated, "queue", "list", "--state", "sent", "--json").stdout)
+    assert [m["id"] for m in sent] == ["SENT00000000001"]
+
+
+def test_queue_show_json(populated: Path) -> None:
+    res = _cli(populated, "queue", "show", "DEFER0000000001", "--json")
+    assert res.returncode == 0, res.stderr
+    msg = json.loads(res.stdout)
+    assert msg["id"] == "DEFER0000000001" and msg["state"] == "deferred"
+    log = msg["attempt_log"]
+    assert [(a["recipient"], a["outcome"], a["reply"]) for a in log] == [
+        ("a@example.org", "transient", "451 4.7.1 try later"),
+        ("b@example.org", "delivered", "250 2.0.0 ok"),
+    ]
+    assert all(ISO.match(a["at"]) for a in log)
+    assert log[0]["host"] == "up[127.0.0.1]:25"
+    assert "Subject: Deferred one" in msg["headers"]
+    assert "SECRET BODY TEXT" not in res.stdout
+    assert "body" not in msg
+
+    res = _cli(populated, "queue", "show", "DEFER0000000001", "--json", "--body")
+    assert res.returncode == 0, res.stderr
+    msg = json.loads(res.stdout)
+    assert msg["body"] == "SECRET BODY TEXT\r\n"
+    assert "Subject: Deferred one" in msg["headers"]
+
+    res = _cli(populated, "queue", "show", "NOSUCHID0000000", "--json")
+    assert res.returncode == 1
+    assert "NOSUCHID0000000" in res.stderr
