@@ -331,7 +331,9 @@ class Engine:
                                            f"destination {st.name} suspended until "
                                            f"{_iso(st.suspended_until)} ({st.suspend_reason})"))
             return out
-        if not st.breaker.allow(now) and st.breaker.state(now) == "open":
+        # state(), not allow(): allow() hands out the one half-open trial, which belongs to
+        # the worker that will actually connect (_deliver), not to this check.
+        if st.breaker.state(now) == "open":
             until = (st.breaker.opened_at or now) + st.breaker.cooldown
             out.extend(self._outcomes_wait(
                 job, until, f"circuit open for {st.name} until {_iso(until)}"))
@@ -477,6 +479,9 @@ class Engine:
         if st.suspended_until > now or (not st.breaker.allow(now)):
             until = max(st.suspended_until,
                         (st.breaker.opened_at or now) + st.breaker.cooldown)
+            # half-open with the trial still out: the cooldown is already over, so do not
+            # make the job due at once again (a busy loop until the trial reports)
+            until = max(until, now + self.config.retry.min_delay)
             reason = (f"destination {st.name} suspended until {_iso(until)}"
                       if st.suspended_until > now else
                       f"circuit open for {st.name} until {_iso(until)}")

@@ -99,6 +99,7 @@ class Connection:
         self.smtp: aiosmtplib.SMTP | None = None
         self.messages = 0
         self.tls_active = False
+        self._dot_sent = False  # set by _data once the content and final "." are written
 
     @property
     def label(self) -> str:
@@ -214,6 +215,7 @@ class Connection:
                 await self._reset_or_close(None)
                 return out
             phase = Phase.DATA
+            self._dot_sent = False
             reply, phase = await self._data(body)
             v = classify(reply, phase)
             for r in accepted:
@@ -224,6 +226,9 @@ class Connection:
                 await self._reset_or_close(v)
             self.messages += 1
         except Exception as e:
+            if phase is Phase.DATA and self._dot_sent:
+                # _data raised while waiting for the reply to the final dot
+                phase = Phase.DOT
             verdict, reply = classify_exception(e, phase)
             reply = _with_host(reply, self.label)
             amb = is_ambiguous(e, phase)
@@ -253,6 +258,7 @@ class Connection:
                 body += b"\r\n"
             payload = PERIOD_REGEX.sub(b"..", body) + b".\r\n"
             proto._response_pending = True
+            self._dot_sent = True
             proto.write(payload)
             try:
                 final = await proto.read_response(timeout=self.timeouts.data)
