@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"relay: {e}", file=sys.stderr)
         return EX_CONFIG
     setup_logging(config.log.level, "text", config.log.unmask)
+    # in smarthost mode every recipient goes to the one destination "smarthost"
+    args.smarthost_mode = config.upstream.mode == "smarthost"
     if args.cmd == "check-config":
         if args.json:
             print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
@@ -294,6 +296,8 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
         counts = conn.execute(
             "SELECT destination, count(*) FROM recipients WHERE state IN"
             " ('pending','deferred','sending','held') GROUP BY destination").fetchall()
+        if getattr(args, "smarthost_mode", False) and counts:
+            counts = [("smarthost", sum(r[1] for r in counts))]
         names = set(live) | set(susp) | {r[0] for r in counts}
         queued = {r[0]: r[1] for r in counts}
         out = []
@@ -304,6 +308,9 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             if n in susp:
                 info["suspended_until"] = _iso(susp[n][0])
                 info["suspend_reason"] = f"operator: {susp[n][1]}"
+            elif str(info.get("suspend_reason") or "").startswith("operator"):
+                # resumed since the daemon's last snapshot: the spool has the last word
+                info["suspended_until"] = info["suspend_reason"] = None
             out.append(info)
         if args.json:
             _print_json(out)

@@ -515,11 +515,28 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     rules_raw = sh.get("rules")
     if rules_raw is not None and not isinstance(rules_raw, list):
         raise ConfigError("shaping.rules: expected a list of rules")
+    rules: list[dict[str, Any]] | None = None
+    if rules_raw is not None:
+        from relay.shaping import parse_rule
+
+        rules = []
+        for i, rule_raw in enumerate(rules_raw):
+            rkey = f"shaping.rules[{i}]"
+            if not isinstance(rule_raw, Mapping):
+                raise ConfigError(f"{rkey}: expected a mapping with match, action and for")
+            rule = dict(rule_raw)
+            if rule.get("for") is not None:  # a duration: 30s, 2h, or seconds
+                rule["for"] = parse_duration(rule["for"], f"{rkey}.for")
+            try:
+                parse_rule(rule)
+            except ValueError as e:
+                raise ConfigError(f"{rkey}: {e}") from None
+            rules.append(rule)
     shaping = ShapingConf(
         window_tz=tzname,
         window_length=sh.opt_duration("window_length"),
         identity_by=sh.string("identity_by", ("sender_domain", "sender")),
-        rules=None if rules_raw is None else tuple(rules_raw),
+        rules=None if rules is None else tuple(rules),
     )
     sh.finish()
 
@@ -527,6 +544,12 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     lane_rules = ln.get("rules")
     if not isinstance(lane_rules, list):
         raise ConfigError("lanes.rules: expected a list")
+    from relay.lanes import parse_lane_rules
+
+    try:  # checked here so that a bad rule is a config error, not a crash at start
+        parse_lane_rules(lane_rules)
+    except ValueError as e:
+        raise ConfigError(re.sub(r"^lane rule (\d+)", r"lanes.rules[\1]", str(e))) from None
     shares = {}
     for lane in ("transactional", "bulk"):
         lr = _Reader(ln.get(lane), f"lanes.{lane}")
