@@ -177,7 +177,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             raise CliError(f"no message {args.id}")
         raw, path = ops.message_body(conn, args.id)
         data = raw if raw is not None else bodies.read_body(spool, path) if path else b""
-        head, body = (data.split(b"\r\n\r\n", 1) + [b""])[:2]
+        head, _sep, body = data.partition(b"\r\n\r\n")
         msg["headers"] = head.decode("utf-8", errors="replace")
         if args.body:
             msg["body"] = body.decode("utf-8", errors="replace")

@@ -87,6 +87,7 @@ DESTINATION_DEFAULTS: dict[str, Any] = {
     "ambiguous": "retry",
     "circuit_failures": 5,
     "circuit_cooldown": "60s",
+    "slowdown_cooldown": "60s",
 }
 
 IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None}
@@ -325,6 +326,7 @@ class Destination:
     ambiguous: str  # "retry" | "assume-delivered"
     circuit_failures: int
     circuit_cooldown: float
+    slowdown_cooldown: float  # after a throttling reply, no rate increase for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,6 +696,7 @@ def _destination(
         ambiguous=r.string("ambiguous", ("retry", "assume-delivered")),
         circuit_failures=r.integer("circuit_failures", 1),
         circuit_cooldown=r.duration("circuit_cooldown"),
+        slowdown_cooldown=r.duration("slowdown_cooldown"),
     )
     r.finish()
     return dest

@@ -110,7 +110,7 @@ class Daemon:
             h.closing = True
         deadline = time.monotonic() + self.config.shutdown_timeout
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
-        while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:
+        while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         for s in self.servers:
             s.close()

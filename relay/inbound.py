@@ -178,7 +178,8 @@ class RelaySMTP(SMTP):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._relay_handler.closing and self.transport is None:
             # RFC 5321 §3.8: a server shutting down answers 421 and closes.
-            cast(asyncio.Transport, transport).write(b"421 4.3.2 " + self.hostname.encode() + b" shutting down\r\n")
+            msg = b"421 4.3.2 " + self.hostname.encode() + b" shutting down\r\n"
+            cast(asyncio.Transport, transport).write(msg)
             transport.close()
             return
         self._relay_handler.stats.sessions += 1

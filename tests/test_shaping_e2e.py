@@ -250,9 +250,40 @@ def test_421_storm_halves_the_rate_then_everything_is_delivered(upstream, relay)
     rcs = wait_all_delivered(r, 20)
     assert any(rc["attempts"] >= 2 for rc in rcs)
     assert all(rc["last_reply"].startswith("250") for rc in rcs)
-    # recovery to full rate waits out a 60 s cooldown (not configurable): still slowed
+    # recovery waits out slowdown_cooldown (60 s by default): still slowed
     dest = daemon_dest(r)
     assert dest is not None and dest["effective_rate"] <= 10.0
+    assert r.stop() == 0
+
+
+def test_rate_recovers_after_the_slowdown_cooldown(upstream, relay) -> None:
+    """Additive increase: after `slowdown_cooldown`, every 20 clean deliveries add 10% of
+    the configured rate back."""
+    up = upstream()
+    storm = {"on": True}
+    up.data_reply = lambda env: (
+        "421 4.7.0 Try again later, closing connection" if storm["on"] else None
+    )
+    r = relay(
+        upstream=up,
+        config={"destinations": {"*": {"rate": "40/s", "slowdown_cooldown": "1s"}}},
+    )
+    submit(r.port, 5)
+    r.wait_until(
+        lambda: ((daemon_dest(r) or {}).get("effective_rate") or 99) <= 20.0,
+        timeout=10,
+        what="slowed down to at most half of 40/s",
+    )
+    slowed = (daemon_dest(r) or {})["effective_rate"]
+    storm["on"] = False
+    time.sleep(1.2)  # the cooldown passes
+    submit(r.port, 120, start=5)
+    up.wait_for(125, timeout=60)
+    r.wait_until(
+        lambda: ((daemon_dest(r) or {}).get("effective_rate") or 0) > slowed,
+        timeout=10,
+        what="effective rate climbing back after clean deliveries",
+    )
     assert r.stop() == 0
 
 

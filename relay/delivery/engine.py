@@ -150,6 +150,7 @@ class Engine:
             st.conf = conf
             st.adaptive.base_rate = conf.rate or shaping.UNLIMITED
             st.adaptive.base_connections = conf.max_connections
+            st.adaptive.cooldown = conf.slowdown_cooldown
             st.breaker.threshold = conf.circuit_failures
             st.breaker.cooldown = conf.circuit_cooldown
             self._retune(st)
@@ -169,7 +170,8 @@ class Engine:
             st = DestState(
                 name=name, conf=conf, bucket=bucket,
                 adaptive=shaping.Adaptive(base_rate=conf.rate or shaping.UNLIMITED,
-                                          base_connections=conf.max_connections),
+                                          base_connections=conf.max_connections,
+                                          cooldown=conf.slowdown_cooldown),
                 breaker=shaping.Breaker(threshold=conf.circuit_failures,
                                         cooldown=conf.circuit_cooldown),
             )
@@ -679,6 +681,11 @@ class Engine:
             self._spawn_workers(st)
         await self._finish(job, outcomes, delivered)
         for d in dead:
+            # the outcome itself (standard events bounced / failed / expired, see relay.logs),
+            # then the dead letter it makes
+            log_event(log, logging.WARNING, d["state"], "", queue_id=d["queue_id"],
+                      rcpt=d["recipient"], destination=d["destination"], host=host,
+                      reply=d["reply"], attempts=d["attempts"])
             log_event(log, logging.ERROR, "dead_letter", d["reason"], queue_id=d["queue_id"],
                       rcpt=d["recipient"], destination=d["destination"], reply=d["reply"],
                       state=d["state"], dedup_key=d["dedup_key"])
