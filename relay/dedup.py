@@ -52,4 +52,29 @@ def content_message_id(header_block: bytes, body: bytes, hostname: str) -> str:
         h.update(b"\r\n")
     h.update(b"\r\n")
     h.update(body)
+    # Lines of the header block that are not header fields (parse_headers drops them): a
+    # message with no empty line is all "header block", so without these two different
+    # texts would share an id and the second would be dropped as a duplicate. Only messages
+    # with such lines hash them, so well-formed messages keep their ids.
+    stray = _non_field_lines(header_block)
+    if stray:
+        h.update(b"\x00non-field lines\r\n")
+        h.update(b"\r\n".join(stray))
     return f"<{h.hexdigest()[:32]}.content@{hostname}>"
+
+
+def _non_field_lines(block: bytes) -> list[bytes]:
+    """The lines `parse_headers` skips: neither a field nor the continuation of one."""
+    out: list[bytes] = []
+    field_seen = False
+    for line in block.split(b"\r\n"):
+        if not line:
+            continue
+        if line[:1] in (b" ", b"\t") and field_seen:
+            continue
+        name, sep, _value = line.partition(b":")
+        if sep and name and b" " not in name.strip():
+            field_seen = True
+            continue
+        out.append(line)
+    return out

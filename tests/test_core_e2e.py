@@ -224,6 +224,23 @@ def test_dedup_message_without_message_id(upstream: UpFactory, relay: RelayFacto
     assert mid_of(up.received[1].data) != mid_of(up.received[0].data)
 
 
+def test_headerless_messages_are_not_mistaken_for_duplicates(
+    upstream: UpFactory, relay: RelayFactory
+) -> None:
+    """Scripts that send bare text (no header block, no empty line): each different text is
+    a different message, a byte-identical resend is a duplicate."""
+    up = upstream()
+    r = relay(upstream=up)
+    texts = [b"disk full on host1\r\n", b"disk full on host2\r\n", b"backup ok\r\nall done\r\n"]
+    for text in [*texts, texts[0]]:
+        assert send(r.port, "cron@example.com", ["ops@example.org"], text) == {}
+    up.wait_for(3)
+    r.wait_until(lambda: drained(r), what="drained")
+    assert len(up.received) == 3
+    bodies = sorted(split_trace(m.data)[1].partition(b"\r\n")[2] for m in up.received)
+    assert bodies == sorted(texts)
+
+
 def test_dedup_survives_a_restart(upstream: UpFactory, relay: RelayFactory) -> None:
     up = upstream()
     r = relay(upstream=up)

@@ -160,6 +160,37 @@ def test_content_message_id_depends_on_date_headers_and_body() -> None:
     assert other[1:33] == base[1:33]
 
 
+def test_content_message_id_of_a_well_formed_message_is_pinned() -> None:
+    # derived ids are dedup keys stored in the spool: a change lets resubmissions through
+    assert (
+        dedup.content_message_id(HEAD, BODY, "relay.test")
+        == "<c1471c4df302ade3d9fa3e6c3537bdbe.content@relay.test>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        # no empty line at all: the whole message is the "header block"
+        (b"disk full on host1\r\n", b"disk full on host2\r\n"),
+        # lines among the fields that are not fields (no colon, a space in the name)
+        (HEAD + b"free text one\r\n", HEAD + b"free text two\r\n"),
+        (b"Bad Name: one\r\n" + HEAD, b"Bad Name: two\r\n" + HEAD),
+        # a continuation line with no field before it
+        (b" orphan one\r\n" + HEAD, b" orphan two\r\n" + HEAD),
+    ],
+)
+def test_content_message_id_covers_every_line_of_the_header_block(one: bytes, two: bytes) -> None:
+    """Two different messages must never share a derived Message-ID: the second would be
+    answered 250 and dropped as a duplicate."""
+    assert dedup.content_message_id(one, b"", "relay.test") != dedup.content_message_id(
+        two, b"", "relay.test"
+    )
+    assert dedup.content_message_id(one, b"", "relay.test") == dedup.content_message_id(
+        one, b"", "relay.test"
+    )
+
+
 # --- line endings -----------------------------------------------------------------------------
 
 

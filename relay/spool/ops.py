@@ -21,6 +21,7 @@ from typing import Any
 
 from relay.model import FINAL, RcptState, message_state, sources_for
 
+
 def new_queue_id(now: float | None = None) -> str:
     """16 upper-case hex digits: milliseconds since the epoch (11), then 20 random bits (5).
     Sortable by arrival; unique unless two messages share a millisecond and 20 random bits,
