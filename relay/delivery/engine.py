@@ -424,7 +424,9 @@ class Engine:
     def _spawn_workers(self, st: DestState) -> None:
         limit = st.adaptive.effective_connections()
         want = min(limit, st.queued())
-        while len(st.workers) < want:
+        total = sum(len(d.workers) for d in self.dests.values())
+        while len(st.workers) < want and total < self.config.delivery.workers:
+            total += 1
             task = asyncio.get_running_loop().create_task(self._worker(st))
             st.workers.add(task)
             task.add_done_callback(st.workers.discard)
@@ -465,8 +467,12 @@ class Engine:
         finally:
             if conn is not None:
                 await conn.quit()
-            if st.queued() and not self._stopping:
-                self._spawn_workers(st)
+            if not self._stopping:
+                # this connection slot is free now: give it to whoever waits for one
+                st.workers.discard(asyncio.current_task())
+                for d in [st, *self.dests.values()]:
+                    if d.queued():
+                        self._spawn_workers(d)
 
     async def _wait_token(self, st: DestState) -> None:
         while st.bucket is not None:
