@@ -274,7 +274,7 @@ class InboundHandler:
             self.stats.reject("relay_denied")
             return "554 5.7.1 Relay access denied: authenticate or connect from an allowed network"
         local, at, domain = address.rpartition("@")
-        if not at or not local or not domain or not _valid_domain(domain):
+        if not at or not local or not domain or not _valid_domain(domain) or not _utf8(address):
             self.stats.reject("bad_address")
             return "553 5.1.3 Recipient address must be a fully qualified mailbox"
         if len(envelope.rcpt_tos) >= self.config.limits.max_recipients:
@@ -296,7 +296,7 @@ class InboundHandler:
     ) -> str:
         if address not in ("", "<>"):
             local, at, domain = address.rpartition("@")
-            if not at or not local or not _valid_domain(domain):
+            if not at or not local or not _valid_domain(domain) or not _utf8(address):
                 return "553 5.1.7 Sender address must be a fully qualified mailbox or <>"
         envelope.mail_from = address or "<>"
         envelope.mail_options.extend(mail_options)
@@ -363,9 +363,10 @@ class InboundHandler:
                 body_path = await asyncio.to_thread(
                     bodies.write_body, cfg.spool_path, queue_id, content)
             msg = ops.NewMessage(
-                queue_id=queue_id, message_id=dedup.normalize_message_id(mid), sender=sender,
-                size=len(content), created_at=now, client=namespace, peer=peer_ip, lane=lane,
-                lane_prio=LANE_PRIORITY.get(lane, 0), identity=identity, body=inline,
+                queue_id=queue_id, message_id=_storable(dedup.normalize_message_id(mid)),
+                sender=sender, size=len(content), created_at=now, client=namespace,
+                peer=peer_ip, lane=lane, lane_prio=LANE_PRIORITY.get(lane, 0),
+                identity=identity, body=inline,
                 body_path=body_path, recipients=new_rcpts,
             )
             window = cfg.dedup_window
@@ -418,6 +419,21 @@ _DOMAIN = re.compile(
 
 def _valid_domain(domain: str) -> bool:
     return bool(_DOMAIN.match(domain)) and ".." not in domain
+
+
+def _utf8(text: str) -> bool:
+    """False when aiosmtpd kept bytes that are not UTF-8 (as surrogates): such an address can
+    never be stored or relayed, so it is refused at once rather than with 451 after DATA."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _storable(text: str) -> str:
+    """Header text for the spool's TEXT columns: bytes that are not UTF-8 become \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _printable(text: str) -> str:

@@ -154,6 +154,11 @@ def test_relays_100_messages_byte_for_byte(upstream: UpFactory, relay: RelayFact
     assert len(files) == sum(1 for i in range(100) if i % 6 == 5)
     upstream_copies = {m.data for ms in got.values() for m in ms}
     assert all(f.read_bytes() in upstream_copies for f in files)
+    # the operator CLI reads a body kept in a file too
+    shown = r.cli_json("queue", "show", files[0].name, "--body")
+    header_block, _sep, body = files[0].read_bytes().partition(b"\r\n\r\n")
+    assert shown["headers"] == header_block.decode()
+    assert shown["body"] == body.decode()
 
 
 # --- dedup -------------------------------------------------------------------------------------

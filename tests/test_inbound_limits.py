@@ -4,6 +4,7 @@ session and the daemon carry on."""
 
 from __future__ import annotations
 
+import contextlib
 import smtplib
 import socket
 import time
@@ -268,6 +269,49 @@ def test_malformed_sender(live: tuple[RelayProcess, Upstream], sender: str) -> N
     assert alive(r)
 
 
+def test_addresses_that_are_not_utf8_are_refused_at_once(
+    live: tuple[RelayProcess, Upstream],
+) -> None:
+    """Not "451 try again later" after the DATA, forever: the address can never be valid."""
+    r, _up = live
+    with raw_session(r.port) as (sock, f):
+        sock.sendall(b"MAIL FROM:<caf\xe9@example.com>\r\n")
+        reply = read_reply(f)[-1]
+        assert reply[:3] in (b"501", b"553") and reply[4:6] == b"5.", reply
+        sock.sendall(b"MAIL FROM:<app@example.com>\r\nRCPT TO:<caf\xe9@example.org>\r\n")
+        assert read_reply(f)[-1].startswith(b"250 ")
+        reply = read_reply(f)[-1]
+        assert reply[:3] in (b"501", b"553") and reply[4:6] == b"5.", reply
+        sock.sendall(b"QUIT\r\n")
+        assert read_reply(f)[-1].startswith(b"221 ")
+    assert alive(r)
+
+
+def test_message_id_with_8bit_bytes_is_accepted_and_relayed(
+    live: tuple[RelayProcess, Upstream],
+) -> None:
+    r, up = live
+    msg = make_message(message_id="<cafX-8bit@limits>").replace(b"cafX", b"caf\xe9")
+    assert b"\xe9" in msg
+    with smtp_session(r.port) as s:
+        assert s.mail("app@example.com", ["BODY=8BITMIME"])[0] == 250
+        assert s.rcpt("user@example.org")[0] == 250
+        code, reply = s.data(msg)
+        assert code == 250, reply
+    deadline = time.monotonic() + 30
+    while not [m for m in list(up.received) if b"<caf\xe9-8bit@limits>" in m.data]:
+        assert time.monotonic() < deadline, "never relayed"
+        time.sleep(0.05)
+    (m,) = [m for m in list(up.received) if b"<caf\xe9-8bit@limits>" in m.data]
+    assert m.data.endswith(msg)
+    # a resend is still recognised as the same message
+    with smtp_session(r.port) as s:
+        s.mail("app@example.com", ["BODY=8BITMIME"])
+        s.rcpt("user@example.org")
+        assert b"duplicate" in s.data(msg)[1]
+    assert any("8bit@limits" in m["message_id"] for m in r.queue(all=True))
+
+
 # --- the null sender ---------------------------------------------------------------------------
 
 
@@ -300,14 +344,25 @@ def read_reply(f: Any) -> list[bytes]:
             return lines
 
 
+@contextlib.contextmanager
+def raw_session(port: int, ehlo: bool = True) -> Iterator[tuple[socket.socket, Any]]:
+    """A plain socket (for bytes smtplib would not send) and a reader of its replies."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        f = sock.makefile("rb")
+        try:
+            assert read_reply(f)[0].startswith(b"220 ")
+            if ehlo:
+                sock.sendall(b"EHLO client.test\r\n")
+                assert b"250-PIPELINING\r\n" in read_reply(f)
+            yield sock, f
+        finally:
+            f.close()
+
+
 def test_pipelined_transaction(live: tuple[RelayProcess, Upstream]) -> None:
     r, up = live
     msg = make_message(message_id="<pipelined@limits>")
-    with socket.create_connection(("127.0.0.1", r.port), timeout=30) as sock:
-        f = sock.makefile("rb")
-        assert read_reply(f)[0].startswith(b"220 ")
-        sock.sendall(b"EHLO client.test\r\n")
-        assert b"250-PIPELINING\r\n" in read_reply(f)
+    with raw_session(r.port) as (sock, f):
         # one write for the whole envelope (RFC 2920)
         sock.sendall(
             b"MAIL FROM:<app@example.com>\r\nRCPT TO:<p1@example.org>\r\n"
@@ -345,11 +400,7 @@ def test_smuggling_never_makes_a_second_message(
         b"From: app@example.com\r\nTo: user@example.org\r\nSubject: innocent\r\n"
         b"Message-ID: " + mid.encode() + b"\r\n\r\nhello"
     )
-    with socket.create_connection(("127.0.0.1", r.port), timeout=30) as sock:
-        f = sock.makefile("rb")
-        read_reply(f)
-        sock.sendall(b"EHLO client.test\r\n")
-        read_reply(f)
+    with raw_session(r.port) as (sock, f):
         sock.sendall(b"MAIL FROM:<app@example.com>\r\nRCPT TO:<user@example.org>\r\nDATA\r\n")
         assert [read_reply(f)[-1][:3] for _ in range(3)] == [b"250", b"250", b"354"]
         sock.sendall(head + fake_end + SMUGGLED + b".\r\nQUIT\r\n")
