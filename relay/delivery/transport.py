@@ -179,7 +179,16 @@ class Connection:
             if smtp.supports_extension("8bitmime") and not body.isascii():
                 opts.append(b"BODY=8BITMIME")
             utf8 = not (sender + "".join(recipients)).isascii()
-            if utf8 and smtp.supports_extension("smtputf8"):
+            if utf8 and not smtp.supports_extension("smtputf8"):
+                # RFC 6531 §3.2: a non-ASCII address cannot be sent to a server without
+                # SMTPUTF8; waiting will not change that, so it is a permanent failure.
+                reply = Reply(553, "5.6.7", "non-ASCII address, but the upstream does not"
+                              " offer SMTPUTF8 (RFC 6531)")
+                v = classify(reply, Phase.MAIL)
+                for r in recipients:
+                    out.results[r] = RcptResult(v, reply, Phase.MAIL)
+                return out
+            if utf8:
                 opts.append(b"SMTPUTF8")
             enc = "utf-8" if utf8 else "ascii"
             # MAIL FROM:<> for the null sender: quote_address("") gives "<>".
