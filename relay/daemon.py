@@ -112,8 +112,8 @@ class Daemon:
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
         while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
-        for s in self.servers:
-            s.close()
+        # the listeners stay open while deliveries drain: a new client gets 421 4.3.2, not a
+        # refused connection (RFC 5321 §3.8)
         assert self.engine is not None
         await self.engine.stop(max(0.0, deadline - time.monotonic()))
         for t in self._tasks:

@@ -22,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -124,6 +125,7 @@ class Engine:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._loop_exited = asyncio.Event()
         self._pending_records: list[ops.Outcome] = []
         self.config = config
         self.resolver = resolver
@@ -207,6 +209,12 @@ class Engine:
             log_event(log, logging.WARNING, "recovered",
                       "claims left by a crash are due again", count=recovered)
         await self._load_counts()
+        try:
+            await self._loop()
+        finally:
+            self._loop_exited.set()
+
+    async def _loop(self) -> None:
         while not self._stopping:
             try:
                 claimed = await self._claim_and_dispatch()
@@ -227,21 +235,26 @@ class Engine:
         return max(self.config.delivery.batch, 1)
 
     async def stop(self, timeout: float) -> None:
-        """Stop claiming; let jobs in flight finish up to `timeout`; put the rest back."""
+        """Stop claiming; let the deliveries under way finish up to `timeout` (each worker
+        finishes its current transaction and takes no new one); put the rest back."""
         self._stopping = True
         self._wake.set()
         for st in self.dests.values():
             st.wake.set()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            log_event(log, logging.WARNING, "shutdown",
-                      "deliveries still running at shutdown_timeout; they will be retried",
-                      inflight=self._inflight)
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
         tasks = [t for st in self.dests.values() for t in st.workers]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _done, pending = await asyncio.wait(
+                tasks, timeout=max(0.0, deadline - time.monotonic()))
+            if pending:
+                log_event(log, logging.WARNING, "shutdown",
+                          "deliveries still running at shutdown_timeout; they will be retried",
+                          connections=len(pending))
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
         # queued but not started: back to deferred, due now
         back: list[ops.Outcome] = []
         for st in self.dests.values():
@@ -444,11 +457,9 @@ class Engine:
     async def _worker(self, st: DestState) -> None:
         conn: Connection | None = None
         try:
-            while True:
+            while not self._stopping:
                 job = self._next_job(st)
                 if job is None:
-                    if self._stopping:
-                        return
                     st.wake.clear()
                     try:
                         await asyncio.wait_for(st.wake.wait(), IDLE_CLOSE)
