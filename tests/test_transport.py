@@ -1,0 +1,440 @@
+"""relay.delivery.transport.Connection in process, against the real scripted aiosmtpd
+upstream of tests/harness.py: every step's phase, per-recipient verdicts, timeouts, the
+ambiguous reply to the final dot, TLS policies and AUTH."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from relay.delivery.transport import ConnectFailed, Connection, Timeouts, TlsPolicy
+from relay.replies import Outcome, Phase
+from tests.harness import Upstream, free_port
+
+SENDER = "app@example.com"
+BODY = b"From: app@example.com\r\nTo: user@example.org\r\nSubject: t\r\n\r\nhello\r\n"
+PLAIN = TlsPolicy("none", False)
+TIMEOUTS = Timeouts(connect=2.0, command=1.0, data=1.0)
+
+MakeConn = Callable[..., Connection]
+
+
+@pytest.fixture
+async def conn_factory() -> AsyncIterator[MakeConn]:
+    made: list[Connection] = []
+
+    def make(
+        up: Upstream | None = None,
+        *,
+        port: int | None = None,
+        tls: TlsPolicy = PLAIN,
+        host: str = "127.0.0.1",
+        **kwargs: Any,
+    ) -> Connection:
+        c = Connection(
+            host=host,
+            address=up.host if up is not None else "127.0.0.1",
+            port=port if port is not None else (up.port if up is not None else 0),
+            helo="relay.test",
+            tls=tls,
+            timeouts=kwargs.pop("timeouts", TIMEOUTS),
+            **kwargs,
+        )
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.quit()
+    if any(c.tls_active for c in made):
+        # closing a TLS session is a close_notify exchange that completes on the event
+        # loop; let it finish before the test's loop closes (else: unclosed socket warning)
+        await asyncio.sleep(0.3)
+
+
+def server_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*(names or ("127.0.0.1",))).configure_cert(ctx)
+    return ctx
+
+
+@pytest.fixture
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def ca_file(ca: trustme.CA, tmp_path: Path) -> Path:
+    path = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return path
+
+
+# --- a plain session ----------------------------------------------------------------------
+
+
+async def test_delivers_and_reuses_the_connection(upstream, conn_factory) -> None:
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    assert c.usable and not c.tls_active
+    assert c.label == f"127.0.0.1[127.0.0.1]:{up.port}"
+
+    res = await c.send(SENDER, ["a@example.org", "b@example.org"], BODY)
+    assert not res.connection_failed
+    assert set(res.results) == {"a@example.org", "b@example.org"}
+    for r in res.results.values():
+        assert r.verdict.outcome is Outcome.DELIVERED
+        assert r.phase is Phase.DOT
+        assert r.reply.code == 250 and not r.ambiguous
+    res2 = await c.send(SENDER, ["c@example.org"], BODY.replace(b"hello", b"again"))
+    assert res2.results["c@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert c.messages == 2 and c.usable
+    got = up.wait_for(2)
+    assert [m.rcpt_tos for m in got] == [["a@example.org", "b@example.org"], ["c@example.org"]]
+    assert got[0].data == BODY and b"again" in got[1].data
+    assert up.connections == 1
+
+
+async def test_dot_stuffing_and_missing_final_crlf(upstream, conn_factory) -> None:
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    body = b"Subject: dots\r\n\r\n.leading dot\r\n..two\r\n.\r\nlast line without CRLF"
+    res = await c.send(SENDER, ["a@example.org"], body)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].data == body + b"\r\n"
+
+
+async def test_null_sender(upstream, conn_factory) -> None:
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send("", ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.commands[0] == "MAIL <>"  # aiosmtpd hands the hook "<>" for MAIL FROM:<>
+    assert up.wait_for(1)[0].mail_from == "<>"
+
+
+# --- replies per phase ----------------------------------------------------------------------
+
+
+async def test_per_recipient_rcpt_replies(upstream, conn_factory) -> None:
+    up = upstream()
+    replies = {"bad@example.org": "550 5.1.1 no such user", "busy@example.org": "451 4.2.1 busy"}
+    up.rcpt_reply = lambda a: replies.get(a)
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["ok@example.org", "bad@example.org", "busy@example.org"], BODY)
+    ok, bad, busy = (
+        res.results[a] for a in ("ok@example.org", "bad@example.org", "busy@example.org")
+    )
+    assert ok.verdict.outcome is Outcome.DELIVERED and ok.phase is Phase.DOT
+    assert bad.verdict.outcome is Outcome.BOUNCE and bad.phase is Phase.RCPT
+    assert str(bad.reply) == "550 5.1.1 no such user"
+    assert busy.verdict.outcome is Outcome.TRANSIENT and busy.phase is Phase.RCPT
+    assert not res.connection_failed
+    assert [m.rcpt_tos for m in up.wait_for(1)] == [["ok@example.org"]]
+    assert c.usable
+
+
+async def test_all_recipients_refused_sends_no_data(upstream, conn_factory) -> None:
+    up = upstream()
+    up.rcpt_reply = lambda a: "550 5.1.1 no such user"
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["x@example.org", "y@example.org"], BODY)
+    assert {r.verdict.outcome for r in res.results.values()} == {Outcome.BOUNCE}
+    assert "DATA" not in up.commands
+    assert c.usable  # RSET, ready for the next transaction
+    res = await c.send(SENDER, ["x@example.org"], BODY)
+    assert res.results["x@example.org"].verdict.outcome is Outcome.BOUNCE
+
+
+async def test_mail_from_refused_applies_to_every_recipient(upstream, conn_factory) -> None:
+    up = upstream()
+    up.mail_reply = lambda s: "553 5.1.7 bad sender"
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org", "b@example.org"], BODY)
+    for r in res.results.values():
+        assert r.phase is Phase.MAIL
+        assert r.verdict.outcome is Outcome.FAIL  # the sender, never the recipients' fault
+    assert not any(cmd.startswith("RCPT") for cmd in up.commands)
+    assert c.usable
+
+
+async def test_421_to_rcpt_defers_the_rest_and_closes(upstream, conn_factory) -> None:
+    up = upstream()
+    up.rcpt_reply = lambda a: "421 4.3.2 shutting down" if a == "b@example.org" else None
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org", "b@example.org", "c@example.org"], BODY)
+    assert {a: r.verdict.outcome for a, r in res.results.items()} == {
+        "a@example.org": Outcome.TRANSIENT,
+        "b@example.org": Outcome.TRANSIENT,
+        "c@example.org": Outcome.TRANSIENT,
+    }
+    assert not c.usable
+    assert up.received == []
+
+
+async def test_permanent_reply_to_dot_fails(upstream, conn_factory) -> None:
+    up = upstream()
+    up.data_reply = lambda env: "554 5.7.1 rejected as spam"
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    r = res.results["a@example.org"]
+    assert r.phase is Phase.DOT and r.verdict.outcome is Outcome.FAIL and not r.ambiguous
+    assert str(r.reply) == "554 5.7.1 rejected as spam"
+    assert c.usable  # RSET after a refused message
+
+
+# --- timeouts, lost connections, ambiguity -----------------------------------------------
+
+
+async def test_rcpt_stall_is_a_command_timeout_not_ambiguous(upstream, conn_factory) -> None:
+    up = upstream(stall={"rcpt": 30.0})
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    r = res.results["a@example.org"]
+    assert r.phase is Phase.RCPT
+    assert r.verdict.outcome is Outcome.TRANSIENT
+    assert not r.ambiguous
+    assert r.reply.code == 451 and "timeout" in r.reply.text
+    assert res.connection_failed and not c.usable
+    assert res.duration < 15  # bounded by the 1 s command timeout, not by the 30 s stall
+
+
+async def test_stall_after_dot_is_ambiguous(upstream, conn_factory) -> None:
+    up = upstream(stall={"data": 3.0})
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org", "b@example.org"], BODY)
+    for r in res.results.values():
+        assert r.phase is Phase.DOT
+        assert r.ambiguous
+        assert r.verdict.outcome is Outcome.TRANSIENT  # retried by default: at-least-once
+        assert r.reply.code == 451 and "timeout" in r.reply.text
+    assert res.connection_failed and not c.usable
+
+
+async def test_disconnect_after_dot_is_ambiguous(upstream, conn_factory) -> None:
+    up = upstream(disconnect_after_dot=True)
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    r = res.results["a@example.org"]
+    assert r.phase is Phase.DOT and r.ambiguous
+    assert r.verdict.outcome is Outcome.TRANSIENT
+    assert "connection lost" in r.reply.text
+    assert len(up.wait_for(1)) == 1  # it did arrive: exactly the ambiguous case
+
+
+class DataRefusingUpstream(Upstream):
+    """Answers the DATA command itself (not the final dot) with 451."""
+
+    def _protocol(self) -> Any:
+        proto = super()._protocol()
+
+        async def smtp_DATA(arg: str) -> None:
+            await proto.push("451 4.3.0 no DATA now")
+
+        proto._smtp_methods["DATA"] = smtp_DATA  # aiosmtpd dispatches through this table
+        return proto
+
+
+async def test_data_command_refused_is_not_ambiguous(conn_factory) -> None:
+    up = DataRefusingUpstream().start()
+    try:
+        c = conn_factory(up)
+        await c.open()
+        res = await c.send(SENDER, ["a@example.org"], BODY)
+        r = res.results["a@example.org"]
+        assert r.phase is Phase.DATA and not r.ambiguous
+        assert r.verdict.outcome is Outcome.TRANSIENT and r.reply.code == 451
+        assert up.received == []
+        await c.quit()
+    finally:
+        up.stop()
+
+
+# --- opening a connection ---------------------------------------------------------------
+
+
+async def test_connection_refused(conn_factory) -> None:
+    c = conn_factory(port=free_port())
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    e = info.value
+    assert e.verdict.outcome is Outcome.TRANSIENT
+    assert str(e.reply).startswith("421 4.4.1") and "refused" in e.reply.text
+    assert not e.operator_fault
+    assert not c.usable
+
+
+async def test_connect_timeout(conn_factory) -> None:
+    # a listening socket that never accepts nor greets: the greeting never comes
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        c = conn_factory(
+            port=srv.getsockname()[1], timeouts=Timeouts(connect=0.5, command=0.5, data=0.5)
+        )
+        with pytest.raises(ConnectFailed) as info:
+            await c.open()
+    assert info.value.verdict.outcome is Outcome.TRANSIENT
+    assert info.value.reply.code in (421, 451)
+    assert "timeout" in info.value.reply.text
+
+
+async def test_421_greeting(upstream, conn_factory) -> None:
+    up = upstream(connect_reply="421 4.3.2 busy")
+    c = conn_factory(up)
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    assert info.value.verdict.outcome is Outcome.TRANSIENT
+    assert info.value.reply.code == 421
+    assert not info.value.operator_fault
+
+
+async def test_554_greeting_is_permanent(upstream, conn_factory) -> None:
+    up = upstream(connect_reply="554 5.7.1 no service for you")
+    c = conn_factory(up)
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    assert info.value.verdict.outcome is Outcome.FAIL
+    assert info.value.reply.code == 554
+
+
+# --- TLS ----------------------------------------------------------------------------------
+
+
+async def test_starttls_verified(upstream, conn_factory, ca, ca_file) -> None:
+    up = upstream(tls_context=server_context(ca), require_starttls=True)
+    c = conn_factory(up, tls=TlsPolicy("starttls", True, ca_file))
+    await c.open()
+    assert c.tls_active
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].tls is True
+
+
+async def test_starttls_untrusted_certificate_is_operator_fault(
+    upstream, conn_factory, ca_file
+) -> None:
+    up = upstream(tls_context=server_context(trustme.CA()))
+    c = conn_factory(up, tls=TlsPolicy("starttls", True, ca_file))
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    e = info.value
+    assert e.phase is Phase.STARTTLS
+    assert e.operator_fault
+    assert e.verdict.outcome is Outcome.TRANSIENT  # never a bounce
+    assert str(e.reply).startswith("454 4.7.5")
+
+
+async def test_starttls_hostname_mismatch(upstream, conn_factory, ca, ca_file) -> None:
+    up = upstream(tls_context=server_context(ca, "mail.elsewhere.test"))
+    c = conn_factory(up, tls=TlsPolicy("starttls", True, ca_file))
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    assert info.value.operator_fault
+    assert info.value.reply.code == 454
+
+
+async def test_starttls_required_but_not_offered(upstream, conn_factory, ca_file) -> None:
+    up = upstream()
+    c = conn_factory(up, tls=TlsPolicy("starttls", True, ca_file))
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    e = info.value
+    assert e.phase is Phase.STARTTLS and e.operator_fault
+    assert e.verdict.outcome is Outcome.TRANSIENT
+    assert "STARTTLS" in e.reply.text
+    assert up.commands == []
+
+
+async def test_opportunistic_without_verification(upstream, conn_factory) -> None:
+    up = upstream(tls_context=server_context(trustme.CA(), "elsewhere.test"))
+    c = conn_factory(up, tls=TlsPolicy("opportunistic", False))
+    await c.open()
+    assert c.tls_active
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].tls is True
+
+
+async def test_opportunistic_plain_when_not_offered(upstream, conn_factory) -> None:
+    up = upstream()
+    c = conn_factory(up, tls=TlsPolicy("opportunistic", False))
+    await c.open()
+    assert not c.tls_active
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].tls is False
+
+
+async def test_opportunistic_falls_back_to_plain_when_handshake_fails(
+    upstream, conn_factory
+) -> None:
+    # the server offers STARTTLS but has no certificate: every handshake fails
+    up = upstream(tls_context=ssl.create_default_context(ssl.Purpose.CLIENT_AUTH))
+    c = conn_factory(up, tls=TlsPolicy("opportunistic", False))
+    await c.open()
+    assert not c.tls_active
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].tls is False
+    assert up.connections == 2  # the failed TLS attempt, then plain text
+
+
+async def test_implicit_tls(upstream, conn_factory, ca, ca_file) -> None:
+    up = upstream(tls_context=server_context(ca), implicit_tls=True)
+    c = conn_factory(up, tls=TlsPolicy("implicit", True, ca_file))
+    await c.open()
+    assert c.tls_active
+    assert c.smtp is not None and c.smtp.transport is not None
+    assert c.smtp.transport.get_extra_info("ssl_object") is not None
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+
+
+# --- AUTH -----------------------------------------------------------------------------------
+
+
+async def test_auth_after_starttls(upstream, conn_factory, ca, ca_file) -> None:
+    up = upstream(tls_context=server_context(ca), auth={"user": "right"})
+    c = conn_factory(
+        up, tls=TlsPolicy("starttls", True, ca_file), username="user", password="right"
+    )
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org"], BODY)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].auth == "user"
+
+
+async def test_auth_refused_is_transient_operator_fault(
+    upstream, conn_factory, ca, ca_file
+) -> None:
+    up = upstream(tls_context=server_context(ca), auth={"user": "right"})
+    c = conn_factory(
+        up, tls=TlsPolicy("starttls", True, ca_file), username="user", password="wrong"
+    )
+    with pytest.raises(ConnectFailed) as info:
+        await c.open()
+    e = info.value
+    assert e.phase is Phase.AUTH
+    assert e.operator_fault
+    assert e.verdict.outcome is Outcome.TRANSIENT
+    assert e.reply.code == 535
+    assert "wrong" not in str(e.reply)
