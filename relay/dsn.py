@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from email.utils import formatdate
@@ -23,6 +24,8 @@ from relay.spool import bodies, ops
 
 if TYPE_CHECKING:
     from relay.daemon import Daemon
+
+_ENHANCED = re.compile(r"(?<![\d.])[45]\.\d{1,3}\.\d{1,3}(?![\d.])")
 
 
 def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, recipient: str,
@@ -82,8 +85,10 @@ async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
     if body is None and path:
         body = bodies.read_body(cfg.spool_path, path)
     headers, _ = split_message(body or b"")
-    enh = str(doc.get("reply", "")).split(" ")[1:2]
-    status = enh[0] if enh and enh[0][:1] in "45" and enh[0].count(".") == 2 else "5.0.0"
+    # the first enhanced code in the reply: "550 5.1.1 ..." or, for an expired recipient,
+    # "expired after 5d in queue; last reply: 451 4.2.2 ..." (the code is not its 2nd word)
+    enh = _ENHANCED.search(str(doc.get("reply", "")))
+    status = enh.group(0) if enh else "5.0.0"
     if status.startswith("4"):
         status = "5" + status[1:]  # expired after transient failures: final now
     now = time.time()

@@ -434,6 +434,51 @@ def test_retry_failed_replays_dead_letters_keeping_dedup_key(upstream, relay) ->
     assert len(up.received) == 1
 
 
+def test_retry_failed_of_a_bounce_stays_suppressed_until_removed(upstream, relay) -> None:
+    up = upstream()
+    up.rcpt_reply = lambda a: "550 5.1.1 no such user"
+    r = relay(upstream=up, config=fast())
+    assert send(r.port, SENDER, ["gone@example.org"], make_message(17)) == {}
+    wait_state(r, "gone@example.org", "bounced")
+
+    # the mailbox exists again, but leaving the suppression list is an explicit act
+    up.rcpt_reply = lambda a: None
+    r.cli("queue", "retry", "--failed", check=True)
+    rc = wait_state(r, "gone@example.org", "suppressed")
+    assert "suppressed" in rc["last_reply"]
+    assert up.received == []
+
+    r.cli("suppression", "remove", "gone@example.org", check=True)
+    r.cli("queue", "retry", rc["queue_id"], check=True)
+    wait_state(r, "gone@example.org", "delivered")
+    assert [m.rcpt_tos for m in up.wait_for(1)] == [["gone@example.org"]]
+
+
+def test_dsn_for_expiry_and_not_twice_for_a_replayed_dead_letter(upstream, relay) -> None:
+    up = upstream()
+    # the recipient's server never takes it; the sender's mailbox takes the DSN
+    up.rcpt_reply = lambda a: None if a == SENDER else "451 4.2.2 mailbox full, try later"
+    r = relay(upstream=up, config=fast(retry={"max_age": "3s"}, dsn={"enabled": True}))
+    assert send(r.port, SENDER, ["user@example.org"], make_message(18)) == {}
+
+    rc = wait_state(r, "user@example.org", "failed", timeout=20)
+    dsn = up.wait_for(1)[0]
+    assert dsn.mail_from == "<>" and dsn.rcpt_tos == [SENDER]
+    text = dsn.data.decode()
+    assert "Final-Recipient: rfc822; user@example.org" in text
+    assert "Action: failed" in text
+    # the last transient reply (4.2.2), now final: 5.2.2, as the code intends
+    assert "Status: 5.2.2" in text
+    assert "expired" in text
+
+    # replaying the dead letter fails again (expired at once): no second DSN
+    r.cli("queue", "retry", rc["queue_id"], check=True)
+    r.wait_until(lambda: len(events(r, "dead_letter")) == 2, timeout=20, what="second dead letter")
+    time.sleep(2.0)
+    assert len(up.received) == 1
+    assert len(r.queue()) == 2  # the message and its one DSN
+
+
 # --- circuit breaker ----------------------------------------------------------------------
 
 

@@ -283,12 +283,18 @@ class Engine:
             return 0
         now = self.clock()
 
-        def claim(c: Any) -> tuple[list[ops.Claim], dict[str, ops.Envelope], dict[str, Any]]:
+        def claim(c: Any) -> tuple[list[ops.Claim], dict[str, ops.Envelope], dict[str, Any],
+                                   dict[str, tuple[str, float] | None]]:
             claims = ops.claim_due(c, now, cap)
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
-            return claims, envs, ops.suspensions(c, now)
+            # The in-memory suppression list lags the spool by up to one refresh: before a
+            # recipient is made `suppressed` (final), ask the spool, so that an operator's
+            # `suppression remove` followed at once by `queue retry` is not undone.
+            stored = {cl.address: ops.suppression_get(c, cl.address) for cl in claims
+                      if self.is_suppressed(cl.address) is not None}
+            return claims, envs, ops.suspensions(c, now), stored
 
-        claims, envs, susp = await self.writer.run(claim)
+        claims, envs, susp, stored = await self.writer.run(claim)
         for name, (until, reason) in susp.items():
             st = self.dest(name)
             if until > st.suspended_until or st.suspend_reason.startswith("operator"):
@@ -314,18 +320,23 @@ class Engine:
             job.claims.append(cl)
         immediate: list[ops.Outcome] = []
         for job in jobs.values():
-            immediate.extend(self._dispatch(job, now))
+            immediate.extend(self._dispatch(job, now, stored))
         if immediate:
             await self._record(immediate)
         return len(claims)
 
-    def _dispatch(self, job: Job, now: float) -> list[ops.Outcome]:
+    def _dispatch(self, job: Job, now: float,
+                  stored: dict[str, tuple[str, float] | None] | None = None
+                  ) -> list[ops.Outcome]:
         """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
-        open, over the daily ceiling): those outcomes burn no attempt."""
+        open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
+        suppression entries for addresses the in-memory list calls suppressed."""
         out: list[ops.Outcome] = []
         keep: list[ops.Claim] = []
         for cl in job.claims:
             supp = self.is_suppressed(cl.address)
+            if supp is not None and stored is not None and cl.address in stored:
+                supp = stored[cl.address]
             if supp is not None:
                 self.metrics.suppressed.labels(job.destination).inc()
                 log_event(log, logging.WARNING, "suppressed", "recipient is suppressed",
