@@ -134,7 +134,7 @@ class Daemon:
     # --- background work ----------------------------------------------------------------
 
     async def _maintenance(self) -> None:
-        last_prune = 0.0
+        last_prune = -PRUNE_EVERY  # first pass at start: expired keys, orphan bodies
         while True:
             try:
                 await self.suppressions.refresh(self.writer)
