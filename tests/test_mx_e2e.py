@@ -203,6 +203,19 @@ def test_servfail_defers_then_delivers(upstream: MakeUpstream, relay, dns, port)
     assert [m.rcpt_tos for m in up.wait_for(1)] == [["user@broken.test"]]
 
 
+def test_dns_timeout_defers(relay, dns, port) -> None:
+    dns.set_zone("slow.test", "TIMEOUT")  # queries are dropped: the resolver times out
+    r = relay(config=mx_config(dns, port, upstream={"mx": {"dns_timeout": "1s"}}))
+    assert send(r.port, SENDER, ["user@slow.test"], make_message(9)) == {}
+
+    r.wait_until(lambda: recipient(r, "user@slow.test")["attempts"] >= 1, what="an attempt")
+    rc = recipient(r, "user@slow.test")
+    assert rc["state"] in ("deferred", "sending")
+    assert rc["last_reply"].startswith("451 4.4.3")
+    assert "timed out" in rc["last_reply"]
+    assert r.cli_json("suppression", "list") == []
+
+
 def test_two_domains_two_transactions(upstream: MakeUpstream, relay, dns, port) -> None:
     dns.set_zone("a.test", {"MX": [(10, "mx.a.test")]})
     dns.set_zone("mx.a.test", {"A": ["127.0.0.2"]})
