@@ -401,6 +401,42 @@ def test_dead_letter_alert_command_and_dsn(upstream, relay, tmp_path: Path) -> N
     assert len(up.received) == 1
 
 
+def test_failing_or_hanging_alert_command_never_blocks_delivery(upstream, relay) -> None:
+    up = upstream()
+    up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
+    # one connection: a worker held by the alert would hold every delivery
+    r = relay(
+        upstream=up,
+        config=fast(
+            alerts={"command": "sleep 30", "timeout": "8s"},
+            destinations={"*": {"max_connections": 1}},
+        ),
+    )
+    assert send(r.port, SENDER, ["gone@example.org"], make_message(21)) == {}
+    wait_state(r, "gone@example.org", "bounced")
+    assert send(r.port, SENDER, ["ok@example.org"], make_message(22)) == {}
+    wait_state(r, "ok@example.org", "delivered")
+    # the hanging command is killed at alerts.timeout and reported, after the delivery
+    r.wait_until(lambda: events(r, "alert_failed"), timeout=20, what="alert_failed")
+    order = [e["event"] for e in r.events() if e.get("event") in ("delivered", "alert_failed")]
+    assert order == ["delivered", "alert_failed"]
+    failed = events(r, "alert_failed")[0]
+    assert failed["level"] == "error" and "timed out" in failed["msg"]
+
+    # a command that exits non-zero: logged at ERROR, the daemon carries on
+    cfg = r.config
+    cfg["alerts"] = {"command": "cat >/dev/null; exit 3", "timeout": "5s"}
+    r.write_config(cfg)
+    r.signal(signal.SIGHUP)
+    r.wait_until(lambda: len(events(r, "config_reloaded")) >= 1, what="config reloaded", timeout=10)
+    assert send(r.port, SENDER, ["gone2@example.org"], make_message(23)) == {}
+    wait_state(r, "gone2@example.org", "bounced")
+    r.wait_until(lambda: len(events(r, "alert_failed")) == 2, what="second alert_failed")
+    assert events(r, "alert_failed")[1]["status"] == 3
+    assert send(r.port, SENDER, ["ok2@example.org"], make_message(24)) == {}
+    wait_state(r, "ok2@example.org", "delivered")
+
+
 def test_retry_failed_replays_dead_letters_keeping_dedup_key(upstream, relay) -> None:
     up = upstream()
     up.data_reply = lambda env: "554 5.7.1 rejected by policy"

@@ -127,6 +127,7 @@ class Engine:
         self._idle.set()
         self._loop_exited = asyncio.Event()
         self._pending_records: list[ops.Outcome] = []
+        self._hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
         self.config = config
         self.resolver = resolver
         self._apply_config(config)
@@ -255,6 +256,12 @@ class Engine:
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
+        if self._hooks:  # alerts and DSNs of the last dead letters, up to the same deadline
+            _done, pending = await asyncio.wait(
+                set(self._hooks), timeout=max(0.1, deadline - time.monotonic()))
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         # queued but not started: back to deferred, due now
         back: list[ops.Outcome] = []
         for st in self.dests.values():
@@ -718,11 +725,18 @@ class Engine:
                       rcpt=d["recipient"], destination=d["destination"], reply=d["reply"],
                       state=d["state"], dedup_key=d["dedup_key"])
             if self.on_dead_letter is not None:
-                try:
-                    await self.on_dead_letter(d)
-                except Exception as e:
-                    log_event(log, logging.ERROR, "alert_failed", "dead-letter hook failed",
-                              exc=e)
+                # in the background: a slow or hanging alert command (up to alerts.timeout)
+                # must not hold this worker, and with it the destination's connection
+                task = asyncio.get_running_loop().create_task(self._dead_letter_hook(d))
+                self._hooks.add(task)
+                task.add_done_callback(self._hooks.discard)
+
+    async def _dead_letter_hook(self, d: dict[str, Any]) -> None:
+        assert self.on_dead_letter is not None
+        try:
+            await self.on_dead_letter(d)
+        except Exception as e:
+            log_event(log, logging.ERROR, "alert_failed", "dead-letter hook failed", exc=e)
 
     def _dead(self, job: Job, cl: ops.Claim, state: str, reply: str, dest: str
               ) -> dict[str, Any]:
