@@ -649,8 +649,8 @@ class Engine:
                 self.metrics.delivered.labels(st.name).inc()
                 self.metrics.latency.observe(max(0.0, now - job.created_at))
                 log_event(log, logging.INFO, "delivered", "", queue_id=job.msg_id,
-                          rcpt=cl.address, destination=st.name, host=host,
-                          reply=reply_s, duration=round(duration, 3))
+                          dedup_key=cl.dedup_key, rcpt=cl.address, destination=st.name,
+                          host=host, reply=reply_s, duration=round(duration, 3))
             elif outcome is Outcome.TRANSIENT:
                 nxt = retry.next_attempt_at(
                     now, job.created_at, cl.attempts + 1, self.config.retry.schedule,
@@ -671,7 +671,8 @@ class Engine:
                         log=attempt))
                     self.metrics.deferred.labels(st.name, "transient").inc()
                     log_event(log, logging.WARNING, "deferred", "", queue_id=job.msg_id,
-                              rcpt=cl.address, destination=st.name, host=host,
+                              dedup_key=cl.dedup_key, rcpt=cl.address, destination=st.name,
+                              host=host,
                               reply=reply_s, next_attempt_at=_iso(nxt),
                               attempts=cl.attempts + 1)
             elif outcome is Outcome.BOUNCE:
@@ -747,7 +748,7 @@ class Engine:
             "reason": {"bounced": "permanent address failure; address suppressed",
                        "failed": "permanent failure", "expired": "gave up: max_age reached"
                        }[state],
-            "dedup_key": None, "at": _iso(self.clock()),
+            "dedup_key": cl.dedup_key, "at": _iso(self.clock()),
         }
 
     async def _finish(self, job: Job, outcomes: Sequence[ops.Outcome], delivered: int) -> None:

@@ -116,13 +116,14 @@ class Claim:
     created_at: float
     lane: str
     identity: str
+    dedup_key: str = ""
 
 
 def claim_due(conn: sqlite3.Connection, now: float, limit: int) -> list[Claim]:
     """Mark up to `limit` due recipients `sending`, transactional lane first."""
     rows = conn.execute(
         "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts, m.created_at, m.lane,"
-        " m.identity FROM recipients r JOIN messages m ON m.id = r.msg_id"
+        " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
         " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?"
         " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
         (now, limit),
