@@ -47,6 +47,7 @@ from relay.delivery.transport import (
     TlsPolicy,
     TransactionResult,
 )
+from relay.lanes import LANE_PRIORITY
 from relay.logs import log_event
 from relay.metrics import Metrics
 from relay.model import RcptState
@@ -233,7 +234,25 @@ class Engine:
                 pass
 
     def _max_inflight(self) -> int:
-        return max(self.config.delivery.batch, 1)
+        # a memory bound over all destinations; each destination is bounded on its own by
+        # _queue_cap, so one slow destination cannot fill this and starve the others
+        return max(self.config.delivery.batch, 1) * 4
+
+    def _queue_cap(self, st: DestState) -> int:
+        """How many jobs of one lane a destination may hold in memory: enough to keep its
+        connections busy, and about two seconds of its rate."""
+        rate = st.adaptive.effective_rate()
+        return max(4, 2 * st.adaptive.effective_connections(), math.ceil((rate or 0) * 2))
+
+    def _full_queues(self) -> list[tuple[int, str | None]]:
+        skip: list[tuple[int, str | None]] = []
+        for st in self.dests.values():
+            cap = self._queue_cap(st)
+            for lane, q in st.queues.items():
+                if len(q) >= cap:
+                    domain = None if st.name == "smarthost" else st.name
+                    skip.append((LANE_PRIORITY.get(lane, 0), domain))
+        return skip
 
     async def stop(self, timeout: float) -> None:
         """Stop claiming; let the deliveries under way finish up to `timeout` (each worker
@@ -285,14 +304,15 @@ class Engine:
         return shaping.day_key(now, self.tz, self.config.shaping.window_length)
 
     async def _claim_and_dispatch(self) -> int:
-        cap = self._max_inflight() - self._inflight
+        cap = min(self._max_inflight() - self._inflight, self.config.delivery.batch)
         if cap <= 0:
             return 0
         now = self.clock()
+        skip = self._full_queues()
 
         def claim(c: Any) -> tuple[list[ops.Claim], dict[str, ops.Envelope], dict[str, Any],
                                    dict[str, tuple[str, float] | None]]:
-            claims = ops.claim_due(c, now, cap)
+            claims = ops.claim_due(c, now, cap, skip)
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
             # recipient is made `suppressed` (final), ask the spool, so that an operator's

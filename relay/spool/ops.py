@@ -119,14 +119,28 @@ class Claim:
     dedup_key: str = ""
 
 
-def claim_due(conn: sqlite3.Connection, now: float, limit: int) -> list[Claim]:
-    """Mark up to `limit` due recipients `sending`, transactional lane first."""
+def claim_due(conn: sqlite3.Connection, now: float, limit: int,
+              skip: Sequence[tuple[int, str | None]] = ()) -> list[Claim]:
+    """Mark up to `limit` due recipients `sending`, transactional lane first. `skip` lists
+    (lane priority, recipient domain) pairs not to claim now (a domain of None: every
+    domain): the engine's queue for them is full, and claiming more would only park
+    recipients in memory while other destinations wait (head-of-line blocking)."""
+    where = ""
+    params: list[Any] = [now]
+    for prio, domain in skip:
+        if domain is None:
+            where += " AND r.lane_prio != ?"
+            params.append(prio)
+        else:
+            where += " AND NOT (r.lane_prio = ? AND r.destination = ?)"
+            params.extend((prio, domain))
+    params.append(limit)
     rows = conn.execute(
         "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts, m.created_at, m.lane,"
         " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
-        " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?"
+        " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?" + where +
         " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
-        (now, limit),
+        params,
     ).fetchall()
     if not rows:
         return []
