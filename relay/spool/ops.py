@@ -437,10 +437,14 @@ def list_messages(
     older_than: float | None = None,
     now: float | None = None,
     limit: int | None = None,
+    queue_id: str | None = None,
 ) -> list[dict[str, Any]]:
     now = time.time() if now is None else now
     where = []
     params: list[Any] = []
+    if queue_id is not None:
+        where.append("m.id = ?")
+        params.append(queue_id)
     finals = ",".join(f"'{s.value}'" for s in FINAL)
     if not include_finished and state not in ("sent", "failed"):
         where.append(f"EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
@@ -503,7 +507,7 @@ def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | No
                        " WHERE id = ?", (queue_id,)).fetchone()
     if row is None:
         return None
-    base = [m for m in list_messages(conn, include_finished=True) if m["id"] == queue_id]
+    base = list_messages(conn, include_finished=True, queue_id=queue_id)
     if not base:
         return None
     msg = base[0]
