@@ -88,7 +88,49 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--reason", default="suspended by operator")
     dr = d.add_parser("resume", parents=[common])
     dr.add_argument("name")
+
+    a = sub.add_parser("auth", help="inbound AUTH users").add_subparsers(
+        dest="acmd", required=True)
+    ah = a.add_parser("hash", parents=[common],
+                      help="read a password on stdin (no echo on a terminal) and print its"
+                      " hash for a listen[].auth.users_file line")
+    ah.add_argument("-u", "--user", help="print the whole `USER:hash` line")
     return p
+
+
+def _auth_hash(args: argparse.Namespace) -> int:
+    """`relay auth hash`: the password comes from stdin (getpass, twice, on a terminal; else
+    the first line), never from the command line, and is never printed."""
+    import getpass
+
+    from relay.auth import hash_password
+
+    user = args.user
+    if user is not None and (not user or user != user.strip() or user.startswith("#")
+                             or any(c in user for c in "\r\n\0")):
+        print("relay: --user must be a name without surrounding spaces, line breaks or a"
+              " leading #", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if sys.stdin.isatty():
+            password = getpass.getpass("Password: ")
+            if getpass.getpass("Again: ") != password:
+                print("relay: the passwords differ", file=sys.stderr)
+                return EXIT_FAIL
+        else:
+            password = sys.stdin.readline().rstrip("\r\n")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return EXIT_FAIL
+    if not password:
+        print("relay: empty password", file=sys.stderr)
+        return EXIT_FAIL
+    hashed = hash_password(password)
+    if args.json:
+        _print_json({"user": args.user, "hash": hashed})
+    else:
+        print(f"{args.user}:{hashed}" if args.user is not None else hashed)
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from relay.daemon import serve
 
         return serve(args.config)
+    if args.cmd == "auth":  # needs no config
+        return _auth_hash(args)
     try:
         config = load_config(args.config)
     except ConfigError as e:

@@ -17,6 +17,7 @@ import ipaddress
 import os
 import re
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,12 +260,36 @@ def _merge(base: Any, over: Any) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerTLS:
+    """STARTTLS for submitting clients: the server context is built (and the files checked)
+    when the config is loaded, so a bad certificate is a config error and SIGHUP reloads a
+    renewed one."""
+
+    cert_file: Path
+    key_file: Path
+    context: ssl.SSLContext = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerAuth:
+    """AUTH PLAIN/LOGIN against a users file (`username:scrypt$salt$hash`), read when the
+    config is loaded (start, SIGHUP). The hashes never appear in repr or logs."""
+
+    users_file: Path
+    allow_plaintext: bool  # offer AUTH without TLS (loopback-only set-ups)
+    users: Mapping[str, str] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Listener:
     name: str  # "host:port" as written: the dedup namespace for unauthenticated clients
     host: str
     port: int
     allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     lane: str | None = None
+    tls: ListenerTLS | None = None
+    require_tls: bool = False  # MAIL (anything but EHLO/NOOP/QUIT) needs STARTTLS first
+    auth: ListenerAuth | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,7 +475,8 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     listen_raw = top.get("listen")
     if not isinstance(listen_raw, list) or not listen_raw:
         raise ConfigError("listen: expected a non-empty list of listeners")
-    listeners = tuple(_listener(item, f"listen[{i}]") for i, item in enumerate(listen_raw))
+    listeners = tuple(_listener(item, f"listen[{i}]", base_dir)
+                      for i, item in enumerate(listen_raw))
 
     spool = _Reader(top.get("spool"), "spool")
     spool_path = spool.path_("path", base_dir)
@@ -600,7 +626,7 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     )
 
 
-def _listener(item: object, key: str) -> Listener:
+def _listener(item: object, key: str, base: Path) -> Listener:
     r = _Reader(item, key)
     addr = r.string("address")
     host, port = parse_hostport(addr, f"{key}.address")
@@ -618,8 +644,68 @@ def _listener(item: object, key: str) -> Listener:
     lane = r.opt_str("lane")
     if lane not in (None, "transactional", "bulk"):
         raise ConfigError(f"{key}.lane: {lane!r} is not one of transactional, bulk")
+    tls = None if r.get("tls") is None else _listener_tls(r.get("tls"), f"{key}.tls", base)
+    require_tls = False if r.get("require_tls") is None else r.boolean("require_tls")
+    if require_tls and tls is None:
+        raise ConfigError(f"{key}.require_tls: needs {key}.tls (a certificate to offer)")
+    auth = None if r.get("auth") is None else _listener_auth(r.get("auth"), f"{key}.auth",
+                                                             base)
+    if auth is not None and tls is None and not auth.allow_plaintext:
+        raise ConfigError(f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
+                          f" or set {key}.auth.allow_plaintext: true (loopback only)")
     r.finish()
-    return Listener(name=addr, host=host, port=port, allow=tuple(nets), lane=lane)
+    return Listener(name=addr, host=host, port=port, allow=tuple(nets), lane=lane, tls=tls,
+                    require_tls=require_tls, auth=auth)
+
+
+def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
+    r = _Reader(data, key)
+    files: dict[str, Path] = {}
+    for name in ("cert_file", "key_file"):
+        path = r.path_(name, base)
+        if path is None:
+            raise ConfigError(f"{key}.{name}: required")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"{key}.{name}: cannot read {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{key}.{name}: {path} is not a PEM file") from None
+        if name == "cert_file":
+            try:  # parses every certificate in the file; a leaf is fine here
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
+                    cadata=text)
+            except (ssl.SSLError, ValueError):
+                raise ConfigError(f"{key}.{name}: {path} holds no valid PEM certificate"
+                                  ) from None
+        files[name] = path
+    r.finish()
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
+    try:
+        # an encrypted key would prompt on the terminal: answer with no password instead
+        ctx.load_cert_chain(files["cert_file"], files["key_file"], password=lambda: b"")
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(
+            f"{key}.key_file: {files['key_file']} is not an unencrypted PEM private key for"
+            f" {key}.cert_file ({getattr(e, 'reason', None) or e})") from None
+    return ListenerTLS(cert_file=files["cert_file"], key_file=files["key_file"], context=ctx)
+
+
+def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
+    from relay.auth import UsersFileError, load_users
+
+    r = _Reader(data, key)
+    path = r.path_("users_file", base)
+    if path is None:
+        raise ConfigError(f"{key}.users_file: required")
+    allow_plaintext = (False if r.get("allow_plaintext") is None
+                       else r.boolean("allow_plaintext"))
+    r.finish()
+    try:
+        users = load_users(path)
+    except UsersFileError as e:
+        raise ConfigError(f"{key}.users_file: {e}") from None
+    return ListenerAuth(users_file=path, allow_plaintext=allow_plaintext, users=users)
 
 
 def _upstream(data: object, base: Path, hostname: str) -> Upstream:

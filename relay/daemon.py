@@ -8,7 +8,8 @@ Rules:
   engine stops claiming and lets deliveries finish up to `shutdown_timeout`, claims not
   finished go back to `deferred` (due now), then the spool closes. Nothing stays `sending`.
 - SIGHUP: reload the config; a bad one is logged and the old one kept. Listener addresses
-  and the spool path need a restart; limits, destinations, lanes, retry, log level reload.
+  and the spool path need a restart; limits, destinations, lanes, retry, log level reload,
+  and so do a listener's TLS certificate and AUTH users file (for new connections).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Daemon:
                  for lst, s in zip(self.config.listen, self.servers, strict=True)]
         log_event(log, logging.INFO, "startup", "relay is ready", version=__version__,
                   listen=addrs, spool=str(self.config.spool_path),
-                  mode=self.config.upstream.mode)
+                  mode=self.config.upstream.mode,
+                  loop=type(loop).__module__.partition(".")[0])  # uvloop | asyncio
         self.notifier.ready()
         self.notifier.status(f"accepting on {', '.join(addrs)}")
         await self._stop.wait()
@@ -233,7 +235,12 @@ class Daemon:
 def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:
     """uvloop when installed (libuv: about twice asyncio's socket throughput, which is what
     an SMTP relay spends its CPU on); the standard loop otherwise, or when
-    RELAY_EVENT_LOOP=asyncio."""
+    RELAY_EVENT_LOOP=asyncio.
+
+    Inbound STARTTLS (aiosmtpd wraps the connection in asyncio.sslproto.SSLProtocol and
+    swaps it in with transport.set_protocol) works on uvloop's transports too, so a listener
+    with `tls` needs no fallback to the standard loop: tests/test_inbound_auth.py checks it
+    against the daemon as spawned, under uvloop, and under RELAY_EVENT_LOOP=asyncio."""
     if kind != "asyncio":
         try:
             import uvloop

@@ -12,6 +12,11 @@ Rules:
   (§4.5.3.1.10), too much data `552 5.3.4` (§4.5.3.1.7), over-long lines `500 5.5.2`
   (§4.5.3.1.6). The session carries on.
 - Only <CRLF>.<CRLF> ends DATA (aiosmtpd >= 1.4.5); bare CR/LF become CRLF in the stored copy.
+- STARTTLS (`listen[].tls`) and AUTH PLAIN/LOGIN (`listen[].auth`) for submitting apps. AUTH is
+  offered only after STARTTLS unless `auth.allow_plaintext`; an authenticated client relays
+  from anywhere and its dedup namespace is `user:<username>`. A wrong password gets
+  `535 5.7.8`; the third on one connection gets `421 4.7.0` and the connection is closed.
+  `require_tls` refuses MAIL before STARTTLS with `530 5.7.0`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import aiosmtpd.smtp
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import (
+    SMTP,
+    AuthResult,
+    Envelope,
+    LoginPassword,
+    Session,
+    TLSSetupException,
+    syntax,
+)
 
+from relay import auth as auth_
 from relay import dedup
 from relay.config import Config, Listener
 from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
@@ -165,15 +179,37 @@ class Suppressions:
         self.version = None
 
 
-class RelaySMTP(SMTP):
-    """aiosmtpd's protocol with our limits, enhanced codes, and a 421 while shutting down."""
+class _RelaySession(Session):
+    """aiosmtpd's Session without the deprecation WARNING it logs each time a successful
+    AUTH sets `login_data` (one useless line per login)."""
 
-    def __init__(self, handler: InboundHandler, **kwargs: Any) -> None:
+    @property
+    def login_data(self) -> Any:
+        return self._login_data
+
+    @login_data.setter
+    def login_data(self, value: Any) -> None:
+        self._login_data = value
+
+
+class RelaySMTP(SMTP):
+    """aiosmtpd's protocol with our limits, enhanced codes, a 421 while shutting down, and a
+    limit on wrong AUTH passwords per connection.
+
+    Nothing here may be named `auth_*`: aiosmtpd takes every such member of the protocol
+    and of the handler for an AUTH mechanism."""
+
+    def __init__(self, handler: InboundHandler, listener: Listener, **kwargs: Any) -> None:
         limits = handler.config.limits
         self.line_length_limit = limits.max_line_length + 1  # + transparent dot
         self.command_size_limit = limits.max_command_length
+        self.relay_listener = listener  # as configured when this connection began
+        self.relay_auth_failures = 0  # per connection (a STARTTLS does not reset it)
         super().__init__(handler, **kwargs)
         self._relay_handler = handler
+
+    def _create_session(self) -> Session:
+        return _RelaySession(self.loop)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._relay_handler.closing and self.transport is None:
@@ -182,8 +218,20 @@ class RelaySMTP(SMTP):
             cast(asyncio.Transport, transport).write(msg)
             transport.close()
             return
-        self._relay_handler.stats.sessions += 1
+        if self.transport is None:  # not again for the TLS layer after STARTTLS
+            self._relay_handler.stats.sessions += 1
         super().connection_made(transport)
+
+    @syntax("AUTH <mechanism>")
+    async def smtp_AUTH(self, arg: str) -> None:
+        if self.relay_listener.auth is None and self.tls_context is not None:
+            # TLS without AUTH on this listener: aiosmtpd would offer its always-failing
+            # default mechanisms after STARTTLS. (Without TLS it answers 538, as before.)
+            await self.push("502 5.5.1 AUTH not available on this listener")
+            return
+        await super().smtp_AUTH(arg)
+        if self.relay_auth_failures >= auth_.MAX_FAILURES and self.transport is not None:
+            self.transport.close()  # the 421 has been sent (by InboundHandler._authenticate)
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         # aiosmtpd parses every MAIL/RCPT argument with the email package's RFC 5322
@@ -230,8 +278,10 @@ class InboundHandler:
 
     def protocol(self) -> RelaySMTP:
         cfg = self.config
+        lst = self.listener  # replaced on SIGHUP: new connections get the new TLS and users
         return RelaySMTP(
             self,
+            lst,
             hostname=cfg.hostname,
             ident="relay ESMTP",
             data_size_limit=cfg.limits.max_message_size,
@@ -239,7 +289,45 @@ class InboundHandler:
             decode_data=False,
             enable_SMTPUTF8=True,
             loop=asyncio.get_running_loop(),
+            tls_context=lst.tls.context if lst.tls is not None else None,
+            require_starttls=lst.require_tls,
+            # allow-listed networks still relay without AUTH
+            auth_required=False,
+            auth_require_tls=not (lst.auth is not None and lst.auth.allow_plaintext),
+            authenticator=self._authenticate if lst.auth is not None else None,
         )
+
+    def _authenticate(self, server: SMTP, session: Session, envelope: Envelope,
+                      mechanism: str, auth_data: Any) -> AuthResult:
+        """aiosmtpd's authenticator (PLAIN and LOGIN). Synchronous: aiosmtpd calls it inside
+        the event loop, so the scrypt (n=2**14, tens of ms) blocks the loop that long; see
+        relay/auth.py."""
+        proto = cast(RelaySMTP, server)
+        lst = proto.relay_listener
+        users = lst.auth.users if lst.auth is not None else {}
+        peer = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+        if isinstance(auth_data, LoginPassword):
+            name = auth_.check(users, auth_data.login, auth_data.password)
+            login = auth_data.login.decode("utf-8", errors="replace")
+        else:
+            name, login = None, ""
+        shown = login if self.config.log.unmask else auth_.mask_user(login)
+        if name is not None:
+            log_event(log, logging.INFO, "auth_ok", "client authenticated", user=shown,
+                      mechanism=mechanism, peer=peer, listener=lst.name,
+                      tls=session.ssl is not None)
+            # aiosmtpd stores this as session.auth_data: _namespace makes it `user:<name>`
+            return AuthResult(success=True, auth_data=name)
+        proto.relay_auth_failures += 1
+        self.stats.reject("auth_failed")
+        log_event(log, logging.WARNING, "auth_failed", "authentication failed", user=shown,
+                  mechanism=mechanism, peer=peer, listener=lst.name,
+                  failures=proto.relay_auth_failures)
+        if proto.relay_auth_failures >= auth_.MAX_FAILURES:
+            return AuthResult(success=False, handled=False,
+                              message="421 4.7.0 too many authentication failures")
+        return AuthResult(success=False, handled=False,
+                          message="535 5.7.8 Authentication credentials invalid")
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -248,6 +336,8 @@ class InboundHandler:
         responses: list[str],
     ) -> list[str]:
         session.host_name = hostname
+        if cast(RelaySMTP, server).relay_listener.auth is None:  # else aiosmtpd lists its own
+            responses = [r for r in responses if not r.startswith("250-AUTH")]
         last = responses.pop()  # "250 HELP"
         responses.extend(["250-PIPELINING", "250-ENHANCEDSTATUSCODES", last])
         return responses
@@ -310,6 +400,12 @@ class InboundHandler:
             self.in_flight -= 1
 
     async def handle_exception(self, error: Exception) -> str:
+        if isinstance(error, TLSSetupException):  # a client's failed handshake: its problem
+            cause = error.__cause__
+            log_event(log, logging.WARNING, "tls_failed", "STARTTLS handshake failed",
+                      listener=self.listener.name,
+                      error=f"{type(cause).__name__}: {cause}" if cause else "handshake")
+            return "454 4.7.0 TLS not available due to temporary reason"  # never sent
         log.error("inbound session error: %s: %s", type(error).__name__, error)
         return "451 4.3.0 Internal error; message not accepted, try again later"
 
@@ -339,7 +435,7 @@ class InboundHandler:
         trace = received_header(
             helo=session.host_name or "unknown", peer_ip=peer_ip, hostname=cfg.hostname,
             queue_id=queue_id, recipient=rcpts[0] if len(rcpts) == 1 else None,
-            protocol="ESMTP" if session.extended_smtp else "SMTP", now=now,
+            protocol=_with_protocol(session), now=now,
         )
         content = trace + added + data
         namespace = self._namespace(session)
@@ -415,6 +511,15 @@ _DOMAIN = re.compile(
     r"^(\[[0-9a-fA-F.:]+\]|(?=.{1,253}$)([A-Za-z0-9\u0080-\uffff]"
     r"([A-Za-z0-9\u0080-\uffff-]{0,61}[A-Za-z0-9\u0080-\uffff])?\.?)+)$"
 )
+
+
+def _with_protocol(session: Session) -> str:
+    """The `with` of our Received: line: SMTP, ESMTP, or RFC 3848's ESMTPS (TLS), ESMTPA
+    (authenticated), ESMTPSA (both)."""
+    if not session.extended_smtp:
+        return "SMTP"
+    return ("ESMTP" + ("S" if session.ssl is not None else "")
+            + ("A" if session.authenticated else ""))
 
 
 def _valid_domain(domain: str) -> bool:
