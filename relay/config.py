@@ -708,6 +708,23 @@ def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
     return ListenerAuth(users_file=path, allow_plaintext=allow_plaintext, users=users)
 
 
+def _readable(path: Path | None, key: str) -> Path | None:
+    if path is not None and not os.access(path, os.R_OK):
+        raise ConfigError(f"{key}: cannot read {path}")
+    return path
+
+
+def _nameservers(items: list[str]) -> list[str]:
+    from relay.delivery.mx import parse_nameserver  # the resolver's own parser
+
+    for i, spec in enumerate(items):
+        try:
+            parse_nameserver(spec)
+        except ValueError as e:
+            raise ConfigError(f"upstream.mx.nameservers[{i}]: {spec!r}: {e}") from None
+    return items
+
+
 def _upstream(data: object, base: Path, hostname: str) -> Upstream:
     r = _Reader(data, "upstream")
     mode = r.string("mode", ("smarthost", "mx"))
@@ -727,7 +744,7 @@ def _upstream(data: object, base: Path, hostname: str) -> Upstream:
         port=s.integer("port", 1),
         tls=s.string("tls", ("none", "opportunistic", "starttls", "implicit")),
         verify=s.boolean("verify"),
-        ca_file=s.path_("ca_file", base),
+        ca_file=_readable(s.path_("ca_file", base), "upstream.smarthost.ca_file"),
         username=s.opt_str("username"),
         password_file=pw_file,
         password=password,
@@ -745,7 +762,7 @@ def _upstream(data: object, base: Path, hostname: str) -> Upstream:
         port=m.integer("port", 1),
         tls=m.string("tls", ("none", "opportunistic", "starttls")),
         verify=m.boolean("verify"),
-        nameservers=None if ns_raw is None else tuple(ns_raw),
+        nameservers=None if ns_raw is None else tuple(_nameservers(ns_raw)),
         dns_timeout=m.duration("dns_timeout"),
     )
     m.finish()

@@ -15,6 +15,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -179,26 +180,43 @@ class Daemon:
         while True:
             await self._reload.wait()
             self._reload.clear()
-            self.reload()
+            try:
+                self.reload()
+            except Exception as e:  # never lose the reloader: later SIGHUPs must work
+                log_event(log, logging.ERROR, "config_rejected",
+                          "reload failed; keeping the running config", exc=e)
+
+    def _keep_restart_only(self, new: Config) -> Config:
+        """Listener addresses, the spool path and the upstream mode are fixed for the life
+        of the process (open sockets, the open database, jobs grouped by destination); a
+        reload that changes them keeps the running values and says so."""
+        old = self.config
+        keep: dict[str, Any] = {}
+        if [(x.host, x.port) for x in new.listen] != [(x.host, x.port) for x in old.listen]:
+            keep["listen"] = old.listen
+        if new.spool_path != old.spool_path:
+            keep["spool_path"] = old.spool_path
+        if new.upstream.mode != old.upstream.mode:
+            keep["upstream"] = dataclasses.replace(new.upstream, mode=old.upstream.mode)
+        if keep:
+            names = {"listen": "listen", "spool_path": "spool.path", "upstream": "upstream.mode"}
+            log_event(log, logging.WARNING, "config_reloaded",
+                      "these changes need a restart; the running values are kept",
+                      keys=[names[k] for k in keep])
+            new = dataclasses.replace(new, **keep)
+        return new
 
     def reload(self) -> bool:
         self.notifier.reloading()
+        assert self.engine is not None
         try:
-            new = load_config(self.config.path)
-        except ConfigError as e:
+            new = self._keep_restart_only(load_config(self.config.path))
+            self.engine.reconfigure(new)  # validates what only the engine builds
+        except (ConfigError, ValueError, OSError) as e:
             log_event(log, logging.ERROR, "config_rejected",
                       "new config rejected; keeping the running one", error=str(e))
             self.notifier.ready()
             return False
-        changed_restart = []
-        if [(lst.host, lst.port) for lst in new.listen] != [
-                (lst.host, lst.port) for lst in self.config.listen]:
-            changed_restart.append("listen")
-        if new.spool_path != self.config.spool_path:
-            changed_restart.append("spool.path")
-        if changed_restart:
-            log_event(log, logging.WARNING, "config_reloaded",
-                      "some changes need a restart to take effect", keys=changed_restart)
         self.config = new
         by_name = {lst.name: lst for lst in new.listen}
         for h in self.handlers:
@@ -207,8 +225,6 @@ class Daemon:
                 lst = by_name[h.listener.name]
                 if (lst.host, lst.port) == (h.listener.host, h.listener.port):
                     h.listener = lst
-        assert self.engine is not None
-        self.engine.reconfigure(new)
         reconfigure(new.log.level, new.log.format, new.log.unmask)
         log_event(log, logging.INFO, "config_reloaded", "configuration reloaded")
         self.notifier.ready()

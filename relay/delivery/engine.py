@@ -71,6 +71,8 @@ class Job:
     claims: list[ops.Claim]
     envelope: ops.Envelope
     enqueued_at: float = 0.0
+    reserved: tuple[str, ...] = ()  # ceiling counters reserved at dispatch
+    done: bool = False  # its outcomes are recorded (or being recorded)
 
 
 @dataclass(slots=True)
@@ -136,19 +138,19 @@ class Engine:
     # --- configuration ------------------------------------------------------------------
 
     def _apply_config(self, config: Config) -> None:
+        # everything that can fail first, into locals: a bad reload changes nothing
+        tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
+        operator_rules = [shaping.parse_rule(r) for r in (config.shaping.rules or [])]
+        resolver = self.resolver
+        ns = config.upstream.mx.nameservers
+        if resolver is None or ns != getattr(self, "_ns", None):
+            resolver = Resolver(nameservers=list(ns) if ns else None,
+                                timeout=config.upstream.mx.dns_timeout, rng=self.rng)
         self.config = config
-        self.tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
-        rules_raw = config.shaping.rules
-        operator_rules = [shaping.parse_rule(r) for r in (rules_raw or [])]
+        self.tz = tz
         self.rules = [*operator_rules, *shaping.DEFAULT_RULES]
-        if self.resolver is None or config.upstream.mx.nameservers != getattr(
-            self, "_ns", None
-        ):
-            self._ns = config.upstream.mx.nameservers
-            self.resolver = Resolver(
-                nameservers=list(config.upstream.mx.nameservers)
-                if config.upstream.mx.nameservers else None,
-                timeout=config.upstream.mx.dns_timeout, rng=self.rng)
+        self.resolver = resolver
+        self._ns = ns
         for name, st in self.dests.items():
             conf = config.destination(name)
             st.conf = conf
@@ -347,7 +349,15 @@ class Engine:
             job.claims.append(cl)
         immediate: list[ops.Outcome] = []
         for job in jobs.values():
-            immediate.extend(self._dispatch(job, now, stored))
+            try:
+                immediate.extend(self._dispatch(job, now, stored))
+            except Exception as e:  # never strand a claim: wait a minute and try again
+                log_event(log, logging.ERROR, "engine_error", "dispatch failed",
+                          queue_id=job.msg_id, exc=e)
+                immediate.extend(ops.Outcome(
+                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DEFERRED,
+                    count_attempt=False, next_attempt_at=now + 60, last_reply=None,
+                    reason=f"internal error: {type(e).__name__}") for cl in job.claims)
         if immediate:
             await self._record(immediate)
         return len(claims)
@@ -391,14 +401,18 @@ class Engine:
             out.extend(self._outcomes_wait(
                 job, until, f"circuit open for {st.name} until {_iso(until)}"))
             return out
-        over = self._over_ceiling(job, st, now)
-        if over is not None:
-            until, reason = over
-            self.metrics.deferred.labels(st.name, "daily_limit").inc(len(job.claims))
+        room = self._ceiling_room(job, st, now)
+        if room is not None and room[0] < len(job.claims):
+            left, until, reason = room
+            # what fits goes now; the rest of the recipients waits for the next window
+            wait = dataclasses.replace(job, claims=job.claims[left:])
+            job.claims = job.claims[:left]
+            self.metrics.deferred.labels(st.name, "daily_limit").inc(len(wait.claims))
             log_event(log, logging.INFO, "deferred", reason, queue_id=job.msg_id,
-                      destination=st.name, rcpts=[c.address for c in job.claims])
-            out.extend(self._outcomes_wait(job, until, reason))
-            return out
+                      destination=st.name, rcpts=[c.address for c in wait.claims])
+            out.extend(self._outcomes_wait(wait, until, reason))
+            if not job.claims:
+                return out
         n = len(job.claims)
         st.reserved += n
         self._reserve(job, n)
@@ -410,9 +424,24 @@ class Engine:
         return out
 
     def _outcomes_wait(self, job: Job, until: float, reason: str) -> list[ops.Outcome]:
-        return [ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DEFERRED,
-                            count_attempt=False, next_attempt_at=until, last_reply=None,
-                            reason=reason) for cl in job.claims]
+        """Wait without burning an attempt, but never past `retry.max_age`: a message that
+        is too old when it would wait again expires (failed, dead letter) like any other."""
+        now = self.clock()
+        deadline = job.created_at + self.config.retry.max_age
+        if now < deadline:
+            return [ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id,
+                                state=RcptState.DEFERRED, count_attempt=False,
+                                next_attempt_at=min(until, deadline), last_reply=None,
+                                reason=reason) for cl in job.claims]
+        text = (f"expired after {_human(self.config.retry.max_age)} in queue;"
+                f" still waiting: {reason}")
+        self.metrics.failed.labels(job.destination).inc(len(job.claims))
+        self._emit_dead([self._dead(job, cl, "expired", text, job.destination)
+                         for cl in job.claims])
+        return [ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.FAILED,
+                            count_attempt=False, next_attempt_at=None, last_reply=text,
+                            log=ops.AttemptLog("expired", text, job.destination, None, None))
+                for cl in job.claims]
 
     # --- daily ceilings -------------------------------------------------------------------
 
@@ -435,31 +464,41 @@ class Engine:
                 out.append((f"id:{job.identity}", job.identity, lim))
         return out
 
-    def _over_ceiling(self, job: Job, st: DestState, now: float) -> tuple[float, str] | None:
+    def _roll_day(self, now: float) -> None:
+        """A new window: today's counts start from zero (they are counted in the spool by
+        the day of each delivery); reservations of jobs in flight carry over."""
         day = self._day(now)
         if day != self.counts_day:
-            self.counts = {}
+            self.counts = {k: v for k, v in self.counts.items() if k.startswith("reserved:")}
             self.counts_day = day
-            for d in self.dests.values():
-                d.reserved = 0
-        n = len(job.claims)
+
+    def _ceiling_room(self, job: Job, st: DestState, now: float
+                      ) -> tuple[int, float, str] | None:
+        """How many recipients of `job` fit under every ceiling now, with the next window
+        and the reason for the rest; None when no ceiling applies."""
+        self._roll_day(now)
+        room: tuple[int, float, str] | None = None
         for scope, name, limit in self._limits_for(job, st, now):
             used = self.counts.get(scope, 0) + self.counts.get("reserved:" + scope, 0)
-            if used + n > limit:
+            left = max(0, limit - used)
+            if room is None or left < room[0]:
                 nxt = shaping.next_window(now, self.tz, self.config.shaping.window_length)
-                return nxt, shaping.ceiling_reason(limit, name, nxt)
-        return None
+                room = (left, nxt, shaping.ceiling_reason(limit, name, nxt))
+        return room
 
     def _reserve(self, job: Job, n: int) -> None:
         st = self.dests[job.destination]
-        for scope, _name, _lim in self._limits_for(job, st, self.clock()):
+        scopes = tuple(scope for scope, _n, _l in self._limits_for(job, st, self.clock()))
+        for scope in scopes:
             k = "reserved:" + scope
             self.counts[k] = self.counts.get(k, 0) + n
+        job.reserved = scopes
 
     def _unreserve(self, job: Job, n: int, delivered: int) -> tuple[str, ...]:
         st = self.dests[job.destination]
+        self._roll_day(self.clock())
         scopes = []
-        for scope, _name, _lim in self._limits_for(job, st, self.clock()):
+        for scope in job.reserved:
             k = "reserved:" + scope
             self.counts[k] = max(0, self.counts.get(k, 0) - n)
             self.counts[scope] = self.counts.get(scope, 0) + delivered
@@ -511,17 +550,42 @@ class Engine:
                 st.active[job.lane] += 1
                 try:
                     conn = await self._deliver(st, job, conn)
+                except Exception as e:
+                    # a bug or an unforeseen error must not strand the claim in memory
+                    # (`sending` until restart): record it as a transient failure
+                    log_event(log, logging.ERROR, "engine_error", "delivery attempt failed",
+                              queue_id=job.msg_id, destination=st.name, exc=e)
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                    if not job.done:
+                        reply = Reply(451, "4.3.0", f"internal error: {type(e).__name__}")
+                        v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+                        await self._apply(st, job, {c.address: RcptResult(v, reply, Phase.CONNECT)
+                                                    for c in job.claims},
+                                          host=None, duration=0.0)
                 finally:
                     st.active[job.lane] -= 1
+                if self._other_destination_starved(st):
+                    return  # hand this connection slot to a destination that has none
         finally:
             if conn is not None:
                 await conn.quit()
             if not self._stopping:
                 # this connection slot is free now: give it to whoever waits for one
                 st.workers.discard(asyncio.current_task())
-                for d in [st, *self.dests.values()]:
-                    if d.queued():
-                        self._spawn_workers(d)
+                # destinations with work and no connection at all come first
+                waiting = sorted((d for d in self.dests.values() if d.queued()),
+                                 key=lambda d: (bool(d.workers), d is not st))
+                for d in waiting:
+                    self._spawn_workers(d)
+
+    def _other_destination_starved(self, st: DestState) -> bool:
+        """With every connection slot (`delivery.workers`) taken, a destination with work
+        and no worker at all gets the slot of a busy one after its current transaction."""
+        if sum(len(d.workers) for d in self.dests.values()) < self.config.delivery.workers:
+            return False
+        return any(d is not st and d.queued() and not d.workers for d in self.dests.values())
 
     async def _wait_token(self, st: DestState) -> None:
         while st.bucket is not None:
@@ -736,6 +800,9 @@ class Engine:
             self._retune(st)
             self._spawn_workers(st)
         await self._finish(job, outcomes, delivered)
+        self._emit_dead(dead, host)
+
+    def _emit_dead(self, dead: list[dict[str, Any]], host: str | None = None) -> None:
         for d in dead:
             # the outcome itself (standard events bounced / failed / expired, see relay.logs),
             # then the dead letter it makes
@@ -772,6 +839,9 @@ class Engine:
         }
 
     async def _finish(self, job: Job, outcomes: Sequence[ops.Outcome], delivered: int) -> None:
+        if job.done:
+            return
+        job.done = True
         n = len(job.claims)
         scopes = self._unreserve(job, n, delivered)
         st = self.dests[job.destination]

@@ -124,11 +124,17 @@ class Connection:
 
     async def _open(self, mode: str) -> None:
         phase = Phase.CONNECT
+        try:
+            # inside the try: an unreadable ca_file is a (loud, transient) connect failure
+            tls_ctx = _tls_context(self.tls) if mode == "implicit" else None
+        except (OSError, ssl.SSLError) as e:
+            reply = Reply(454, "4.7.0", f"TLS set-up failed: {e}")
+            raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, Phase.STARTTLS,
+                                True) from e
         smtp = aiosmtplib.SMTP(
             hostname=self.address, port=self.port, local_hostname=self.helo,
             timeout=self.timeouts.command, use_tls=mode == "implicit", start_tls=False,
-            validate_certs=self.tls.verify,
-            tls_context=_tls_context(self.tls) if mode in ("implicit",) else None,
+            validate_certs=self.tls.verify, tls_context=tls_ctx,
         )
         self.smtp = smtp
         try:
