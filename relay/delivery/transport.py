@@ -273,8 +273,8 @@ class Connection:
                 body += b"\r\n"
             payload = PERIOD_REGEX.sub(b"..", body) + b".\r\n"
             proto._response_pending = True
-            self._dot_sent = True
             proto.write(payload)
+            self._dot_sent = True  # only once written: a failed write is not ambiguous
             try:
                 final = await proto.read_response(timeout=self.timeouts.data)
             except BaseException:
