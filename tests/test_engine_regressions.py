@@ -175,3 +175,29 @@ def test_reload_with_bad_nameserver_is_rejected_and_reloads_still_work(upstream,
     _hup_and_wait(r, "config_reloaded")
     assert send(r.port, "app@example.com", ["user@example.org"], make_message(2)) == {}
     up.wait_for(1)
+
+
+def test_retry_of_an_expired_recipient_gets_a_fresh_max_age(upstream, relay) -> None:
+    up = upstream()
+    mode = {"fail": 10**6}
+
+    def data_reply(env):  # 451 while mode["fail"] > 0
+        if mode["fail"] > 0:
+            mode["fail"] -= 1
+            return "451 4.3.0 try later"
+        return None
+
+    up.data_reply = data_reply
+    r = relay(upstream=up, config={
+        "retry": {"schedule": ["0.5s"], "max_age": "3s", "min_delay": "0.2s"},
+        "destinations": {"*": {"circuit_failures": 100}},
+    })
+    assert send(r.port, "app@example.com", ["user@example.org"], make_message(1)) == {}
+    r.wait_until(lambda: r.recipient_states().get("user@example.org") == "failed",
+                 timeout=20, what="expired")
+    mode["fail"] = 1  # the replay's first attempt fails transiently, the next succeeds
+    r.cli("queue", "retry", "--failed", check=True)
+    r.wait_until(lambda: r.recipient_states().get("user@example.org") == "delivered",
+                 timeout=20, what="delivered after the replay")
+    rc = r.queue()[0]["recipients"][0]
+    assert rc["attempts"] == 2  # one transient failure after the retry, then delivered

@@ -870,3 +870,29 @@ def test_queue_show_json(populated: Path) -> None:
     res = _cli(populated, "queue", "show", "NOSUCHID0000000", "--json")
     assert res.returncode == 1
     assert "NOSUCHID0000000" in res.stderr
+
+
+def test_migration_from_version_1_keeps_the_queue(tmp_path: Path) -> None:
+    """A spool written by the first release (schema 1) is upgraded in place at open."""
+    import sqlite3
+
+    path = tmp_path / "old"
+    path.mkdir()
+    c = sqlite3.connect(db.db_path(path), isolation_level=None)
+    for stmt in db._statements(db.MIGRATIONS[0]):
+        c.execute(stmt)
+    c.execute("PRAGMA user_version=1")
+    c.execute("INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
+              " lane, identity, body) VALUES ('Q1', 'm@x', 'a@x', 1, 1.0, 'c', 'p',"
+              " 'transactional', 'x', x'00')")
+    c.execute("INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
+              " next_attempt_at, dedup_key, updated_at) VALUES ('Q1', 'u@x', 'x', 0,"
+              " 'deferred', 1.0, 'k', 1.0)")
+    c.close()
+    conn = db.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(db.MIGRATIONS)
+        row = conn.execute("SELECT state, retry_base FROM recipients").fetchone()
+        assert tuple(row) == ("deferred", None)
+    finally:
+        conn.close()

@@ -100,6 +100,11 @@ MIGRATIONS: list[str] = [
         detail      TEXT NOT NULL
     );
     """,
+    # 1 -> 2: an operator's `queue retry` restarts a recipient's max_age clock from the
+    # retry (NULL: from the message's arrival).
+    """
+    ALTER TABLE recipients ADD COLUMN retry_base REAL;
+    """,
 ]
 
 

@@ -136,7 +136,8 @@ def claim_due(conn: sqlite3.Connection, now: float, limit: int,
             params.extend((prio, domain))
     params.append(limit)
     rows = conn.execute(
-        "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts, m.created_at, m.lane,"
+        "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
+        " coalesce(r.retry_base, m.created_at), m.lane,"
         " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
         " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?" + where +
         " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
@@ -373,6 +374,8 @@ def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptSta
         params.append(now)
     if reset:
         sets.append("attempts = 0")
+        sets.append("retry_base = ?")  # a fresh retry.max_age from now
+        params.append(now)
     sql = (f"UPDATE recipients SET {', '.join(sets)}"
            f" WHERE state IN ({','.join('?' * len(src_list))})")
     params.extend(src_list)
