@@ -862,15 +862,19 @@ class Engine:
     async def _record(self, outcomes: Sequence[ops.Outcome]) -> None:
         now = self.clock()
         day = self._day(now)
-        for _ in range(5):
+        delay = 0.5
+        while True:
             try:
                 await self.writer.run(lambda c: ops.record(c, outcomes, now, day))
                 return
             except Exception as e:
                 log_event(log, logging.ERROR, "spool_error",
                           "could not record outcomes; retrying", exc=e)
-                await asyncio.sleep(1.0)
-        # Left `sending`: recovery at the next start makes them due again (at-least-once).
+                if self._stopping:
+                    # left `sending`: the next start makes them due again (at-least-once)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)  # until the spool takes it (disk full, lock)
 
     # --- views ----------------------------------------------------------------------------
 
