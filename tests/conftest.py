@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from tests.harness import RelayProcess, Upstream, deep_merge, smarthost_config
 
@@ -43,3 +44,16 @@ def relay(tmp_path: Path) -> Iterator[Callable[..., RelayProcess]]:
     yield factory
     for r in made:
         r.kill()
+
+
+@pytest.fixture
+def ca() -> trustme.CA:
+    """A throwaway certificate authority (trustme) for TLS tests."""
+    return trustme.CA()
+
+
+@pytest.fixture
+def ca_file(ca: trustme.CA, tmp_path: Path) -> Path:
+    path = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return path

@@ -414,6 +414,14 @@ class RelayProcess:
         return {r["address"]: r["state"] for m in self.queue() for r in m["recipients"]}
 
 
+def server_context(ca: Any, *names: str) -> ssl.SSLContext:
+    """A server-side TLS context with a certificate from a trustme CA (default name:
+    127.0.0.1)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*(names or ("127.0.0.1",))).configure_cert(ctx)
+    return ctx
+
+
 def smarthost_config(up: Upstream, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {"upstream": {"mode": "smarthost", "smarthost": {
         "host": "127.0.0.1", "port": up.port, "tls": "none"}}}

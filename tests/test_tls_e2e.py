@@ -6,7 +6,6 @@ and AUTH PLAIN/LOGIN over STARTTLS."""
 from __future__ import annotations
 
 import smtplib
-import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import trustme
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
 
 from tests.dnsserver import DnsServer
-from tests.harness import RelayProcess, Upstream, deep_merge, make_message, send
+from tests.harness import RelayProcess, Upstream, deep_merge, make_message, send, server_context
 
 pytestmark = pytest.mark.slow
 
@@ -28,24 +27,6 @@ FAST: dict[str, Any] = {
     "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
     "destinations": {"*": {"command_timeout": "2s", "data_timeout": "2s", "connect_timeout": "2s"}},
 }
-
-
-def server_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*(names or ("127.0.0.1",))).configure_cert(ctx)
-    return ctx
-
-
-@pytest.fixture
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-def ca_file(ca: trustme.CA, tmp_path: Path) -> Path:
-    path = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(path))
-    return path
 
 
 def smarthost(up: Upstream, **settings: Any) -> dict[str, Any]:

@@ -8,7 +8,6 @@ import asyncio
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import trustme
 
 from relay.delivery.transport import ConnectFailed, Connection, Timeouts, TlsPolicy
 from relay.replies import Outcome, Phase
-from tests.harness import Upstream, free_port
+from tests.harness import Upstream, free_port, server_context
 
 SENDER = "app@example.com"
 BODY = b"From: app@example.com\r\nTo: user@example.org\r\nSubject: t\r\n\r\nhello\r\n"
@@ -57,24 +56,6 @@ async def conn_factory() -> AsyncIterator[MakeConn]:
         # closing a TLS session is a close_notify exchange that completes on the event
         # loop; let it finish before the test's loop closes (else: unclosed socket warning)
         await asyncio.sleep(0.3)
-
-
-def server_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*(names or ("127.0.0.1",))).configure_cert(ctx)
-    return ctx
-
-
-@pytest.fixture
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-def ca_file(ca: trustme.CA, tmp_path: Path) -> Path:
-    path = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(path))
-    return path
 
 
 # --- a plain session ----------------------------------------------------------------------
