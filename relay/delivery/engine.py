@@ -563,7 +563,7 @@ class Engine:
                         v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
                         await self._apply(st, job, {c.address: RcptResult(v, reply, Phase.CONNECT)
                                                     for c in job.claims},
-                                          host=None, duration=0.0)
+                                          host=None, duration=0.0, upstream_seen=False)
                 finally:
                     st.active[job.lane] -= 1
                 if self._other_destination_starved(st):
@@ -618,7 +618,8 @@ class Engine:
                 reply = Reply(451, "4.3.0", f"spool body unreadable: {e.strerror}")
                 await self._apply(st, job, {c.address: RcptResult(
                     Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION), reply,
-                    Phase.CONNECT) for c in job.claims}, host=None, duration=0.0)
+                    Phase.CONNECT) for c in job.claims}, host=None, duration=0.0,
+                    upstream_seen=False)
                 return conn
         assert body is not None
         sender = job.sender
@@ -697,7 +698,9 @@ class Engine:
 
     async def _apply(self, st: DestState, job: Job, results: dict[str, RcptResult], *,
                      host: str | None, duration: float,
-                     connection_failed: bool = False) -> None:
+                     connection_failed: bool = False, upstream_seen: bool = True) -> None:
+        """Record one attempt's results. `upstream_seen` False: the attempt never reached
+        the upstream (our own error), so it says nothing about the destination's health."""
         now = self.clock()
         outcomes: list[ops.Outcome] = []
         dead: list[dict[str, Any]] = []
@@ -774,7 +777,9 @@ class Engine:
                 self.metrics.failed.labels(st.name).inc()
                 dead.append(self._dead(job, cl, "failed", reply_s, st.name))
         # destination health
-        if connection_failed:
+        if not upstream_seen:
+            st.breaker.release()  # a half-open trial that never tried goes back
+        elif connection_failed:
             st.breaker.on_failure(now)
         else:
             st.breaker.on_success(now)
