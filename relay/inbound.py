@@ -415,7 +415,9 @@ class InboundHandler:
         cfg = self.config
         now = time.time()
         raw = envelope.original_content or b""
-        data = normalize_line_endings(raw)
+        # a large message is scanned off the event loop: other sessions keep moving
+        data = (await asyncio.to_thread(normalize_line_endings, raw) if len(raw) > 1 << 20
+                else normalize_line_endings(raw))
         head, body = split_message(data)
         headers = parse_headers(head)
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
