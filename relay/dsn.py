@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -83,7 +84,7 @@ async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
     queue_id = str(doc["queue_id"])
     body, path = await daemon.writer.run(lambda c: ops.message_body(c, queue_id))
     if body is None and path:
-        body = bodies.read_body(cfg.spool_path, path)
+        body = await asyncio.to_thread(bodies.read_body, cfg.spool_path, path)
     headers, _ = split_message(body or b"")
     # the first enhanced code in the reply: "550 5.1.1 ..." or, for an expired recipient,
     # "expired after 5d in queue; last reply: 451 4.2.2 ..." (the code is not its 2nd word)
