@@ -431,7 +431,7 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
 
 
 def _iso(ts: float | None) -> str | None:
-    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    return None if ts is None else ops.iso_utc(ts)
 
 
 def _print_json(obj: Any) -> None:

@@ -158,7 +158,7 @@ class Daemon:
             return
         snap = self.engine.snapshot()
         snap["pid"] = os.getpid()
-        snap["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))
+        snap["started_at"] = ops.iso_utc(self.started_at)
         snap["inbound"] = {"accepted": self.stats.accepted,
                            "deduplicated": self.stats.deduplicated,
                            "rejected": self.stats.rejected, "sessions": self.stats.sessions}

@@ -373,7 +373,7 @@ class InboundHandler:
         supp = self.suppressions.get(address)
         if supp is not None:
             self.stats.reject("suppressed")
-            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(supp[1]))
+            since = ops.iso_utc(supp[1])
             return (f"550 5.1.1 Recipient is suppressed since {since}: "
                     f"{_printable(supp[0])[:200]}")
         envelope.rcpt_tos.append(address)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay import retry, shaping
-from relay.config import Config, Destination
+from relay.config import Config, Destination, Identity
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.mx import MxHost, Resolver
 from relay.delivery.transport import (
@@ -452,17 +452,20 @@ class Engine:
             out.append((f"dest:{st.name}", st.name, st.conf.daily_limit))
         ident = self.config.identity(job.identity)
         if ident is not None:
-            warm = None
-            if ident.warmup is not None:
-                w = ident.warmup
-                today = dt.datetime.fromtimestamp(now, self.tz).date()
-                warm = shaping.warmup_limit(shaping.Warmup(
-                    start=dt.date.fromisoformat(w.start), schedule=w.schedule,
-                    initial=w.initial, factor=w.factor, ceiling=w.ceiling), today)
-            lim = shaping.effective_daily_limit(ident.daily_limit, warm)
+            lim = shaping.effective_daily_limit(ident.daily_limit, self._warmup_limit(ident, now))
             if lim is not None:
                 out.append((f"id:{job.identity}", job.identity, lim))
         return out
+
+    def _warmup_limit(self, ident: Identity, now: float) -> int | None:
+        """Today's warm-up ceiling of an identity (None: no warm-up)."""
+        w = ident.warmup
+        if w is None:
+            return None
+        today = dt.datetime.fromtimestamp(now, self.tz).date()
+        return shaping.warmup_limit(shaping.Warmup(
+            start=dt.date.fromisoformat(w.start), schedule=w.schedule, initial=w.initial,
+            factor=w.factor, ceiling=w.ceiling), today)
 
     def _roll_day(self, now: float) -> None:
         """A new window: today's counts start from zero (they are counted in the spool by
@@ -907,13 +910,7 @@ class Engine:
             }
         idents = {}
         for key, ident in self.config.identities.items():
-            warm = None
-            if ident.warmup is not None:
-                w = ident.warmup
-                warm = shaping.warmup_limit(shaping.Warmup(
-                    start=dt.date.fromisoformat(w.start), schedule=w.schedule,
-                    initial=w.initial, factor=w.factor, ceiling=w.ceiling),
-                    dt.datetime.fromtimestamp(now, self.tz).date())
+            warm = self._warmup_limit(ident, now)
             idents[key] = {"today": self.counts.get(f"id:{key}", 0),
                            "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
                            "warmup_limit": warm}
@@ -922,7 +919,7 @@ class Engine:
 
 
 def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    return ops.iso_utc(ts)
 
 
 def _human(seconds: float) -> str:

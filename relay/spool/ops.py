@@ -424,10 +424,13 @@ def existing_ids(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
 # --- reading --------------------------------------------------------------------------------
 
 
-def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
+def iso_utc(ts: float) -> str:
+    """The one timestamp format of the CLI's JSON and the logs: ISO 8601, UTC, seconds."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else iso_utc(ts)
 
 
 def list_messages(
