@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sqlite3
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from relay.address import AddressError, check_mailbox, printable
 from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
 from relay.logs import log_event, setup_logging
 from relay.spool import bodies, db, ops
@@ -309,12 +309,18 @@ def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             _print_json(rows)
         else:
             for r in rows:
-                print(f"{r['address']:<40} {r['created_at']}  {r['reason']}")
+                # printable(): an address or reason spooled before addresses were checked
+                # may hold control characters; never write them raw to a terminal.
+                print(f"{printable(r['address']):<40} {r['created_at']}  "
+                      f"{printable(r['reason'] or '')}")
             print(f"-- {len(rows)} suppressed address{'es' if len(rows) != 1 else ''}")
         return EXIT_OK
     addr = args.address.strip().strip("<>")
-    if not re.fullmatch(r"[^@\s]+@[^@\s]+", addr):
-        print(f"relay: {args.address!r} is not an email address", file=sys.stderr)
+    try:
+        check_mailbox(addr)
+    except AddressError as e:
+        print(f"relay: '{printable(args.address)}' is not an email address: {e}",
+              file=sys.stderr)
         return EXIT_USAGE
     if args.scmd == "add":
         ok = _act(conn, "suppression_add", {"address": addr},
@@ -448,11 +454,11 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
     for m in msgs:
         total += m["size"]
         print(f"{m['id']:<18} {m['state']:<9} {m['size']:>8} {m['created_at']:<21}"
-              f" {m['sender'] or '<>'}")
+              f" {printable(m['sender'] or '<>')}")
         for r in m["recipients"]:
             if r["last_reply"] and r["state"] not in ("delivered",):
-                print(f"{'':<59}({r['last_reply'][:100]})")
-            print(f"{'':<59}{r['address']} [{r['state']}]")
+                print(f"{'':<59}({printable(r['last_reply'][:100])})")
+            print(f"{'':<59}{printable(r['address'])} [{r['state']}]")
         print()
     print(f"-- {total // 1024} Kbytes in {len(msgs)} Request{'s' if len(msgs) != 1 else ''}.")
 
@@ -460,22 +466,22 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
 def _print_show(msg: dict[str, Any]) -> None:
     for k in ("id", "state", "message_id", "sender", "size", "created_at", "lane",
               "identity", "client", "peer", "next_attempt_at"):
-        print(f"{k + ':':<17}{msg.get(k)}")
+        print(f"{k + ':':<17}{printable(str(msg.get(k)))}")
     print("recipients:")
     for r in msg["recipients"]:
-        print(f"  {r['address']}  {r['state']}  attempts={r['attempts']}"
+        print(f"  {printable(r['address'])}  {r['state']}  attempts={r['attempts']}"
               f"  next={r['next_attempt_at'] or '-'}")
         if r["last_reply"]:
-            print(f"      last reply: {r['last_reply']}")
+            print(f"      last reply: {printable(r['last_reply'])}")
         if r.get("reason"):
             print(f"      waiting: {r['reason']}")
     print("attempt log:")
     for a in msg["attempt_log"]:
-        print(f"  {a['at']}  {a['recipient']}  {a['outcome']}  {a['host'] or '-'}"
-              f"  {a['reply'] or ''}")
+        print(f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}  {a['host'] or '-'}"
+              f"  {printable(a['reply'] or '')}")
     print("headers:")
     for line in msg["headers"].splitlines():
-        print(f"  {line}")
+        print(f"  {printable(line)}")
     if "body" in msg:
         print("body:")
         print(msg["body"])

@@ -62,6 +62,7 @@ from typing import BinaryIO, NoReturn
 
 import yaml
 
+from relay.address import AddressError, check_mailbox, printable
 from relay.config import DEFAULT_PATH, DEFAULTS, ConfigError, parse_hostport
 
 EX_OK = 0
@@ -495,12 +496,20 @@ def run(argv: Sequence[str]) -> int:
         return smtp_proxy(target)
     default_from = default_sender(target.hostname)
     sender = default_from if opts.sender is None else opts.sender.strip().strip("<>").strip()
+    if sender:
+        try:
+            check_mailbox(sender)
+        except AddressError as e:
+            _die(EX_USAGE, f"bad sender address '{printable(sender)}': {e}")
     rcpts = parse_recipients(opts.recipients)
     if not rcpts and not opts.extract:
         _die(EX_USAGE, "no recipients given (name them as arguments, or use -t)")
     lines = read_message(sys.stdin.buffer, opts.ignore_dots)
     data, found = build_message(lines, opts, sender, default_from)
     rcpts = _dedupe(rcpts + found)
+    for r in rcpts:
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in r):
+            _die(EX_USAGE, f"bad recipient address '{printable(r)}': control character")
     if not rcpts:
         _die(EX_USAGE, "no recipients found (none as arguments, none in To/Cc/Bcc)")
     try:

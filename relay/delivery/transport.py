@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import aiosmtplib
-from aiosmtplib.email import quote_address
 from aiosmtplib.protocol import PERIOD_REGEX
 
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
@@ -194,12 +193,21 @@ class Connection:
                 for r in recipients:
                     out.results[r] = RcptResult(v, reply, Phase.MAIL)
                 return out
+            if any(_unsafe(a) for a in (sender, *recipients)):
+                # Defence in depth (spools written before addresses were checked at MAIL and
+                # RCPT): a CR, LF or other control character would change the command line.
+                reply = Reply(553, "5.1.3", "address contains a control character; not sent")
+                v = classify(reply, Phase.MAIL)
+                for r in recipients:
+                    out.results[r] = RcptResult(v, reply, Phase.MAIL)
+                return out
             if utf8:
                 opts.append(b"SMTPUTF8")
             enc = "utf-8" if utf8 else "ascii"
-            # MAIL FROM:<> for the null sender: quote_address("") gives "<>".
+            # The addresses were checked at MAIL/RCPT (relay/address.py) and are sent exactly
+            # as stored: never re-parsed into another address. "" is the null sender <>.
             resp = await smtp.execute_command(
-                b"MAIL", b"FROM:" + quote_address(sender).encode(enc), *opts,
+                b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts,
                 timeout=to.command)
             if resp.code != 250:
                 reply = Reply.parse(resp.code, resp.message)
@@ -212,7 +220,7 @@ class Connection:
             accepted: list[str] = []
             for r in recipients:
                 resp = await smtp.execute_command(
-                    b"RCPT", b"TO:" + quote_address(r).encode(enc),
+                    b"RCPT", b"TO:<" + r.encode(enc) + b">",
                     timeout=to.command)
                 reply = Reply.parse(resp.code, resp.message)
                 if resp.code in (250, 251, 252):
@@ -313,3 +321,8 @@ def _with_host(reply: Reply, label: str) -> Reply:
     if label in reply.text:
         return reply
     return Reply(reply.code, reply.enhanced, f"{reply.text} ({label})")
+
+
+def _unsafe(address: str) -> bool:
+    return any(ord(ch) < 32 or ord(ch) == 127 for ch in address) or ">" in address.rpartition(
+        "@")[2]

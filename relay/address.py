@@ -1,0 +1,236 @@
+"""SMTP paths (RFC 5321 §4.1.2) parsed once, into the exact form that is stored and sent.
+
+Rules:
+- One pass over the characters, no regular expression with nested quantifiers: the time is
+  linear in the length of the argument whatever a client sends (a hostile `MAIL FROM` must
+  never stall the event loop).
+- The address we keep is the client's own text between `<` and `>` (minus an obsolete
+  source route, RFC 5321 §4.1.2 / Appendix C), after it has been checked. It is what goes
+  into the spool, the logs, the suppression list and, unchanged, the upstream's `MAIL FROM` /
+  `RCPT TO`: nothing later re-parses it into another address.
+- A control character (C0, DEL, C1), a bare CR or LF, a NUL, a space outside quotes, an
+  unbalanced `<` / `>` or a byte that is not UTF-8 is a syntax error, answered 5xx.
+- A quoted local part (`"john doe"@example.org`) and SMTPUTF8 addresses (RFC 6531 §3.3:
+  UTF-8 in atext, qtext and the domain's U-labels) keep working.
+- Limits of RFC 5321 §4.5.3.1: a local part of at most 64 octets, a domain of at most 255,
+  a path of at most 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# RFC 5322 §3.2.3 atext (the ASCII part); UTF-8 beyond ASCII is allowed too (RFC 6531 §3.3).
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_ATEXT = frozenset(_ALNUM + "!#$%&'*+-/=?^_`{|}~")
+_LDH = frozenset(_ALNUM + "-")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+MAX_LOCAL = 64
+MAX_DOMAIN = 255
+MAX_PATH = 256
+
+
+class AddressError(ValueError):
+    """A path that is not RFC 5321 syntax; the message says what is wrong, for the reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    address: str  # "" for the null reverse-path <>
+    params: str  # the text after the closing ">", stripped (ESMTP parameters)
+
+
+def _non_ascii_ok(ch: str) -> bool:
+    """UTF-8 beyond ASCII, but no C1 control character and no lone surrogate (a byte that
+    was not UTF-8, kept by aiosmtpd's surrogateescape decoding)."""
+    o = ord(ch)
+    return o >= 0xA0 and not 0xD800 <= o <= 0xDFFF
+
+
+def _printable(ch: str) -> bool:
+    o = ord(ch)
+    return 32 <= o < 127 or (o >= 0xA0 and not 0xD800 <= o <= 0xDFFF)
+
+
+def check_domain(domain: str) -> None:
+    """RFC 5321 §4.1.2 Domain (sub-domains of letters, digits and hyphens, not starting or
+    ending with a hyphen, at most 63 octets each) or an address literal; U-labels allowed
+    (RFC 6531). Raises AddressError."""
+    if not domain:
+        raise AddressError("missing domain")
+    if len(domain.encode("utf-8", "surrogatepass")) > MAX_DOMAIN:
+        raise AddressError("domain too long")
+    if domain[0] == "[":
+        _check_literal(domain)
+        return
+    for label in domain.split("."):
+        if not label:
+            raise AddressError("empty label in domain")
+        if len(label.encode("utf-8", "surrogatepass")) > 63:
+            raise AddressError("domain label too long")
+        if label[0] == "-" or label[-1] == "-":
+            raise AddressError("domain label starts or ends with '-'")
+        for ch in label:
+            if ch not in _LDH and not _non_ascii_ok(ch):
+                raise AddressError(f"character {_show(ch)} not allowed in a domain")
+
+
+def _check_literal(text: str) -> None:
+    """RFC 5321 §4.1.3 address literal: [1.2.3.4] or [IPv6:...]."""
+    if len(text) < 3 or text[-1] != "]":
+        raise AddressError("malformed address literal")
+    inner = text[1:-1]
+    if inner[:5].lower() == "ipv6:":
+        body = inner[5:]
+        if not body or any(c not in _HEX and c not in ":." for c in body):
+            raise AddressError("malformed IPv6 address literal")
+        return
+    parts = inner.split(".")
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and len(p) <= 3
+                                  and int(p) <= 255 for p in parts):
+        raise AddressError("malformed IPv4 address literal")
+
+
+def _local_part_end(text: str) -> int:
+    """Index of the "@" that ends the local part at the start of `text`; checks the local
+    part on the way (Dot-string or Quoted-string, RFC 5321 §4.1.2)."""
+    if not text:
+        raise AddressError("empty address")
+    if text[0] == '"':
+        i, n = 1, len(text)
+        while i < n:
+            ch = text[i]
+            if ch == "\\":  # quoted-pairSMTP = %d92 %d32-126
+                if i + 1 >= n or not 32 <= ord(text[i + 1]) < 127:
+                    raise AddressError("bad quoted pair in local part")
+                i += 2
+                continue
+            if ch == '"':
+                break
+            if not _printable(ch):  # qtextSMTP: %d32-33 / %d35-91 / %d93-126, UTF-8
+                raise AddressError(f"character {_show(ch)} not allowed in a local part")
+            i += 1
+        else:
+            raise AddressError("unterminated quoted local part")
+        end = i + 1
+        if end >= n or text[end] != "@":
+            raise AddressError("missing '@' after the quoted local part")
+        return end
+    i, n, prev_dot = 0, len(text), True
+    while i < n:
+        ch = text[i]
+        if ch == "@":
+            break
+        if ch == ".":
+            if prev_dot:
+                raise AddressError("empty atom in local part")
+            prev_dot = True
+        elif ch in _ATEXT or _non_ascii_ok(ch):
+            prev_dot = False
+        else:
+            raise AddressError(f"character {_show(ch)} not allowed in a local part"
+                               + (" (quote it)" if ch in ' "(),:;<>[\\]' else ""))
+        i += 1
+    if i == 0:
+        raise AddressError("empty local part")
+    if i >= n:
+        raise AddressError("missing '@' and domain")
+    if prev_dot:
+        raise AddressError("local part ends with '.'")
+    return i
+
+
+def check_mailbox(address: str) -> None:
+    """Mailbox = Local-part "@" ( Domain / address-literal ). Raises AddressError."""
+    at = _local_part_end(address)
+    if len(address[:at].encode("utf-8", "surrogatepass")) > MAX_LOCAL:
+        raise AddressError("local part longer than 64 octets")
+    check_domain(address[at + 1:])
+
+
+def parse_path(arg: str, *, null_ok: bool) -> Path:
+    """`<mailbox> [params]`, `<@a,@b:mailbox> [params]`, or (with `null_ok`) `<> [params]`.
+
+    Raises AddressError for anything else; never a super-linear amount of work."""
+    for ch in arg:
+        o = ord(ch)
+        if o < 32 or o == 127 or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
+            raise AddressError(f"character {_show(ch)} not allowed in a command")
+    s = arg.lstrip(" ")
+    if not s.startswith("<"):
+        raise AddressError("the address must be enclosed in <>")
+    close = _closing_bracket(s)
+    inner, rest = s[1:close], s[close + 1:]
+    if rest and rest[0] != " ":
+        raise AddressError("text after '>' must be separated by a space")
+    if inner == "":
+        if not null_ok:
+            raise AddressError("empty address")
+        return Path("", rest.strip())
+    if inner[0] == "@":  # RFC 5321 §4.1.2 A-d-l: accepted and ignored (Appendix C)
+        colon = inner.find(":")
+        if colon < 0:
+            raise AddressError("malformed source route")
+        for hop in inner[:colon].split(","):
+            if not hop.startswith("@"):
+                raise AddressError("malformed source route")
+            check_domain(hop[1:])
+        inner = inner[colon + 1:]
+    if len(inner.encode("utf-8", "surrogatepass")) > MAX_PATH - 2:
+        raise AddressError("path longer than 256 octets")
+    check_mailbox(inner)
+    return Path(inner, rest.strip())
+
+
+def _closing_bracket(s: str) -> int:
+    """Index of the ">" that closes the path opened at s[0], skipping a quoted local part;
+    a second "<" or a missing ">" is an error."""
+    i, n, quoted = 1, len(s), False
+    while i < n:
+        ch = s[i]
+        if quoted:
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch == "<":
+            raise AddressError("unbalanced '<'")
+        elif ch == ">":
+            return i
+        i += 1
+    raise AddressError("missing '>'")
+
+
+def _show(ch: str) -> str:
+    o = ord(ch)
+    if 32 < o < 127:
+        return repr(ch)
+    if o == 32:
+        return "space"
+    if 0xDC80 <= o <= 0xDCFF:
+        return f"byte 0x{o - 0xDC00:02X}"
+    return f"U+{o:04X}"
+
+
+def printable(text: str) -> str:
+    """Text safe for an operator's terminal and for a log: control characters (and bytes
+    that were not UTF-8) shown as \\xNN / \\uNNNN, never written raw."""
+    if all(_printable(ch) for ch in text):
+        return text
+    out = []
+    for ch in text:
+        if _printable(ch):
+            out.append(ch)
+        else:
+            o = ord(ch)
+            if 0xDC80 <= o <= 0xDCFF:
+                out.append(f"\\x{o - 0xDC00:02x}")
+            elif o < 0x100:
+                out.append(f"\\x{o:02x}")
+            else:
+                out.append(f"\\u{o:04x}")
+    return "".join(out)
