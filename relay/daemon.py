@@ -24,7 +24,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from relay import __version__
+from relay import __version__, smtpd_adapter
 from relay.admin import AdminServer
 from relay.alerts import run_alert
 from relay.config import Config, ConfigError, load_config
@@ -274,6 +274,11 @@ def serve(config_path: str | None) -> int:
         print(f"relay: {e}", flush=True, file=sys.stderr)
         return 78
     setup_logging(config.log.level, config.log.format, config.log.unmask)
+    try:
+        smtpd_adapter.check()
+    except smtpd_adapter.AdapterError as e:
+        log_event(log, logging.ERROR, "startup_failed", str(e))
+        return 70  # EX_SOFTWARE: the installed library is not one we support
     try:
         return _run_loop(Daemon(config).run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
     except OSError as e:
