@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck bench clean
+.PHONY: run test lint typecheck bench fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,12 @@ test: $(STAMP)
 	$(BIN)/ruff check relay tests
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# A longer run of the inbound fuzzer (tests/test_fuzz_inbound.py); `make test` runs 150 examples.
+FUZZ_EXAMPLES ?= 3000
+fuzz: $(STAMP)
+	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider -p no:timeout \
+		tests/test_fuzz_inbound.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check relay tests
