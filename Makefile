@@ -24,7 +24,7 @@ test: $(STAMP)
 # A longer run of the inbound fuzzer (tests/test_fuzz_inbound.py); `make test` runs 150 examples.
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
-	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider -p no:timeout \
+	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
 		tests/test_fuzz_inbound.py
 
 lint: $(STAMP)

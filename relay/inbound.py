@@ -12,6 +12,9 @@ Rules:
   (§4.5.3.1.10), too much data `552 5.3.4` (§4.5.3.1.7), over-long lines `500 5.5.2`
   (§4.5.3.1.6). The session carries on.
 - Only <CRLF>.<CRLF> ends DATA (aiosmtpd >= 1.4.5); bare CR/LF become CRLF in the stored copy.
+- Paths are parsed by relay/address.py (RFC 5321 §4.1.2, linear time) and stored exactly as
+  checked: a malformed path is `501 5.1.7` (MAIL) or `501 5.1.3` (RCPT), never 451. A bare
+  CR or LF in a command line is `500 5.5.2` and the connection is closed (relay/smtpd_adapter.py).
 - STARTTLS (`listen[].tls`) and AUTH PLAIN/LOGIN (`listen[].auth`) for submitting apps. AUTH is
   offered only after STARTTLS unless `auth.allow_plaintext`; an authenticated client relays
   from anywhere and its dedup namespace is `user:<username>`. A wrong password gets
