@@ -49,7 +49,8 @@ def check() -> None:
     src = inspect.getsource(SMTP.__init__)
     if "inspect.getmembers" not in src or "dir(self)" not in src:
         missing.append("SMTP.__init__ scanning members with inspect.getmembers / dir(self)")
-    if "self._reader" not in inspect.getsource(SMTP._cb_client_connected):
+    cb = getattr(SMTP, "_cb_client_connected", None)
+    if cb is not None and "self._reader" not in inspect.getsource(cb):
         missing.append("SMTP._cb_client_connected setting self._reader")
     if missing:
         version = getattr(aiosmtpd, "__version__", "?")
