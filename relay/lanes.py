@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
+from relay.regex_guard import bounded, check_linear
+
 __all__ = [
     "DEFAULT_LANE",
     "LANES",
@@ -79,11 +81,14 @@ def _regex_value(index: int, item: Mapping[str, object], key: str) -> re.Pattern
     if text is None:
         return None
     try:
+        check_linear(text)
         return re.compile(text, re.IGNORECASE)
     except re.error as exc:
         raise ValueError(
             f"lane rule {index}: key {key!r}: invalid regular expression {text!r}: {exc}"
         ) from None
+    except ValueError as exc:
+        raise ValueError(f"lane rule {index}: key {key!r}: {exc}") from None
 
 
 def parse_lane_rules(items: Iterable[Mapping[str, object]] | None) -> tuple[LaneRule, ...]:
@@ -140,7 +145,7 @@ def _rule_matches(
         return False
     if rule.sender_domain is not None and rule.sender_domain != domain:
         return False
-    if rule.sender is not None and not rule.sender.search(sender):
+    if rule.sender is not None and not rule.sender.search(bounded(sender)):
         return False
     if rule.header is not None:
         wanted = rule.header.lower()
@@ -149,7 +154,7 @@ def _rule_matches(
             return False
         if rule.header_value is not None:
             pattern = rule.header_value
-            return any(pattern.search(value) for value in values)
+            return any(pattern.search(bounded(value)) for value in values)
     return True
 
 

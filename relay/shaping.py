@@ -39,6 +39,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from relay.regex_guard import bounded, check_linear
+
 __all__ = [
     "DEFAULT_RULES",
     "UNLIMITED",
@@ -454,9 +456,12 @@ def parse_rule(mapping: Mapping[str, object]) -> ShapingRule:
     if not isinstance(match, str) or not match:
         raise ValueError("'match' must be a non-empty regular expression string")
     try:
+        check_linear(match)
         pattern = _compile(match)
     except re.error as exc:
         raise ValueError(f"'match': invalid regular expression {match!r}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"'match': {exc}") from None
     action = mapping.get("action")
     if action == "suspend":
         kind: RuleAction = "suspend"
@@ -477,7 +482,7 @@ def parse_rule(mapping: Mapping[str, object]) -> ShapingRule:
 def match_rules(rules: Iterable[ShapingRule], reply_text: str) -> ShapingRule | None:
     """The first rule whose pattern is found in ``reply_text``, or ``None``."""
     for rule in rules:
-        if rule.pattern.search(reply_text):
+        if rule.pattern.search(bounded(reply_text)):
             return rule
     return None
 

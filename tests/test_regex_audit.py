@@ -1,0 +1,74 @@
+"""Every regular expression that sees client or upstream input runs in linear time: each is
+fed pathological inputs under a time bound (hardening issue, item 0). Operator patterns
+(lane and shaping rules) are checked at config load (relay/regex_guard.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from relay import dsn, inbound, logs, message, replies
+from relay.lanes import parse_lane_rules
+from relay.regex_guard import MAX_SUBJECT, bounded, check_linear
+from relay.shaping import parse_rule
+
+PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
+    "logs._ADDRESS_RE (masking of free text)": logs._ADDRESS_RE,
+    "logs._LOGFMT_KEY_RE": logs._LOGFMT_KEY_RE,
+    "replies._ENHANCED_RE": replies._ENHANCED_RE,
+    "replies._LEADING_ENHANCED_RE": replies._LEADING_ENHANCED_RE,
+    "replies._FROM_STR_RE": replies._FROM_STR_RE,
+    "replies._POLICY_TEXT_RE": replies._POLICY_TEXT_RE,
+    "replies._SENDER_TEXT_RE": replies._SENDER_TEXT_RE,
+    "replies._THROTTLE_TEXT_RE": replies._THROTTLE_TEXT_RE,
+    "dsn._ENHANCED": dsn._ENHANCED,
+    "message._BARE": message._BARE,
+    "inbound._HAS_ENHANCED": inbound._HAS_ENHANCED,
+}
+
+N = 50_000
+HOSTILE = [
+    "a" * N, "a." * (N // 2), "1." * (N // 2), "5.5" * (N // 3), "a@" + "a-" * (N // 2) + "!",
+    "a" * N + "@", " " * N + "x", "\r" * N + "x", "[TS" * (N // 3), "(S" * (N // 2),
+    "too many " * (N // 9), "x@[" + "1" * N, "-" * N + "@x",
+]
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_pattern_is_linear_on_hostile_input(name: str) -> None:
+    pattern = PATTERNS[name]
+    worst = 0.0
+    for text in HOSTILE:
+        subject: str | bytes = text.encode() if isinstance(pattern.pattern, bytes) else text
+        started = time.perf_counter()
+        pattern.sub(type(subject)(), subject)  # type: ignore[call-overload]
+        worst = max(worst, time.perf_counter() - started)
+    # 50 kB each: a linear pattern takes a few ms; the old masking pattern took minutes.
+    assert worst < 0.5, (name, worst)
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+b", r"(\w*\s?)*x", r"(a|a)*", r"(x+x+)+y",
+                                     r"([a-z]+\.)+com"])
+def test_nested_repetition_is_refused(pattern: str) -> None:
+    with pytest.raises(ValueError, match="nests repetitions"):
+        check_linear(pattern)
+
+
+@pytest.mark.parametrize("pattern", [r"^foo.*bar", r"rate[ -]?limit", r"(?:TS|TSS)\d+",
+                                     r"(ab){2,5}", r"urgent|password reset", r"\[TS0[1-4]\]"])
+def test_ordinary_patterns_are_accepted(pattern: str) -> None:
+    check_linear(pattern)
+
+
+def test_lane_and_shaping_rules_refuse_nested_repetition_at_load() -> None:
+    with pytest.raises(ValueError, match=r"lane rule 0: key 'header_value': .*nests"):
+        parse_lane_rules([{"header": "Subject", "header_value": "(a+)+$", "lane": "bulk"}])
+    with pytest.raises(ValueError, match=r"'match': .*nests"):
+        parse_rule({"match": "(x*)*y", "action": "throttle"})
+
+
+def test_subject_is_capped() -> None:
+    assert bounded("x" * (MAX_SUBJECT + 10)) == "x" * MAX_SUBJECT
+    assert bounded("short") == "short"
