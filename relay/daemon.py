@@ -24,7 +24,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from relay import __version__, smtpd_adapter
+from relay import __version__, faults, smtpd_adapter
 from relay.admin import AdminServer
 from relay.alerts import run_alert
 from relay.config import Config, ConfigError, load_config
@@ -71,7 +71,7 @@ class Daemon:
         self.engine = Engine(
             self.config, self.writer, metrics=self.metrics,
             on_dead_letter=self._dead_letter, is_suppressed=self.suppressions.get,
-            on_suppressed=self.suppressions.add_local,
+            on_suppressed=self.suppressions.add_local, clock=faults.now,
         )
         for lst in self.config.listen:
             h = InboundHandler(self.config, lst, self.writer, self.suppressions,
@@ -274,6 +274,7 @@ def serve(config_path: str | None) -> int:
         print(f"relay: {e}", flush=True, file=sys.stderr)
         return 78
     setup_logging(config.log.level, config.log.format, config.log.unmask)
+    faults.load_env()
     try:
         smtpd_adapter.check()
     except smtpd_adapter.AdapterError as e:

@@ -49,7 +49,7 @@ from aiosmtpd.smtp import (
 
 from relay import address as address_
 from relay import auth as auth_
-from relay import dedup, smtpd_adapter
+from relay import dedup, faults, smtpd_adapter
 from relay.config import Config, Listener
 from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
 from relay.logs import log_event
@@ -476,6 +476,7 @@ class InboundHandler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         self.in_flight += 1
         try:
+            faults.hit("inbound.accept")
             return await self._accept(session, envelope)
         finally:
             self.in_flight -= 1

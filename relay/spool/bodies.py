@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from relay import faults
 from relay.spool.db import fsync_dir
 
 BODIES = "bodies"
@@ -37,13 +38,18 @@ def write_body(spool_dir: Path, queue_id: str, data: bytes) -> str:
     tmp = folder / f".{queue_id}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            faults.hit("body.write")
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # disk full or I/O error: leave no partial file behind
+        raise
     os.replace(tmp, final)
     fsync_dir(folder)
     return str(final.relative_to(spool_dir))

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+from relay import faults
 from relay.spool import db
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SpoolWriter:
         started = time.monotonic()
         results: list[tuple[Future[Any], Any, BaseException | None]] = []
         try:
+            faults.hit("spool.begin")
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
             self._fail_all(batch, e)
@@ -116,6 +118,7 @@ class SpoolWriter:
                 continue
             try:
                 conn.execute("SAVEPOINT job")
+                faults.hit("spool.job")
                 res = job(conn)
                 conn.execute("RELEASE job")
                 results.append((fut, res, None))
@@ -127,6 +130,7 @@ class SpoolWriter:
                     pass
                 results.append((fut, None, e))
         try:
+            faults.hit("spool.commit")
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             log.error("spool commit failed: %s", e)
