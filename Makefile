@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck bench fuzz clean
+.PHONY: run test lint typecheck bench fuzz coverage clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,19 @@ fuzz: $(STAMP)
 	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
 		tests/test_fuzz_inbound.py
 
+# Coverage of the test process and of every daemon subprocess it starts (coverage.py's
+# COVERAGE_PROCESS_START + a .pth hook in the venv); combined report in the terminal and in
+# htmlcov/.
+coverage: $(STAMP)
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	echo "import coverage; coverage.process_startup()" > \
+		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/relay-coverage.pth"
+	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage \
+		$(BIN)/coverage run -m pytest -q $(COVERAGE_TESTS) \
+		-p no:cacheprovider; status=$$?; \
+	export COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage; $(BIN)/coverage combine -q; \
+	$(BIN)/coverage report; $(BIN)/coverage html -q; exit $$status
+
 lint: $(STAMP)
 	$(BIN)/ruff check relay tests
 	$(BIN)/ruff format --check relay tests
@@ -35,4 +48,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var .coverage-data htmlcov

@@ -43,7 +43,7 @@ def relay(tmp_path: Path) -> Iterator[Callable[..., RelayProcess]]:
 
     yield factory
     for r in made:
-        r.kill()
+        r.close()
 
 
 @pytest.fixture

@@ -136,7 +136,7 @@ def faulty(tmp_path: Path) -> Iterator[tuple[RelayProcess, Upstream, Path]]:
     try:
         yield r, up, fault_file
     finally:
-        r.kill()
+        r.close()
         up.stop()
 
 

@@ -62,7 +62,7 @@ def fuzz_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Relay
     try:
         yield r, up
     finally:
-        r.kill()
+        r.close()
         up.stop()
 
 

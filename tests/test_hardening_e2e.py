@@ -46,7 +46,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RelayProces
     try:
         yield r, up
     finally:
-        r.kill()
+        r.close()
         up.stop()
 
 

@@ -45,7 +45,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RelayProces
     try:
         yield r, up
     finally:
-        r.kill()
+        r.close()
         up.stop()
 
 
