@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck bench fuzz coverage clean
+.PHONY: run test lint typecheck bench fuzz coverage mutate clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ coverage: $(STAMP)
 	export COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage; $(BIN)/coverage combine -q; \
 	$(BIN)/coverage report; $(BIN)/coverage html -q; exit $$status
 
+# Mutation testing (mutmut, configured in pyproject.toml [tool.mutmut]); long, not in `make test`.
+mutate: $(STAMP)
+	$(BIN)/pip install -q "mutmut>=3.3,<4"
+	$(BIN)/mutmut run; $(BIN)/mutmut results
+
 lint: $(STAMP)
 	$(BIN)/ruff check relay tests
 	$(BIN)/ruff format --check relay tests
@@ -48,4 +53,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) var .coverage-data htmlcov
+	rm -rf $(VENV) var .coverage-data htmlcov mutants
