@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.address import AddressError, Path, check_domain, parse_path, printable
+from relay.address import (
+    AddressError,
+    Path,
+    check_domain,
+    check_mailbox,
+    parse_path,
+    printable,
+)
 
 
 @pytest.mark.parametrize(
@@ -155,3 +162,103 @@ def test_printable_escapes_controls() -> None:
     assert printable("ok@example.org") == "ok@example.org"
     assert printable('"a\x1b[31m"@x') == '"a\\x1b[31m"@x'
     assert printable("a\x00b\udce9") == "a\\x00b\\xe9"
+
+
+# --- boundaries (each row kills a mutant that survived `make mutate`) ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [
+        ("x" * 64 + "@example.org", True),  # local part of exactly 64 octets
+        ("x" * 65 + "@example.org", False),
+        ("a@" + "x" * 63 + ".org", True),  # a label of exactly 63
+        ("a@" + "x" * 64 + ".org", False),
+        ("a@" + ".".join(["x" * 63] * 3) + "." + "y" * 63, True),  # 255 octets
+        ("a@" + ".".join(["x" * 63] * 3) + "." + "y" * 64, False),
+        ("a@[255.255.255.255]", True),
+        ("a@[256.1.1.1]", False),
+        ("a@[1234.1.1.1]", False),
+        ("a@[0255.1.1.1]", False),  # four digits
+        ("a@[]", False),
+        ("a@[1]", False),
+        ("a@[IPv6:]", False),
+        ("a@[IPv6:1]", True),
+        ("a@[IPv6:zz]", False),
+        ("a@[IPv6::1", False),
+        ('"\\ "@example.org', True),  # quoted-pair with SP (%d32)
+        ('"\\~"@example.org', True),  # %d126
+        ('"a\\"@example.org', False),  # the pair eats the closing quote
+        ('"\\', False),
+        ('""@example.org', True),  # RFC 5321 allows an empty quoted string
+        ('"ab"x@example.org', False),
+        ('"ab"', False),
+        ("\u00a0@example.org", True),  # U+00A0: the first non-C1 character beyond ASCII
+        ("\u009f@example.org", False),  # C1 control
+        ("\u0080@example.org", False),
+        ("\ud800@example.org", False),  # lone surrogates are never UTF-8
+        ("\udfff@example.org", False),
+        ("\ue000@example.org", True),  # just past the surrogates
+        ("a@b\u00a0c", True),
+        ("a@b\u009fc", False),
+        ("a@b\ud800c", False),
+        ("a@b\udfffc", False),
+        ("a.b.c@x", True),
+        ("a..b@x", False),
+        ("a.@x", False),
+        ("@x", False),
+        ("abc", False),
+        ("a@", False),
+    ],
+)
+def test_mailbox_boundaries(address: str, ok: bool) -> None:
+    if ok:
+        check_mailbox(address)
+    else:
+        with pytest.raises(AddressError):
+            check_mailbox(address)
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("<a b@x>", "character space not allowed in a local part (quote it)"),
+        ("<a(b@x>", "character '(' not allowed in a local part (quote it)"),
+        ("<a\u00bfb@x>", None),  # allowed (UTF-8)
+        ("<a@x>", None),
+        ("<a\udce9@x>", "character byte 0xE9 not allowed in a command"),
+        ("<a\x7f@x>", "character U+007F not allowed in a command"),
+        ("<a\x1f@x>", "character U+001F not allowed in a command"),
+        ("<a\x9f@x>", "character U+009F not allowed in a command"),
+        ("<a!@x>", None),
+        ("<a@x_y>", "character '_' not allowed in a domain"),
+    ],
+)
+def test_error_messages_name_the_character(arg: str, message: str | None) -> None:
+    if message is None:
+        parse_path(arg, null_ok=False)
+        return
+    with pytest.raises(AddressError) as e:
+        parse_path(arg, null_ok=False)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("plain", "plain"),
+        ("a\x7fb", "a\\x7fb"),  # DEL
+        ("a\x80b", "a\\x80b"),  # C1
+        ("a\x9fb", "a\\x9fb"),
+        ("a\u00a0b", "a\u00a0b"),  # printable beyond ASCII
+        ("a\u00ffb", "a\u00ffb"),
+        ("a\udc80b", "a\\x80b"),  # a byte that was not UTF-8
+        ("a\udcffb", "a\\xffb"),
+        ("a\ud800b", "a\\ud800b"),
+        ("a\udfffb", "a\\udfffb"),
+        ("a\u2028b", "a\u2028b"),
+        ("\x00\x1f ~", "\\x00\\x1f ~"),
+    ],
+)
+def test_printable_table(text: str, shown: str) -> None:
+    assert printable(text) == shown
