@@ -408,12 +408,10 @@ def test_smuggling_never_makes_a_second_message(
         replies.append(read_reply(f)[-1])
         sock.settimeout(5)
         assert f.read() == b""  # closed after 221: no reply to any smuggled command
-    # exactly one reply for the DATA (accepted, or refused with 5xx), then the 221
-    assert replies[0][:1] in (b"2", b"5"), replies
+    # exactly one reply for the DATA, then the 221. Our documented choice (README, "SMTP
+    # smuggling") is to keep the bare CR/LF inside the body: accepted, not refused.
+    assert replies[0].startswith(b"250 2.0.0 "), replies
     assert replies[1].startswith(b"221 "), replies
-    if replies[0].startswith(b"5"):
-        assert mid.strip("<>") not in spool_mids(r)
-        return
     got = wait_mid(up, mid)
     assert len(got) == 1
     m = got[0]
