@@ -50,14 +50,18 @@ def test_pattern_is_linear_on_hostile_input(name: str) -> None:
 
 
 @pytest.mark.parametrize("pattern", [r"(a+)+b", r"(\w*\s?)*x", r"(a|a)*", r"(x+x+)+y",
-                                     r"([a-z]+\.)+com"])
+                                     r"([a-z]+\.)+com", r"(?=(a+)+b)", r"(?!(a+)+b)x",
+                                     r"(?>(a+)+b)", r"(a+?)+b", r"(a{1,20})+", r"(a*)*?b",
+                                     r"x|(a+)+b", r"(?:(?:a+)+)"])
 def test_nested_repetition_is_refused(pattern: str) -> None:
     with pytest.raises(ValueError, match="nests repetitions"):
         check_linear(pattern)
 
 
 @pytest.mark.parametrize("pattern", [r"^foo.*bar", r"rate[ -]?limit", r"(?:TS|TSS)\d+",
-                                     r"(ab){2,5}", r"urgent|password reset", r"\[TS0[1-4]\]"])
+                                     r"(ab){2,5}", r"urgent|password reset", r"\[TS0[1-4]\]",
+                                     r"(?>a+)+", r"(a{1,10})+", r"a++b", r"(?=ab+)c",
+                                     r"(?:x)(?:y+)"])
 def test_ordinary_patterns_are_accepted(pattern: str) -> None:
     check_linear(pattern)
 
@@ -71,4 +75,5 @@ def test_lane_and_shaping_rules_refuse_nested_repetition_at_load() -> None:
 
 def test_subject_is_capped() -> None:
     assert bounded("x" * (MAX_SUBJECT + 10)) == "x" * MAX_SUBJECT
+    assert bounded("x" * MAX_SUBJECT) == "x" * MAX_SUBJECT
     assert bounded("short") == "short"
