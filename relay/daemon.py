@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 MAINTENANCE_EVERY = 2.0  # seconds: suppression refresh, runtime snapshot (CLI sees <= 2 s)
 PRUNE_EVERY = 600.0
+# Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
+# an app's SYN is dropped and retried only after a second (the default is 100).
+LISTEN_BACKLOG = 1024
 RETENTION = 7 * 86400.0  # finished messages are kept this long for `queue list --all`
 
 
@@ -91,7 +94,8 @@ class Daemon:
                 tls = {"ssl": implicit_context(lst.tls, _current_tls(h)),
                        "ssl_handshake_timeout": self.config.limits.command_timeout}
             srv = await loop.create_server(h.protocol, host=lst.host, port=lst.port,
-                                           reuse_address=True, **tls)
+                                           reuse_address=True, backlog=LISTEN_BACKLOG,
+                                           **tls)
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
