@@ -17,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import time
@@ -150,20 +151,30 @@ class InboundGuard:
             self._slots = asyncio.Semaphore(self._parallel)
         if self._slots.locked() and self._waiting >= self.config.auth.max_pending:
             raise AuthBusy
+        slots = self._slots
         self._waiting += 1
         try:
-            await self._slots.acquire()
+            await slots.acquire()
         finally:
             self._waiting -= 1
+        loop = asyncio.get_running_loop()
         try:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._parallel,
                                                     thread_name_prefix="relay-auth")
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, auth_.check, users, login,
-                                              password)
-        finally:
-            self._slots.release()
+            job = self._executor.submit(auth_.check, users, login, password)
+        except BaseException:
+            slots.release()
+            raise
+
+        def done(_: object) -> None:
+            # the slot is free when the thread is, not when the client goes away: a client
+            # that disconnects mid-check cannot pile up checks behind the semaphore's back
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                loop.call_soon_threadsafe(slots.release)
+
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)  # cancelled: a job not yet started is dropped
 
     def auth_failed(self, ip: str, listener: str) -> anvil.AuthVerdict:
         verdict = self.auth_failures.failure(ip, self.clock())

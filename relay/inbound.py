@@ -280,6 +280,8 @@ class RelaySMTP(SMTP):
         if reply is not None:
             cast(asyncio.Transport, transport).write(reply.encode() + b"\r\n")
         transport.close()
+        if self._handler_coroutine is not None:  # as aiosmtpd's QUIT: read no more commands
+            self._handler_coroutine.cancel()
         self._relay_handler.guard.session_closed(reason, self._relay_peer_ip or "?",
                                                  self.relay_listener.name)
 

@@ -69,8 +69,10 @@ class SessionWatch:
         if self._command_timer is not None and b"\n" in data:
             self._stop_command_timer()
         if self._rate is not None:
-            self._tail = (self._tail + data[-5:])[-5:]
-            if self._tail == _END_OF_DATA:
+            # only ever the end (dots at the start of a data line are doubled)
+            end = _END_OF_DATA in data or _END_OF_DATA in self._tail + data[:4]
+            self._tail = (self._tail + data[-4:])[-4:]
+            if end:
                 self._stop_rate()  # the client is done; the reply is ours to make
             elif self._rate.feed(len(data), self.loop.time()):
                 self._fire("data_rate")
