@@ -21,16 +21,33 @@ Rules:
   address as a real user must not be helped by that user's logins).
 - A refusal or a ban is logged once per (kind, IP) per minute; the line says how many were
   not logged since the last one.
+- "Per IP" is per IPv4 address, and per /64 for IPv6 (`client_key`): one host can use a
+  whole /64 (RFC 4291 §2.5.1, 64-bit interface identifiers), so counting single IPv6
+  addresses would let it sidestep every per-IP limit. IPv4-mapped IPv6 counts as IPv4.
 - Memory is bounded: IPs with nothing open, no failure in the window and no ban are forgotten.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections import deque
 from dataclasses import dataclass
 
 LOG_INTERVAL = 60.0  # seconds: one log line per (kind, client) per minute
 MAX_TRACKED = 10_000  # IPs remembered for AUTH before a sweep of the stale ones
+
+
+def client_key(ip: str) -> str:
+    """What the per-IP counters count: the IPv4 address, or the IPv6 /64."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,27 +105,28 @@ class InboundGuard:
     def admit(self, ip: str, allowed: bool, listener: str) -> str | None:
         """Count a new connection, or return the `421 4.7.0` reply that refuses it."""
         now = self.clock()
-        banned = self.auth_failures.banned_until(ip, now) is not None
+        key = anvil.client_key(ip)
+        banned = self.auth_failures.banned_until(key, now) is not None
         reason = anvil.refuse_connection(self.limits, self.connections.total,
-                                         self.connections.from_ip(ip), allowed, banned)
+                                         self.connections.from_ip(key), allowed, banned)
         if reason is None:
-            self.connections.opened(ip)
+            self.connections.opened(key)
             if self.metrics is not None:
                 self.metrics.connections_open.set(self.connections.total)
             return None
         if self.metrics is not None:
             self.metrics.connections_refused.labels(reason).inc()
-        unlogged = self._log_once.check((reason, ip), now)
+        unlogged = self._log_once.check((reason, key), now)
         if unlogged is not None:
             log_event(log, logging.WARNING, "connection_limit", "connection refused",
                       reason=reason, peer=ip, listener=listener,
                       open_total=self.connections.total,
-                      open_from_peer=self.connections.from_ip(ip),
+                      open_from_peer=self.connections.from_ip(key),
                       refused_unlogged=unlogged)
         return f"421 4.7.0 {_TEXT[reason]}"
 
     def release(self, ip: str) -> None:
-        self.connections.closed(ip)
+        self.connections.closed(anvil.client_key(ip))
         if self.metrics is not None:
             self.metrics.connections_open.set(self.connections.total)
 
@@ -134,7 +135,7 @@ class InboundGuard:
         auth_failures, 421): counted always, logged once per (reason, client) a minute."""
         if self.metrics is not None:
             self.metrics.sessions_closed.labels(reason).inc()
-        unlogged = self._log_once.check(("closed", reason, ip), self.clock())
+        unlogged = self._log_once.check(("closed", reason, anvil.client_key(ip)), self.clock())
         if unlogged is not None:
             log_event(log, logging.WARNING, "session_closed", "client disconnected with 421",
                       reason=reason, peer=ip, listener=listener, closed_unlogged=unlogged)
@@ -142,7 +143,7 @@ class InboundGuard:
     # --- AUTH ------------------------------------------------------------------------------
 
     def auth_banned(self, ip: str) -> bool:
-        return self.auth_failures.banned_until(ip, self.clock()) is not None
+        return self.auth_failures.banned_until(anvil.client_key(ip), self.clock()) is not None
 
     async def check_password(self, users: Mapping[str, str], login: bytes,
                              password: bytes) -> str | None:
@@ -177,7 +178,7 @@ class InboundGuard:
         return await asyncio.wrap_future(job)  # cancelled: a job not yet started is dropped
 
     def auth_failed(self, ip: str, listener: str) -> anvil.AuthVerdict:
-        verdict = self.auth_failures.failure(ip, self.clock())
+        verdict = self.auth_failures.failure(anvil.client_key(ip), self.clock())
         if verdict.banned_until is not None:
             if self.metrics is not None:
                 self.metrics.auth_bans.inc()

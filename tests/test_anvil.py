@@ -38,6 +38,19 @@ def test_refuse_connection(total: int, from_ip: int, allowed: bool, banned: bool
     assert anvil.refuse_connection(LIMITS, total, from_ip, allowed, banned) == reason
 
 
+@pytest.mark.parametrize(("ip", "key"), [
+    ("192.0.2.7", "192.0.2.7"),
+    ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),  # the same /64
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("::ffff:192.0.2.7", "192.0.2.7"),  # IPv4-mapped
+    ("::1", "::/64"),
+    ("not-an-ip", "not-an-ip"),
+])
+def test_client_key(ip: str, key: str) -> None:
+    assert anvil.client_key(ip) == key
+
+
 def test_connection_table_counts_and_forgets() -> None:
     t = anvil.ConnectionTable()
     for ip in ("a", "a", "b"):

@@ -160,7 +160,8 @@ def test_per_ip_and_total_limits_421_while_the_app_gets_through(upstream, relay)
             text = metrics(r)
             assert metric(text, 'relay_connections_refused_total{reason="per_ip"}') == 2
             assert metric(text, 'relay_connections_refused_total{reason="total"}') == 1
-            assert metric(text, "relay_connections_open") == 8
+            r.wait_until(lambda: metric(metrics(r), "relay_connections_open") == 8,
+                         timeout=10, what="the app's connection released")
     up.wait_for(1)
     # closed connections are released: 127.0.0.2 may connect again
     r.wait_until(lambda: metric(metrics(r), "relay_connections_open") == 0, timeout=10,
