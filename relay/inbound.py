@@ -315,7 +315,8 @@ class RelaySMTP(SMTP):
         await super().push(status)
         text = status if isinstance(status, str) else status.decode("utf-8", "replace")
         if text.startswith("421"):  # RFC 5321 §3.8: a 421 closes the channel
-            self._relay_close("421", None)
+            auth = text.startswith("421 4.7.0 too many authentication failures")
+            self._relay_close("auth_failures" if auth else "421", None)
         elif self._relay_watch.replied(text):
             self._relay_watch.stop()
             self._relay_close("max_errors", TooManyErrors.format(host=self.hostname))

@@ -62,7 +62,7 @@ class Metrics:
             " (total, per_ip, auth_ban)", ["reason"], registry=r)
         self.sessions_closed = Counter(
             "relay_sessions_closed", "Inbound sessions we closed with a 421 (max_errors,"
-            " command_timeout, data_rate, auth_failures)", ["reason"], registry=r)
+            " command_timeout, data_rate, auth_failures, 421)", ["reason"], registry=r)
         self.auth_failures = Counter("relay_auth_failures",
                                      "AUTH attempts with wrong credentials", registry=r)
         self.auth_bans = Counter("relay_auth_bans",

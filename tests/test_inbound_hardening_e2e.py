@@ -302,6 +302,7 @@ def test_auth_failures_delayed_then_banned_across_connections(upstream, relay,
     assert metric(text, "relay_auth_bans_total") == 1
     assert metric(text, "relay_auth_failures_total") == 4
     assert metric(text, 'relay_connections_refused_total{reason="auth_ban"}') == 1
+    assert metric(text, 'relay_sessions_closed_total{reason="auth_failures"}') == 1
     assert WRONG not in r.logs() and PASSWORD not in r.logs()
     assert r.stop() == 0
 
