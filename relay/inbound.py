@@ -294,7 +294,7 @@ class RelaySMTP(SMTP):
             return
         await super().smtp_AUTH(arg)
         if self.relay_auth_failures >= auth_.MAX_FAILURES and self.transport is not None:
-            self.transport.close()  # the 421 has been sent (by InboundHandler._authenticate)
+            self.transport.close()  # after its 421 (relay/auth_mechanisms.py); push closed too
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         # aiosmtpd parses every MAIL/RCPT argument with the email package's RFC 5322

@@ -168,6 +168,15 @@ def test_per_ip_and_total_limits_421_while_the_app_gets_through(upstream, relay)
                  what="connections released")
     with raws(r.port, ["127.0.0.2"] * 3) as again:
         assert all(c.reply().startswith(b"220 ") for c in again)
+    # the limits reload on SIGHUP
+    r.config["limits"]["max_connections_per_ip"] = 1
+    r.write_config()
+    r.signal(signal.SIGHUP)
+    r.wait_until(lambda: any(e.get("msg") == "configuration reloaded"
+                             for e in events(r, "config_reloaded")), what="reload")
+    with raws(r.port, ["127.0.0.2"] * 2) as now:
+        assert now[0].reply().startswith(b"220 ")
+        assert now[1].reply().startswith(b"421 4.7.0 too many connections from your address")
     limited = events(r, "connection_limit")
     # logged once per (reason, client) per minute, the per-IP one refused twice
     assert sorted((e["reason"], e["peer"]) for e in limited) == [
