@@ -5,8 +5,10 @@ and answers.
 Rules:
 - Errors (Postfix's smtpd_hard_error_limit): every 4xx/5xx reply counts, except a `421`
   (the connection closes anyway), a reply whose enhanced code is `X.3.Y` (the mail system's
-  own condition, e.g. `451 4.3.0` spool unavailable: not the client's fault) and a refused
-  suppressed recipient (the recipient's state, not the client's behaviour). After
+  own condition, e.g. `451 4.3.0` spool unavailable: not the client's fault), `452 4.5.3`
+  too many recipients (flow control: the client sends the rest in another transaction,
+  RFC 5321 §4.5.3.1.10) and a refused suppressed recipient (the recipient's state, not the
+  client's behaviour). After
   `limits.max_errors` of them in one session the client gets `421 4.7.0` and is closed
   (RFC 5321 §4.2.5, §3.8). An accepted message (`250` to DATA) starts the count again, so a
   long-lived session of a busy app is judged on its recent behaviour.
@@ -27,7 +29,7 @@ import re
 
 SLOTS = 10  # a window is measured in this many slots
 
-_REPLY = re.compile(r"^([245])\d\d[ -](?:([245])\.(\d{1,3})\.\d{1,3}\b)?")
+_REPLY = re.compile(r"^([245])\d\d[ -](?:([245])\.(\d{1,3})\.(\d{1,3})\b)?")
 
 
 def counts_as_error(status: str) -> bool:
@@ -38,6 +40,8 @@ def counts_as_error(status: str) -> bool:
     if status[3] == "-":  # a continuation line: the final line counts
         return False
     if m.group(3) == "3":  # X.3.Y: mail system status (ours, not the client's)
+        return False
+    if m.group(3) == "5" and m.group(4) == "3":  # X.5.3: too many recipients
         return False
     return not (status.startswith("550 5.1.1") and "suppressed" in status)
 

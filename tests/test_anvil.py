@@ -139,7 +139,8 @@ def test_log_once_per_key_per_interval() -> None:
     ("500 5.5.2 Error: bad syntax", True),
     ("535 5.7.8 Authentication credentials invalid", True),
     ("554 5.7.1 Relay access denied", True),
-    ("452 4.5.3 Too many recipients", True),
+    ("452 4.5.3 Too many recipients", False),  # flow control, RFC 5321 §4.5.3.1.10
+    ("501 5.5.4 Syntax error in parameters", True),
     ("552 5.3.4 Message size exceeds fixed maximum message size", False),  # X.3.Y
     ("451 4.3.0 Spool unavailable; message not accepted", False),  # ours, not the client's
     ("452 4.3.1 Insufficient system storage", False),
