@@ -106,8 +106,7 @@ class AuthMechanisms:
         try:
             name = await self.guard.check_password(users, login, password)
         except AuthBusy:
-            log_event(log, logging.WARNING, "auth_busy", "too many AUTH checks waiting",
-                      peer=peer, listener=lst.name)
+            self.guard.auth_busy(peer, lst.name)
             return AuthResult(success=False, handled=False, message=BUSY)
         text = login.decode("utf-8", errors="replace")
         shown = text if self.config.log.unmask else auth_.mask_user(text)

@@ -177,6 +177,15 @@ class InboundGuard:
         job.add_done_callback(done)
         return await asyncio.wrap_future(job)  # cancelled: a job not yet started is dropped
 
+    def auth_busy(self, ip: str, listener: str) -> None:
+        """A 454 because too many checks wait: logged once per client a minute."""
+        if self.metrics is not None:
+            self.metrics.rejected.labels("auth_busy").inc()
+        unlogged = self._log_once.check(("auth_busy", anvil.client_key(ip)), self.clock())
+        if unlogged is not None:
+            log_event(log, logging.WARNING, "auth_busy", "too many AUTH checks waiting: 454",
+                      peer=ip, listener=listener, busy_unlogged=unlogged)
+
     def auth_failed(self, ip: str, listener: str) -> anvil.AuthVerdict:
         verdict = self.auth_failures.failure(anvil.client_key(ip), self.clock())
         if verdict.banned_until is not None:
