@@ -360,6 +360,27 @@ def test_auth_checks_do_not_stall_other_clients(upstream, relay, alice_hash) -> 
     assert r.stop() == 0
 
 
+@pytest.mark.slow
+def test_auth_checks_beyond_max_pending_get_454(upstream, relay, alice_hash) -> None:
+    up = upstream()
+    r = daemon(relay, up, users=alice_hash,
+               auth_conf={"max_parallel": 1, "max_pending": 0, "failure_delay": 0})
+    clients = [Raw(r.port, f"127.0.0.{2 + i}") for i in range(8)]
+    for c in clients:
+        c.reply()
+        c.cmd("EHLO client.test")
+    for c in clients:  # all at once: one check runs, none may wait
+        c.sock.sendall(plain("alice", WRONG).encode() + b"\r\n")
+    replies = [c.reply()[:9] for c in clients]
+    for c in clients:
+        c.close()
+    assert b"535 5.7.8" in replies
+    assert b"454 4.7.0" in replies
+    assert set(replies) == {b"535 5.7.8", b"454 4.7.0"}
+    assert len(events(r, "auth_busy")) >= 1
+    assert r.stop() == 0
+
+
 # --- implicit TLS ---------------------------------------------------------------------------
 
 
