@@ -8,9 +8,10 @@ Rules:
   logged, and an error names the line number only, never the line (it could be a password).
 - Verification is constant-time in the hash (hmac.compare_digest) and costs one scrypt
   whether or not the user exists, so timing does not reveal which usernames exist.
-- aiosmtpd calls the authenticator synchronously inside the event loop, so one scrypt
-  (n=2**14: ~16 MiB, a few tens of ms) blocks the loop that long per attempt. That is why
-  the cost is not higher, and why a connection gets at most MAX_FAILURES wrong attempts.
+- One scrypt (n=2**14) costs ~16 MiB and a few tens of ms of CPU. The daemon runs `check`
+  in a small thread pool, never in the event loop (relay/guard.py; hashlib.scrypt releases
+  the GIL); the CPU is still spent, so a connection gets at most MAX_FAILURES wrong attempts
+  and an IP is slowed down and banned across connections (relay/anvil.py).
 """
 
 from __future__ import annotations

@@ -39,6 +39,23 @@ DEFAULTS: dict[str, Any] = {
         "session_timeout": "300s",
         "max_line_length": 1000,
         "max_command_length": 512,
+        "max_connections": 500,
+        "max_connections_per_ip": 50,
+        "max_connections_per_ip_allowed": 500,
+        "allowed_reserve": 50,
+        "max_errors": 10,
+        "command_timeout": "60s",
+        "min_data_rate": 500,
+        "min_data_rate_window": "30s",
+    },
+    "auth": {
+        "max_parallel": 2,
+        "max_pending": 100,
+        "failure_delay": "0.5s",
+        "max_failure_delay": "8s",
+        "max_failures_per_ip": 10,
+        "failure_window": "10m",
+        "ban_time": "10m",
     },
     "upstream": {
         "mode": "smarthost",
@@ -261,13 +278,18 @@ def _merge(base: Any, over: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class ListenerTLS:
-    """STARTTLS for submitting clients: the server context is built (and the files checked)
-    when the config is loaded, so a bad certificate is a config error and SIGHUP reloads a
-    renewed one."""
+    """STARTTLS (or, with `mode: implicit`, TLS from the first byte: RFC 8314 §3) for
+    submitting clients: the server context is built (and the files checked) when the config
+    is loaded, so a bad certificate is a config error and SIGHUP reloads a renewed one."""
 
     cert_file: Path
     key_file: Path
     context: ssl.SSLContext = field(repr=False, compare=False)
+    mode: str = "starttls"  # "starttls" | "implicit"
+
+    @property
+    def implicit(self) -> bool:
+        return self.mode == "implicit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +321,27 @@ class Limits:
     session_timeout: float
     max_line_length: int
     max_command_length: int
+    max_connections: int = 500  # open SMTP connections at once, all clients together
+    max_connections_per_ip: int = 50  # per client IP outside every `allow` network
+    max_connections_per_ip_allowed: int = 500  # per IP in an `allow` network or loopback
+    allowed_reserve: int = 50  # of max_connections, kept for `allow`/loopback clients
+    max_errors: int = 10  # error replies in a session before 421 4.7.0 (0 = no limit)
+    command_timeout: float = 60.0  # waiting for one command line, then 421 4.4.2
+    min_data_rate: int = 500  # bytes/s during DATA, over min_data_rate_window (0 = off)
+    min_data_rate_window: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class AuthLimits:
+    """Daemon-wide AUTH protection (the per-listener users are in ListenerAuth)."""
+
+    max_parallel: int = 2  # password checks running at once (threads)
+    max_pending: int = 100  # checks waiting for a thread; more get 454 4.7.0
+    failure_delay: float = 0.5  # before a 535; doubles per recent failure from the IP
+    max_failure_delay: float = 8.0
+    max_failures_per_ip: int = 10  # within failure_window, then a ban (0 = no ban)
+    failure_window: float = 600.0
+    ban_time: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +476,7 @@ class Config:
     log: LogConf
     shutdown_timeout: float
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    auth: AuthLimits = field(default_factory=AuthLimits)
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -496,8 +540,35 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         session_timeout=lim.duration("session_timeout"),
         max_line_length=lim.integer("max_line_length", 78),
         max_command_length=lim.integer("max_command_length", 512),
+        max_connections=lim.integer("max_connections", 1),
+        max_connections_per_ip=lim.integer("max_connections_per_ip", 1),
+        max_connections_per_ip_allowed=lim.integer("max_connections_per_ip_allowed", 1),
+        allowed_reserve=lim.integer("allowed_reserve", 0),
+        max_errors=lim.integer("max_errors", 0),
+        command_timeout=lim.duration("command_timeout"),
+        min_data_rate=parse_size(lim.get("min_data_rate"), "limits.min_data_rate"),
+        min_data_rate_window=lim.duration("min_data_rate_window"),
     )
+    if limits.allowed_reserve >= limits.max_connections:
+        raise ConfigError(f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
+                          f" limits.max_connections ({limits.max_connections})")
+    if limits.command_timeout <= 0:
+        raise ConfigError("limits.command_timeout: must be more than 0")
+    if limits.min_data_rate and limits.min_data_rate_window <= 0:
+        raise ConfigError("limits.min_data_rate_window: must be more than 0")
     lim.finish()
+
+    au = _Reader(top.get("auth"), "auth")
+    auth_limits = AuthLimits(
+        max_parallel=au.integer("max_parallel", 1),
+        max_pending=au.integer("max_pending", 0),
+        failure_delay=au.duration("failure_delay"),
+        max_failure_delay=au.duration("max_failure_delay"),
+        max_failures_per_ip=au.integer("max_failures_per_ip", 0),
+        failure_window=au.duration("failure_window"),
+        ban_time=au.duration("ban_time"),
+    )
+    au.finish()
 
     upstream = _upstream(top.get("upstream"), base_dir, hostname)
 
@@ -623,6 +694,7 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
         shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
         admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
+        auth=auth_limits,
     )
 
 
@@ -660,6 +732,7 @@ def _listener(item: object, key: str, base: Path) -> Listener:
 
 def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
     r = _Reader(data, key)
+    mode = "starttls" if r.get("mode") is None else r.string("mode", ("starttls", "implicit"))
     files: dict[str, Path] = {}
     for name in ("cert_file", "key_file"):
         path = r.path_(name, base)
@@ -688,7 +761,8 @@ def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
         raise ConfigError(
             f"{key}.key_file: {files['key_file']} is not an unencrypted PEM private key for"
             f" {key}.cert_file ({getattr(e, 'reason', None) or e})") from None
-    return ListenerTLS(cert_file=files["cert_file"], key_file=files["key_file"], context=ctx)
+    return ListenerTLS(cert_file=files["cert_file"], key_file=files["key_file"], context=ctx,
+                       mode=mode)
 
 
 def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:

@@ -9,7 +9,12 @@ Rules:
   finished go back to `deferred` (due now), then the spool closes. Nothing stays `sending`.
 - SIGHUP: reload the config; a bad one is logged and the old one kept. Listener addresses
   and the spool path need a restart; limits, destinations, lanes, retry, log level reload,
-  and so do a listener's TLS certificate and AUTH users file (for new connections).
+  and so do a listener's TLS certificate and AUTH users file (for new connections, on
+  implicit-TLS listeners too: relay/tls_listener.py).
+- Before the loop starts, the soft RLIMIT_NOFILE is raised to the hard limit; a
+  `limits.max_connections` that cannot fit under it exits 78 (relay/fdlimit.py).
+- One InboundGuard for every listener: connection counts, AUTH checks and bans are per
+  daemon, not per listener.
 """
 
 from __future__ import annotations
@@ -21,26 +26,31 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from relay import __version__, faults, smtpd_adapter
+from relay import __version__, faults, fdlimit, smtpd_adapter
 from relay.admin import AdminServer
 from relay.alerts import run_alert
-from relay.config import Config, ConfigError, load_config
+from relay.config import Config, ConfigError, ListenerTLS, load_config
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
+from relay.guard import InboundGuard
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.spool import bodies, ops
 from relay.spool.writer import SpoolWriter
+from relay.tls_listener import implicit_context
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_EVERY = 2.0  # seconds: suppression refresh, runtime snapshot (CLI sees <= 2 s)
 PRUNE_EVERY = 600.0
+# Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
+# an app's SYN is dropped and retried only after a second (the default is 100).
+LISTEN_BACKLOG = 1024
 RETENTION = 7 * 86400.0  # finished messages are kept this long for `queue list --all`
 
 
@@ -51,6 +61,8 @@ class Daemon:
         self.writer = SpoolWriter(config.spool_path)
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)
+        self.guard = InboundGuard(config, self.metrics)
+        self.fd_limit = 0  # the soft RLIMIT_NOFILE, set by serve()
         self.handlers: list[InboundHandler] = []
         self.servers: list[asyncio.Server] = []
         self.engine: Engine | None = None
@@ -75,9 +87,15 @@ class Daemon:
         )
         for lst in self.config.listen:
             h = InboundHandler(self.config, lst, self.writer, self.suppressions,
-                               on_queued=self.engine.wake, stats=self.stats)
+                               on_queued=self.engine.wake, stats=self.stats,
+                               guard=self.guard)
+            tls: dict[str, Any] = {}
+            if lst.tls is not None and lst.tls.implicit:  # RFC 8314 §3
+                tls = {"ssl": implicit_context(lst.tls, _current_tls(h)),
+                       "ssl_handshake_timeout": self.config.limits.command_timeout}
             srv = await loop.create_server(h.protocol, host=lst.host, port=lst.port,
-                                           reuse_address=True)
+                                           reuse_address=True, backlog=LISTEN_BACKLOG,
+                                           **tls)
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
@@ -132,6 +150,7 @@ class Daemon:
         if self.admin is not None:
             await self.admin.stop()
         await asyncio.to_thread(self.writer.close)
+        self.guard.close()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
     # --- background work ----------------------------------------------------------------
@@ -211,6 +230,8 @@ class Daemon:
         assert self.engine is not None
         try:
             new = self._keep_restart_only(load_config(self.config.path))
+            if self.fd_limit and (err := fdlimit.problem(new, self.fd_limit)) is not None:
+                raise ConfigError(err)
             self.engine.reconfigure(new)  # validates what only the engine builds
         except (ConfigError, ValueError, OSError) as e:
             log_event(log, logging.ERROR, "config_rejected",
@@ -218,6 +239,7 @@ class Daemon:
             self.notifier.ready()
             return False
         self.config = new
+        self.guard.reconfigure(new)
         by_name = {lst.name: lst for lst in new.listen}
         for h in self.handlers:
             h.reconfigure(new)
@@ -248,6 +270,11 @@ class Daemon:
                           queue_id=doc.get("queue_id"))
 
 
+def _current_tls(handler: InboundHandler) -> Callable[[], ListenerTLS | None]:
+    """The listener's TLS as configured now (SIGHUP replaces handler.listener)."""
+    return lambda: handler.listener.tls
+
+
 def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:
     """uvloop when installed (libuv: about twice asyncio's socket throughput, which is what
     an SMTP relay spends its CPU on); the standard loop otherwise, or when
@@ -273,6 +300,11 @@ def serve(config_path: str | None) -> int:
     except ConfigError as e:
         print(f"relay: {e}", flush=True, file=sys.stderr)
         return 78
+    fd_limit = fdlimit.raise_soft_limit()
+    err = fdlimit.problem(config, fd_limit)
+    if err is not None:
+        print(f"relay: {err}", flush=True, file=sys.stderr)
+        return 78
     setup_logging(config.log.level, config.log.format, config.log.unmask)
     faults.load_env()
     try:
@@ -281,7 +313,9 @@ def serve(config_path: str | None) -> int:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 70  # EX_SOFTWARE: the installed library is not one we support
     try:
-        return _run_loop(Daemon(config).run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
+        daemon = Daemon(config)
+        daemon.fd_limit = fd_limit
+        return _run_loop(daemon.run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
     except OSError as e:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 71  # EX_OSERR

@@ -19,7 +19,15 @@ Rules:
   offered only after STARTTLS unless `auth.allow_plaintext`; an authenticated client relays
   from anywhere and its dedup namespace is `user:<username>`. A wrong password gets
   `535 5.7.8`; the third on one connection gets `421 4.7.0` and the connection is closed.
-  `require_tls` refuses MAIL before STARTTLS with `530 5.7.0`.
+  `require_tls` refuses MAIL before STARTTLS with `530 5.7.0`. Passwords are checked off the
+  event loop, with per-IP delays and bans (relay/auth_mechanisms.py, relay/guard.py).
+- `listen[].tls.mode: implicit` (RFC 8314 §3): the listener speaks TLS from the first byte
+  (relay/tls_listener.py); no STARTTLS is offered, AUTH counts as over TLS and the Received
+  line says ESMTPS/ESMTPSA.
+- Connection limits (relay/anvil.py): over one, `421 4.7.0` and close, before the greeting.
+  Slow and erring clients (relay/session_watch.py): `421 4.4.2` after `limits.command_timeout`
+  waiting for a command or below `limits.min_data_rate` in DATA, `421 4.7.0` after
+  `limits.max_errors` error replies (RFC 5321 §3.8, §4.2.5). Every 421 we send closes.
 """
 
 from __future__ import annotations
@@ -39,9 +47,7 @@ from typing import Any, cast
 from aiosmtpd.smtp import (
     MISSING,
     SMTP,
-    AuthResult,
     Envelope,
-    LoginPassword,
     Session,
     TLSSetupException,
     syntax,
@@ -50,7 +56,9 @@ from aiosmtpd.smtp import (
 from relay import address as address_
 from relay import auth as auth_
 from relay import dedup, faults, smtpd_adapter
+from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
+from relay.guard import InboundGuard, is_allowed
 from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
 from relay.logs import log_event
 from relay.message import (
@@ -61,6 +69,7 @@ from relay.message import (
     split_message,
 )
 from relay.metrics import Metrics
+from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch, TooManyErrors
 from relay.spool import bodies, ops
 from relay.spool.writer import SpoolError, SpoolWriter
 
@@ -167,6 +176,8 @@ class RelaySMTP(SMTP):
         self.relay_auth_failures = 0  # per connection (a STARTTLS does not reset it)
         super().__init__(handler, **kwargs)
         self._relay_handler = handler
+        self._relay_peer_ip: str | None = None  # set once the connection is counted
+        self._relay_watch = SessionWatch(limits, self.loop, self._relay_timed_out)
 
     def _create_session(self) -> Session:
         return _RelaySession(self.loop)
@@ -178,20 +189,72 @@ class RelaySMTP(SMTP):
             cast(asyncio.Transport, transport).write(msg)
             transport.close()
             return
-        if self.transport is None:  # not again for the TLS layer after STARTTLS
+        first = self.transport is None  # not again for the TLS layer after STARTTLS
+        if first:
+            peer = transport.get_extra_info("peername")
+            ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            lst = self.relay_listener
+            refusal = self._relay_handler.guard.admit(ip, is_allowed(ip, lst.allow), lst.name)
+            if refusal is not None:  # RFC 5321 §3.8: 421, then close
+                cast(asyncio.Transport, transport).write(refusal.encode() + b"\r\n")
+                transport.close()
+                return
+            self._relay_peer_ip = ip
             self._relay_handler.stats.sessions += 1
         super().connection_made(transport)
+        if first and self.relay_listener.tls is not None and self.relay_listener.tls.implicit:
+            # TLS from the first byte (RFC 8314 §3): the session is over TLS as after a
+            # STARTTLS (Received: ESMTPS, auth_ok tls=true)
+            assert self.session is not None
+            self.session.ssl = {k: transport.get_extra_info(k)
+                                for k in ("ssl_object", "peercert", "cipher")}
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self.session is None:  # refused in connection_made: no session was begun
+            return
+        self._relay_watch.stop()
+        if self._relay_peer_ip is not None:
+            self._relay_handler.guard.release(self._relay_peer_ip)
+            self._relay_peer_ip = None
+        super().connection_lost(error)
+
+    def eof_received(self) -> bool | None:
+        if self.session is None:
+            return False
+        result: bool | None = super().eof_received()
+        return result
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._relay_watch.received(data)
+
+    def _relay_timed_out(self, reason: str) -> None:
+        """SessionWatch's timers: answer 421 4.4.2 and close (RFC 5321 §3.8)."""
+        text = CommandTimeout if reason == "command_timeout" else DataTooSlow
+        self._relay_close(reason, text.format(host=self.hostname))
+
+    def _relay_close(self, reason: str, reply: str | None) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if reply is not None:
+            cast(asyncio.Transport, transport).write(reply.encode() + b"\r\n")
+        transport.close()
+        if self._handler_coroutine is not None:  # as aiosmtpd's QUIT: read no more commands
+            self._handler_coroutine.cancel()
+        self._relay_handler.guard.session_closed(reason, self._relay_peer_ip or "?",
+                                                 self.relay_listener.name)
 
     @syntax("AUTH <mechanism>")
     async def smtp_AUTH(self, arg: str) -> None:
-        if self.relay_listener.auth is None and self.tls_context is not None:
+        if self.relay_listener.auth is None and self.relay_listener.tls is not None:
             # TLS without AUTH on this listener: aiosmtpd would offer its always-failing
             # default mechanisms after STARTTLS. (Without TLS it answers 538, as before.)
             await self.push("502 5.5.1 AUTH not available on this listener")
             return
         await super().smtp_AUTH(arg)
         if self.relay_auth_failures >= auth_.MAX_FAILURES and self.transport is not None:
-            self.transport.close()  # the 421 has been sent (by InboundHandler._authenticate)
+            self.transport.close()  # after its 421 (relay/auth_mechanisms.py); push closed too
 
     def _cb_client_connected(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
@@ -331,9 +394,16 @@ class RelaySMTP(SMTP):
             if status.startswith("552 5.3.4 Too much mail data"):
                 status = "552 5.3.4 Message size exceeds fixed maximum message size"
         await super().push(status)
+        text = status if isinstance(status, str) else status.decode("utf-8", "replace")
+        if text.startswith("421"):  # RFC 5321 §3.8: a 421 closes the channel
+            auth = text.startswith("421 4.7.0 too many authentication failures")
+            self._relay_close("auth_failures" if auth else "421", None)
+        elif self._relay_watch.replied(text):
+            self._relay_watch.stop()
+            self._relay_close("max_errors", TooManyErrors.format(host=self.hostname))
 
 
-class InboundHandler:
+class InboundHandler(AuthMechanisms):
     def __init__(
         self,
         config: Config,
@@ -342,6 +412,7 @@ class InboundHandler:
         suppressions: Suppressions,
         on_queued: Callable[[], None] = lambda: None,
         stats: InboundStats | None = None,
+        guard: InboundGuard | None = None,
     ) -> None:
         self.config = config
         self.listener = listener
@@ -349,6 +420,8 @@ class InboundHandler:
         self.suppressions = suppressions
         self.on_queued = on_queued
         self.stats = stats or InboundStats()
+        # shared by every listener of the daemon: connection counts, AUTH checks and bans
+        self.guard = guard or InboundGuard(config, self.stats.metrics)
         self.closing = False
         self.in_flight = 0
         self._lane_rules = parse_lane_rules(list(config.lanes.rules))
@@ -360,6 +433,8 @@ class InboundHandler:
     def protocol(self) -> RelaySMTP:
         cfg = self.config
         lst = self.listener  # replaced on SIGHUP: new connections get the new TLS and users
+        # implicit TLS: the connection is TLS already, so no STARTTLS and AUTH needs no more
+        implicit = lst.tls is not None and lst.tls.implicit
         return RelaySMTP(
             self,
             lst,
@@ -370,45 +445,14 @@ class InboundHandler:
             decode_data=False,
             enable_SMTPUTF8=True,
             loop=asyncio.get_running_loop(),
-            tls_context=lst.tls.context if lst.tls is not None else None,
-            require_starttls=lst.require_tls,
+            tls_context=lst.tls.context if lst.tls is not None and not implicit else None,
+            require_starttls=lst.require_tls and not implicit,
             # allow-listed networks still relay without AUTH
             auth_required=False,
-            auth_require_tls=not (lst.auth is not None and lst.auth.allow_plaintext),
-            authenticator=self._authenticate if lst.auth is not None else None,
+            auth_require_tls=not implicit and not (lst.auth is not None
+                                                   and lst.auth.allow_plaintext),
+            # AUTH PLAIN/LOGIN are AuthMechanisms.auth_PLAIN/auth_LOGIN (off the event loop)
         )
-
-    def _authenticate(self, server: SMTP, session: Session, envelope: Envelope,
-                      mechanism: str, auth_data: Any) -> AuthResult:
-        """aiosmtpd's authenticator (PLAIN and LOGIN). Synchronous: aiosmtpd calls it inside
-        the event loop, so the scrypt (n=2**14, tens of ms) blocks the loop that long; see
-        relay/auth.py."""
-        proto = cast(RelaySMTP, server)
-        lst = proto.relay_listener
-        users = lst.auth.users if lst.auth is not None else {}
-        peer = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
-        if isinstance(auth_data, LoginPassword):
-            name = auth_.check(users, auth_data.login, auth_data.password)
-            login = auth_data.login.decode("utf-8", errors="replace")
-        else:
-            name, login = None, ""
-        shown = login if self.config.log.unmask else auth_.mask_user(login)
-        if name is not None:
-            log_event(log, logging.INFO, "auth_ok", "client authenticated", user=shown,
-                      mechanism=mechanism, peer=peer, listener=lst.name,
-                      tls=session.ssl is not None)
-            # aiosmtpd stores this as session.auth_data: _namespace makes it `user:<name>`
-            return AuthResult(success=True, auth_data=name)
-        proto.relay_auth_failures += 1
-        self.stats.reject("auth_failed")
-        log_event(log, logging.WARNING, "auth_failed", "authentication failed", user=shown,
-                  mechanism=mechanism, peer=peer, listener=lst.name,
-                  failures=proto.relay_auth_failures)
-        if proto.relay_auth_failures >= auth_.MAX_FAILURES:
-            return AuthResult(success=False, handled=False,
-                              message="421 4.7.0 too many authentication failures")
-        return AuthResult(success=False, handled=False,
-                          message="535 5.7.8 Authentication credentials invalid")
 
     # --- hooks ------------------------------------------------------------------------
 

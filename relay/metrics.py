@@ -55,3 +55,15 @@ class Metrics:
         self.commit_batch = Histogram(
             "relay_spool_commit_batch_jobs", "Jobs per group commit",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.connections_open = Gauge("relay_connections_open",
+                                      "Inbound SMTP connections open now", registry=r)
+        self.connections_refused = Counter(
+            "relay_connections_refused", "Inbound connections refused with 421 4.7.0"
+            " (total, per_ip, auth_ban)", ["reason"], registry=r)
+        self.sessions_closed = Counter(
+            "relay_sessions_closed", "Inbound sessions we closed with a 421 (max_errors,"
+            " command_timeout, data_rate, auth_failures, 421)", ["reason"], registry=r)
+        self.auth_failures = Counter("relay_auth_failures",
+                                     "AUTH attempts with wrong credentials", registry=r)
+        self.auth_bans = Counter("relay_auth_bans",
+                                 "Client IPs banned for AUTH failures", registry=r)

@@ -93,6 +93,15 @@ def test_stop_timeout_exceeds_default_shutdown_timeout(unit: Unit) -> None:
     assert int(m.group(1)) > 30  # relay's default shutdown_timeout
 
 
+def test_nofile_limit_fits_the_default_connections(unit: Unit) -> None:
+    from relay import fdlimit
+    from relay.config import load_config
+
+    default = load_config(Path(__file__).resolve().parent.parent / "conf" / "relay.yaml")
+    assert int(_one(unit, "Service", "LimitNOFILE")) >= fdlimit.needed(default)
+    assert fdlimit.problem(default, int(_one(unit, "Service", "LimitNOFILE"))) is None
+
+
 def test_install_section(unit: Unit) -> None:
     assert _one(unit, "Install", "WantedBy") == "multi-user.target"
 
