@@ -220,7 +220,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         if msg is None:
             raise CliError(f"no message {args.id}")
         raw, path = ops.message_body(conn, args.id)
-        data = raw if raw is not None else bodies.read_body(spool, path) if path else b""
+        data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")
         msg["headers"] = head.decode("utf-8", errors="replace")
         if args.body:

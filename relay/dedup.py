@@ -42,25 +42,40 @@ def dedup_key(namespace: str, message_id: str, recipient: str) -> str:
 
 def content_message_id(header_block: bytes, body: bytes, hostname: str) -> str:
     """A stable Message-ID for a message that has none: `<sha256-prefix@relay.hostname>`."""
-    h = hashlib.sha256()
-    for name, value in parse_headers(header_block):
-        if name.lower() in TRACE_HEADERS:
-            continue
-        h.update(name.lower().encode("utf-8", errors="surrogateescape"))
-        h.update(b":")
-        h.update(value.encode("utf-8", errors="surrogateescape"))
+    hasher = ContentHasher(header_block)
+    hasher.update(body)
+    return hasher.message_id(hostname)
+
+
+class ContentHasher:
+    """`content_message_id`, with the body fed in pieces as it arrives (same result)."""
+
+    def __init__(self, header_block: bytes) -> None:
+        h = hashlib.sha256()
+        for name, value in parse_headers(header_block):
+            if name.lower() in TRACE_HEADERS:
+                continue
+            h.update(name.lower().encode("utf-8", errors="surrogateescape"))
+            h.update(b":")
+            h.update(value.encode("utf-8", errors="surrogateescape"))
+            h.update(b"\r\n")
         h.update(b"\r\n")
-    h.update(b"\r\n")
-    h.update(body)
-    # Lines of the header block that are not header fields (parse_headers drops them): a
-    # message with no empty line is all "header block", so without these two different
-    # texts would share an id and the second would be dropped as a duplicate. Only messages
-    # with such lines hash them, so well-formed messages keep their ids.
-    stray = _non_field_lines(header_block)
-    if stray:
-        h.update(b"\x00non-field lines\r\n")
-        h.update(b"\r\n".join(stray))
-    return f"<{h.hexdigest()[:32]}.content@{hostname}>"
+        self._h = h
+        self._stray = _non_field_lines(header_block)
+
+    def update(self, body: bytes) -> None:
+        self._h.update(body)
+
+    def message_id(self, hostname: str) -> str:
+        h = self._h.copy()
+        # Lines of the header block that are not header fields (parse_headers drops them): a
+        # message with no empty line is all "header block", so without these two different
+        # texts would share an id and the second would be dropped as a duplicate. Only
+        # messages with such lines hash them, so well-formed messages keep their ids.
+        if self._stray:
+            h.update(b"\x00non-field lines\r\n")
+            h.update(b"\r\n".join(self._stray))
+        return f"<{h.hexdigest()[:32]}.content@{hostname}>"
 
 
 def _non_field_lines(block: bytes) -> list[bytes]:

@@ -83,8 +83,8 @@ async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
         return None
     queue_id = str(doc["queue_id"])
     body, path = await daemon.writer.run(lambda c: ops.message_body(c, queue_id))
-    if body is None and path:
-        body = await asyncio.to_thread(bodies.read_body, cfg.spool_path, path)
+    if path:
+        body = await asyncio.to_thread(bodies.load, cfg.spool_path, body, path)
     headers, _ = split_message(body or b"")
     # the first enhanced code in the reply: "550 5.1.1 ..." or, for an expired recipient,
     # "expired after 5d in queue; last reply: 451 4.2.2 ..." (the code is not its 2nd word)

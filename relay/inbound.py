@@ -58,19 +58,19 @@ from relay import auth as auth_
 from relay import dedup, faults, smtpd_adapter
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
+from relay.dataflow import DataParser, DataState
 from relay.guard import InboundGuard, is_allowed
 from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
 from relay.logs import log_event
 from relay.message import (
     header,
-    normalize_line_endings,
     parse_headers,
     received_header,
-    split_message,
 )
 from relay.metrics import Metrics
 from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch, TooManyErrors
 from relay.spool import bodies, ops
+from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolError, SpoolWriter
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ def with_enhanced(status: str) -> str:
 
 
 smtpd_adapter.install_member_caches()
+
+DATA_BLOCK = 1 << 16  # octets read from the socket at a time during DATA
 
 
 @dataclass(slots=True)
@@ -388,6 +390,66 @@ class RelaySMTP(SMTP):
             self, self.session, self.envelope, path.address, options)
         await self.push(status)
 
+    # --- DATA: streamed (relay/dataflow.py, relay/spool/incoming.py) -------------------
+
+    @syntax("DATA")
+    async def smtp_DATA(self, arg: str | None) -> None:
+        """Our DATA: read in blocks, parsed as it arrives, spooled to a file past
+        `spool.inline_max`, so a session holds about 1 MiB whatever the message size
+        (aiosmtpd's own reads line by line and keeps the whole message in memory)."""
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        assert self.envelope is not None and self.session is not None
+        if not self.envelope.rcpt_tos:
+            await self.push("503 5.5.1 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 5.5.4 Syntax: DATA")
+            return
+        handler = self._relay_handler
+        envelope = self.envelope
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        parser = DataParser(self.data_size_limit or 0, self.line_length_limit)
+        incoming = IncomingBody(handler.config.spool_path, handler.config.inline_max)
+        reader = smtpd_adapter.reader_of(self)
+        store_error: OSError | None = None
+        try:
+            while True:
+                block = await reader.read(DATA_BLOCK)
+                if not block:  # the client closed mid-DATA (aiosmtpd cancels us on EOF too)
+                    raise ConnectionResetError("connection closed during DATA")
+                self._reset_timeout()  # bytes keep arriving: the session is not idle
+                out = parser.feed(block)
+                if out.data and store_error is None:
+                    try:
+                        await incoming.add(out.data)
+                    except OSError as e:
+                        # disk full or I/O error: read on to the end of the data (what
+                        # follows must not be taken for commands), then answer 4xx
+                        store_error = e
+                        incoming.discard()
+                if out.done:
+                    if out.rest:  # pipelined commands after the final dot (RFC 2920)
+                        smtpd_adapter.unread(reader, out.rest)
+                    break
+        except BaseException:
+            incoming.discard()
+            raise
+        self._set_post_data_state()  # type: ignore[no-untyped-call]
+        if parser.state is not DataState.NOMINAL:
+            incoming.discard()
+            if parser.state is DataState.TOO_MUCH:  # RFC 5321 §4.5.3.1.7
+                await self.push("552 5.3.4 Message size exceeds fixed maximum message size")
+            else:  # §4.5.3.1.6
+                await self.push("500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)")
+            return
+        if store_error is not None:
+            await self.push(handler.spool_failed("-", store_error))
+            return
+        status = await handler.accept_stream(self.session, envelope, incoming,
+                                             parser.nul_count)
+        await self.push(status)
+
     async def push(self, status: Any) -> None:
         if isinstance(status, str):
             status = with_enhanced(status)
@@ -517,11 +579,17 @@ class InboundHandler(AuthMechanisms):
         envelope.mail_options.extend(mail_options)
         return "250 2.1.0 OK"
 
-    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+    async def accept_stream(self, session: Session, envelope: Envelope,
+                            incoming: IncomingBody, nuls: int) -> str:
+        """The end of a DATA (RelaySMTP.smtp_DATA): spool it, then the reply. Any failure
+        is 451/452 and leaves nothing behind (the client keeps the message)."""
         self.in_flight += 1
         try:
             faults.hit("inbound.accept")
-            return await self._accept(session, envelope)
+            return await self._accept(session, envelope, incoming, nuls)
+        except BaseException:
+            incoming.discard()
+            raise
         finally:
             self.in_flight -= 1
 
@@ -537,35 +605,36 @@ class InboundHandler(AuthMechanisms):
 
     # --- accepting --------------------------------------------------------------------
 
-    async def _accept(self, session: Session, envelope: Envelope) -> str:
+    async def _accept(self, session: Session, envelope: Envelope, incoming: IncomingBody,
+                      nuls: int) -> str:
         cfg = self.config
         now = time.time()
-        raw = envelope.original_content or b""
-        # a large message is scanned off the event loop: other sessions keep moving
-        data = (await asyncio.to_thread(normalize_line_endings, raw) if len(raw) > 1 << 20
-                else normalize_line_endings(raw))
-        head, body = split_message(data)
+        queue_id = ops.new_queue_id(now)
+        peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+        try:
+            await incoming.finish()
+        except OSError as e:
+            return self.spool_failed(queue_id, e)
+        head = incoming.header_block()
         headers = parse_headers(head)
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
-        queue_id = ops.new_queue_id(now)
+        if nuls:
+            log_event(log, logging.WARNING, "nul_stripped", "NUL characters removed from the"
+                      " message (RFC 5322 2.3)", queue_id=queue_id, count=nuls, peer=peer_ip)
 
         added = b""
         mid = header(headers, "Message-ID")
         if not mid or not dedup.normalize_message_id(mid):
-            if len(data) > 1 << 20:
-                mid = await asyncio.to_thread(dedup.content_message_id, head, body,
-                                              cfg.hostname)
-            else:
-                mid = dedup.content_message_id(head, body, cfg.hostname)
+            mid = incoming.content_message_id(cfg.hostname)
             added = f"Message-ID: {mid}\r\n".encode()
-        peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         rcpts = list(envelope.rcpt_tos)
         trace = received_header(
             helo=session.host_name or "unknown", peer_ip=peer_ip, hostname=cfg.hostname,
             queue_id=queue_id, recipient=rcpts[0] if len(rcpts) == 1 else None,
             protocol=_with_protocol(session), now=now,
         )
-        content = trace + added + data
+        prefix = trace + added
+        size = len(prefix) + incoming.size
         namespace = self._namespace(session)
         lane = self.listener.lane or classify_lane(
             self._lane_rules, sender=sender, headers=headers, listener=self.listener.name
@@ -580,15 +649,17 @@ class InboundHandler(AuthMechanisms):
         identity = (sender.rpartition("@")[2].lower() if cfg.shaping.identity_by ==
                     "sender_domain" else sender.lower()) or "<>"
         body_path: str | None = None
-        inline: bytes | None = content
         try:
-            if len(content) > cfg.inline_max:
-                inline = None
-                body_path = await asyncio.to_thread(
-                    bodies.write_body, cfg.spool_path, queue_id, content)
+            if incoming.on_disk:
+                # the file holds the data; the row holds our prefix (Received, Message-ID):
+                # a 20 MiB message is never copied again to put 300 octets in front of it
+                body_path = await incoming.commit(queue_id)
+                inline = prefix
+            else:
+                inline = prefix + incoming.inline()
             msg = ops.NewMessage(
                 queue_id=queue_id, message_id=_storable(dedup.normalize_message_id(mid)),
-                sender=sender, size=len(content), created_at=now, client=namespace,
+                sender=sender, size=size, created_at=now, client=namespace,
                 peer=peer_ip, lane=lane, lane_prio=LANE_PRIORITY.get(lane, 0),
                 identity=identity, body=inline,
                 body_path=body_path, recipients=new_rcpts,
@@ -598,14 +669,8 @@ class InboundHandler(AuthMechanisms):
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
-            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            full = full or "full" in str(e).lower()
-            log_event(log, logging.ERROR, "spool_error", "message not accepted",
-                      queue_id=queue_id, error=str(e))
-            self.stats.reject("spool_error")
-            if full:
-                return "452 4.3.1 Insufficient system storage; try again later"
-            return "451 4.3.0 Spool unavailable; message not accepted, try again later"
+            incoming.discard()
+            return self.spool_failed(queue_id, e)
         if result.queue_id is None:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -620,10 +685,20 @@ class InboundHandler(AuthMechanisms):
             self.stats.metrics.accepted.labels(lane).inc()
         log_event(log, logging.INFO, "accepted", "message queued", queue_id=queue_id,
                   message_id=mid, sender=sender or "<>", rcpts=list(result.queued),
-                  duplicates=len(result.duplicates), size=len(content), lane=lane,
+                  duplicates=len(result.duplicates), size=size, lane=lane,
                   client=namespace)
         self.on_queued()
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+    def spool_failed(self, queue_id: str, e: BaseException) -> str:
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = full or "full" in str(e).lower()
+        log_event(log, logging.ERROR, "spool_error", "message not accepted",
+                  queue_id=queue_id, error=str(e))
+        self.stats.reject("spool_error")
+        if full:
+            return "452 4.3.1 Insufficient system storage; try again later"
+        return "451 4.3.0 Spool unavailable; message not accepted, try again later"
 
     def _namespace(self, session: Session) -> str:
         user = getattr(session, "auth_data", None)

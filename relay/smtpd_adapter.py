@@ -9,6 +9,9 @@ Rules:
     `smtp_DATA`, `challenge_auth` and the strict command-line reader read from it.
   * `SMTP._cb_client_connected(reader, writer)`: the moment the reader is known, to give it
     the strict line discipline below.
+  * `SMTP._reset_timeout()` / `_set_post_data_state()`: our `smtp_DATA` keeps the idle
+    timer alive while bytes arrive and resets the transaction after the final dot.
+  * `asyncio.StreamReader._buffer`: to put back what a block read took past the final dot.
   * `aiosmtpd.smtp.inspect` / `aiosmtpd.smtp.dir`: module globals that `SMTP.__init__`
     calls per connection; replaced with per-class caches (CPU, see `_ClassInspect`).
 - The strict line discipline (RFC 5321 §2.3.8: lines end with CRLF; a bare CR or LF is
@@ -49,6 +52,8 @@ def check() -> None:
     src = inspect.getsource(SMTP.__init__)
     if "inspect.getmembers" not in src or "dir(self)" not in src:
         missing.append("SMTP.__init__ scanning members with inspect.getmembers / dir(self)")
+    if not isinstance(getattr(asyncio.StreamReader(), "_buffer", None), bytearray):
+        missing.append("asyncio.StreamReader._buffer (a bytearray)")
     cb = getattr(SMTP, "_cb_client_connected", None)
     if cb is not None and "self._reader" not in inspect.getsource(cb):
         missing.append("SMTP._cb_client_connected setting self._reader")
@@ -95,6 +100,14 @@ def make_strict(reader: asyncio.StreamReader, on_bare_newline: Callable[[], None
     cast_reader: Any = reader
     cast_reader.on_bare_newline = on_bare_newline
     cast_reader.relay_in_tail = False
+
+
+def unread(reader: asyncio.StreamReader, data: bytes) -> None:
+    """Put back bytes read past the end of a DATA (pipelined commands, RFC 2920) so that
+    aiosmtpd's command loop reads them next. StreamReader has no public unread; its buffer
+    is a bytearray we prepend to (checked by `check()`)."""
+    buf: bytearray = reader._buffer  # type: ignore[attr-defined]
+    buf[0:0] = data
 
 
 def reader_of(proto: SMTP) -> asyncio.StreamReader:

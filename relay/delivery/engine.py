@@ -612,11 +612,11 @@ class Engine:
             await self._finish(job, self._outcomes_wait(job, until, reason), delivered=0)
             return conn
         await self._wait_token(st)
-        body = job.envelope.body
-        if body is None and job.envelope.body_path:
-            try:
-                body = await asyncio.to_thread(bodies.read_body, self.config.spool_path,
-                                               job.envelope.body_path)
+        body: bytes | bodies.StoredBody | None = job.envelope.body
+        if job.envelope.body_path:
+            try:  # streamed from the file by the transport; here only checked to be there
+                body = await asyncio.to_thread(bodies.StoredBody.open, self.config.spool_path,
+                                               job.envelope.body, job.envelope.body_path)
             except OSError as e:
                 reply = Reply(451, "4.3.0", f"spool body unreadable: {e.strerror}")
                 await self._apply(st, job, {c.address: RcptResult(

@@ -15,6 +15,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import time
@@ -27,6 +28,7 @@ from aiosmtplib.protocol import PERIOD_REGEX
 
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
 from relay.replies import Outcome, Phase, Reply, Verdict, classify
+from relay.spool.bodies import StoredBody
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,8 @@ class Connection:
                 phase == Phase.STARTTLS and self.tls.verify)
             raise ConnectFailed(verdict, _with_host(reply, self.label), phase, fault) from e
 
-    async def send(self, sender: str, recipients: list[str], body: bytes) -> TransactionResult:
+    async def send(self, sender: str, recipients: list[str],
+                   body: bytes | StoredBody) -> TransactionResult:
         """One transaction. Never raises for SMTP or network failures."""
         assert self.smtp is not None
         smtp = self.smtp
@@ -179,9 +182,13 @@ class Connection:
         to = self.timeouts
         try:
             opts = []
+            size = body.size if isinstance(body, StoredBody) else len(body)
             if smtp.supports_extension("size"):
-                opts.append(f"SIZE={len(body)}".encode())
-            if smtp.supports_extension("8bitmime") and not body.isascii():
+                opts.append(f"SIZE={size}".encode())
+            # a stored (large) body is not scanned before MAIL: declaring 8BITMIME for 7-bit
+            # content is allowed (RFC 6152 §3), sending 8-bit without it is not
+            if smtp.supports_extension("8bitmime") and (
+                    isinstance(body, StoredBody) or not body.isascii()):
                 opts.append(b"BODY=8BITMIME")
             utf8 = not (sender + "".join(recipients)).isascii()
             if utf8 and not smtp.supports_extension("smtputf8"):
@@ -263,11 +270,13 @@ class Connection:
             out.duration = time.monotonic() - started
         return out
 
-    async def _data(self, body: bytes) -> tuple[Reply, Phase]:
+    async def _data(self, body: bytes | StoredBody) -> tuple[Reply, Phase]:
         """DATA, then the body and the final "."; returns the reply and the phase it ended
         in. aiosmtplib's `data()` does both steps under one timeout and one exception type;
         we need the reply to the final dot as a phase of its own (ambiguity, RFC 5321
-        §4.5.3.2.6 data-termination timeout), so we drive its protocol the same way."""
+        §4.5.3.2.6 data-termination timeout), so we drive its protocol the same way. A
+        stored body is streamed from its file in blocks, with flow control, so delivering a
+        20 MiB message holds about one block in memory."""
         smtp = self.smtp
         assert smtp is not None and smtp.protocol is not None
         proto: Any = smtp.protocol
@@ -277,11 +286,14 @@ class Connection:
             start = await proto.read_response(timeout=self.timeouts.command)
             if start.code != 354:
                 return Reply.parse(start.code, start.message), Phase.DATA
-            if not body.endswith(b"\r\n"):
-                body += b"\r\n"
-            payload = PERIOD_REGEX.sub(b"..", body) + b".\r\n"
             proto._response_pending = True
-            proto.write(payload)
+            if isinstance(body, StoredBody):
+                await self._stream(proto, body)
+            else:
+                if not body.endswith(b"\r\n"):
+                    body += b"\r\n"
+                proto.write(PERIOD_REGEX.sub(b"..", body))
+            proto.write(b".\r\n")
             self._dot_sent = True  # only once written: a failed write is not ambiguous
             try:
                 final = await proto.read_response(timeout=self.timeouts.data)
@@ -289,6 +301,25 @@ class Connection:
                 smtp.close()
                 raise
         return Reply.parse(final.code, final.message), Phase.DOT
+
+    async def _stream(self, proto: Any, body: StoredBody) -> None:
+        """Write a stored body with RFC 5321 §4.5.2 transparency, block by block (each block
+        starts at a line start), waiting for the socket to drain between blocks. The
+        whole transfer is bounded by the data timeout."""
+        it = body.blocks()
+        last = b"\r\n"
+        async with asyncio.timeout(self.timeouts.data):
+            while True:
+                block = await asyncio.to_thread(next, it, None)
+                if block is None:
+                    break
+                if block.startswith(b"."):
+                    block = b"." + block
+                proto.write(block.replace(b"\r\n.", b"\r\n.."))
+                last = block[-2:]
+                await proto._drain_helper()
+        if last != b"\r\n":
+            proto.write(b"\r\n")
 
     async def _reset_or_close(self, verdict: Verdict | None) -> None:
         if verdict is not None and verdict.closes_connection:

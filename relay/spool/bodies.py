@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from relay import faults
@@ -57,6 +58,49 @@ def write_body(spool_dir: Path, queue_id: str, data: bytes) -> str:
 
 def read_body(spool_dir: Path, rel: str) -> bytes:
     return (spool_dir / rel).read_bytes()
+
+
+def load(spool_dir: Path, inline: bytes | None, rel: str | None) -> bytes:
+    """A whole stored message: the row's `body`, then the file's contents when it has one
+    (the row then holds only our prefix: Received and an added Message-ID)."""
+    if rel is None:
+        return inline or b""
+    return (inline or b"") + read_body(spool_dir, rel)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBody:
+    """A large message as delivery sends it: the row's prefix, then the file, read in
+    blocks (never whole in memory)."""
+
+    prefix: bytes
+    path: Path
+    size: int  # prefix + file
+
+    @classmethod
+    def open(cls, spool_dir: Path, prefix: bytes | None, rel: str) -> StoredBody:
+        """Raises OSError when the file is missing or unreadable (checked before sending)."""
+        path = spool_dir / rel
+        return cls(prefix or b"", path, len(prefix or b"") + path.stat().st_size)
+
+    def blocks(self, size: int = 1 << 18) -> Iterator[bytes]:
+        """Blocks that each end at a line end (CRLF), except possibly the last; the stored
+        copy is CRLF-normalised, so transparency can be applied per block."""
+        carry = self.prefix
+        with open(self.path, "rb") as f:
+            while True:
+                chunk = f.read(size)
+                if not chunk:
+                    break
+                data = carry + chunk
+                cut = data.rfind(b"\r\n")
+                if cut < 0:
+                    carry = data
+                    continue
+                carry = data[cut + 2:]
+                yield data[: cut + 2]
+        if carry:
+            yield carry
 
 
 def delete_bodies(spool_dir: Path, rels: Iterable[str]) -> None:

@@ -1,0 +1,202 @@
+"""A message body while it arrives: in memory while small, then a temporary file in the spool.
+
+Rules:
+- Up to `inline_max` octets stay in memory (they go inline into the row, as before). Past
+  that, everything is written to `bodies/tmp/.<random>.tmp` in batches of `FLUSH_AT`
+  octets, each write in a thread (the event loop never waits on the disk), so a session's
+  memory is bounded by about `FLUSH_AT` + one read block, whatever the message size.
+- `finish()` fsyncs the file; `commit(queue_id)` renames it to its final place
+  (`bodies.body_path`) and fsyncs that folder, before the row that names it is written (the
+  rule of relay/spool/bodies.py). A refused, deduplicated or abandoned message is
+  `discard()`ed; a crash leaves only a temporary file, which `bodies.sweep` removes once it
+  is older than its grace period (every write refreshes the file's mtime).
+- The header block (up to the first empty line, RFC 5322 §2.1) is kept in memory, up to
+  `HEAD_MAX`; the Message-ID and lanes need it. For a message without a Message-ID the body
+  is hashed as it arrives (relay/dedup.py's `ContentHasher`, the same id as for the whole
+  message at once). A message with no empty line in its first `HEAD_MAX` octets is hashed
+  as all body (deterministic, so a resubmission is still recognised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+
+from relay import faults
+from relay.dedup import ContentHasher, normalize_message_id
+from relay.message import header, parse_headers
+from relay.spool import bodies
+from relay.spool.db import fsync_dir
+
+FLUSH_AT = 1 << 20
+HEAD_MAX = 1 << 20
+TMP = "tmp"
+
+
+class IncomingBody:
+    def __init__(self, spool_dir: Path, inline_max: int) -> None:
+        self.spool_dir = spool_dir
+        self.inline_max = inline_max
+        self.size = 0
+        self._mem = bytearray()  # everything while small; then the unwritten tail
+        self._tmp: Path | None = None
+        self._fd: int | None = None
+        # header block detection
+        self._head = bytearray()
+        self.head: bytes | None = None  # the header block once known (with its final CRLF)
+        self._body_started = 0  # octets of the data before the body (head + empty line)
+        self._hasher: ContentHasher | None = None  # for a message without a Message-ID
+
+    @property
+    def on_disk(self) -> bool:
+        return self._tmp is not None
+
+    @property
+    def tmp_path(self) -> Path | None:
+        return self._tmp
+
+    def inline(self) -> bytes:
+        assert self._tmp is None
+        return bytes(self._mem)
+
+    # --- the header block ---------------------------------------------------------------
+
+    def _scan_head(self, data: bytes) -> bytes:
+        """Collect the header block; returns the part of `data` that is body."""
+        if self.head is not None:
+            return data
+        if not self._head and data.startswith(b"\r\n"):  # no header block at all
+            self.head = b""
+            self._body_started = 2
+            return data[2:]
+        start = max(0, len(self._head) - 3)
+        self._head += data
+        i = self._head.find(b"\r\n\r\n", start)
+        if i >= 0:
+            self.head = bytes(self._head[: i + 2])
+            body = bytes(self._head[i + 4 :])
+            self._body_started = i + 4
+            self._head = bytearray()
+            return body
+        if len(self._head) > HEAD_MAX:
+            # no empty line within HEAD_MAX: treat it all as body (see `header_block`)
+            self.head = b""
+            body = bytes(self._head)
+            self._head = bytearray()
+            return body
+        return b""
+
+    def header_block(self) -> bytes:
+        """The header block; at the end, a message with no empty line is all header block
+        (as relay/message.py's `split_message`) when it fits HEAD_MAX."""
+        if self.head is not None:
+            return self.head
+        return bytes(self._head)
+
+    # --- data -----------------------------------------------------------------------------
+
+    async def add(self, data: bytes) -> None:
+        if not data:
+            return
+        known = self.head is not None
+        body = self._scan_head(data)
+        if not known and self.head is not None and self.needs_content_id(self.head):
+            self._hasher = ContentHasher(self.head)
+        if self._hasher is not None and body:
+            self._hasher.update(body)
+        self.size += len(data)
+        self._mem += data
+        if self._tmp is None and len(self._mem) <= self.inline_max:
+            return
+        if len(self._mem) >= FLUSH_AT or self._tmp is None:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        chunk = bytes(self._mem)
+        self._mem = bytearray()
+        if self._tmp is None:
+            self._tmp, self._fd = await asyncio.to_thread(self._create)
+        fd = self._fd
+        assert fd is not None
+        await asyncio.to_thread(_write_all, fd, chunk)
+
+    def _create(self) -> tuple[Path, int]:
+        folder = self.spool_dir / bodies.BODIES / TMP
+        if not folder.exists():
+            folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+        path = folder / f".{secrets.token_hex(12)}.tmp"
+        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+
+    async def finish(self) -> None:
+        """All data is in: the content hash is complete, the file (if any) written and
+        fsync'd."""
+        if self.head is None:  # the message ended inside its header block (no body)
+            self.head = self.header_block()
+            self._head = bytearray()
+            if self.needs_content_id(self.head):
+                self._hasher = ContentHasher(self.head)
+        if self._tmp is None:
+            return
+        if self._mem:
+            await self._flush()
+        fd = self._fd
+        assert fd is not None
+        await asyncio.to_thread(os.fsync, fd)
+
+    @staticmethod
+    def needs_content_id(head: bytes) -> bool:
+        mid = header(parse_headers(head), "Message-ID")
+        return not mid or not normalize_message_id(mid)
+
+    def content_message_id(self, hostname: str) -> str:
+        """Only for a message that needs one (`needs_content_id`), after `finish()`."""
+        assert self._hasher is not None
+        return self._hasher.message_id(hostname)
+
+    async def commit(self, queue_id: str) -> str:
+        """Move the file to its final place, durably; returns the path stored in the row."""
+        assert self._tmp is not None
+        return await asyncio.to_thread(self._commit, queue_id)
+
+    def _commit(self, queue_id: str) -> str:
+        assert self._tmp is not None and self._fd is not None
+        os.close(self._fd)
+        self._fd = None
+        final = bodies.body_path(self.spool_dir, queue_id)
+        folder = final.parent
+        if not folder.exists():
+            folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+            fsync_dir(folder.parent)
+        os.replace(self._tmp, final)
+        fsync_dir(folder)
+        self._tmp = None
+        return str(final.relative_to(self.spool_dir))
+
+    def discard(self) -> None:
+        """Drop what was received (refused, deduplicated, or the client went away)."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
+        self._mem = bytearray()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    faults.hit("body.write")
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
