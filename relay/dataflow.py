@@ -64,13 +64,16 @@ class DataParser:
     def feed(self, block: bytes) -> Feed:
         if self._done:
             return Feed(b"", True, block)
+        old = len(self._pending)
         self._pending += block
         buf = self._pending
-        # the end line: "." CRLF at a line start; the start of the data is a line start
+        # The end line: "." CRLF at a line start; the start of the data is a line start.
+        # What was pending holds no CRLF (it was cut at the last one): search only the new
+        # octets and the few before them, so a long incomplete line costs linear time.
         if buf.startswith(b".\r\n"):
             end = 0
         else:
-            i = buf.find(_END)
+            i = buf.find(_END, max(0, old - 4))
             end = -1 if i < 0 else i + 2
         if end >= 0:
             lines = bytes(buf[:end])
@@ -78,7 +81,7 @@ class DataParser:
             self._pending = bytearray()
             self._done = True
             return Feed(self._lines(lines), True, rest)
-        cut = buf.rfind(b"\r\n")
+        cut = buf.rfind(b"\r\n", max(0, old - 1))
         if cut < 0:
             self._check_partial()
             return Feed(b"")

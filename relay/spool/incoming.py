@@ -48,6 +48,7 @@ class IncomingBody:
         self.head: bytes | None = None  # the header block once known (with its final CRLF)
         self._body_started = 0  # octets of the data before the body (head + empty line)
         self._hasher: ContentHasher | None = None  # for a message without a Message-ID
+        self._writing: asyncio.Future[None] | None = None  # a write running in a thread
 
     @property
     def on_disk(self) -> bool:
@@ -120,7 +121,11 @@ class IncomingBody:
             self._tmp, self._fd = await asyncio.to_thread(self._create)
         fd = self._fd
         assert fd is not None
-        await asyncio.to_thread(_write_all, fd, chunk)
+        # shielded: if the session is cancelled meanwhile, the write still ends before
+        # discard() closes the descriptor (a descriptor closed under a writing thread could
+        # be reused by another file, which would then receive these octets)
+        self._writing = asyncio.ensure_future(asyncio.to_thread(_write_all, fd, chunk))
+        await asyncio.shield(self._writing)
 
     def _create(self) -> tuple[Path, int]:
         folder = self.spool_dir / bodies.BODIES / TMP
@@ -176,6 +181,10 @@ class IncomingBody:
 
     def discard(self) -> None:
         """Drop what was received (refused, deduplicated, or the client went away)."""
+        writing = self._writing
+        if writing is not None and not writing.done():
+            writing.add_done_callback(lambda _f: self.discard())  # after the thread's write
+            return
         if self._fd is not None:
             try:
                 os.close(self._fd)

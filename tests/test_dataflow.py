@@ -1,0 +1,133 @@
+"""relay/dataflow.py: the streamed DATA parser gives, for any split of the input into
+blocks, exactly what the whole-buffer path gave (aiosmtpd's line-by-line DATA, then
+un-dot-stuffing and line-ending normalisation), and finds the end of the data where RFC 5321
+says, never at a bare-LF/CR "." line."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay.dataflow import DataParser, DataState
+from relay.message import normalize_line_endings
+
+
+def reference(stream: bytes) -> tuple[bytes, bytes] | None:
+    """The old path: CRLF lines until a line that is exactly ".", dots removed, then bare
+    CR/LF normalised and NULs removed. None when the data never ends."""
+    lines = []
+    pos = 0
+    while True:
+        i = stream.find(b"\r\n", pos)
+        if i < 0:
+            return None
+        line = stream[pos : i + 2]
+        pos = i + 2
+        if line == b".\r\n":
+            break
+        lines.append(line[1:] if line.startswith(b".") else line)
+    data = normalize_line_endings(b"".join(lines)).replace(b"\x00", b"")
+    # removing a NUL between CR and LF cannot create a bare line ending: normalise again
+    return normalize_line_endings(data), stream[pos:]
+
+
+def run(stream: bytes, cuts: list[int], max_size: int = 0, max_line: int = 10**9):
+    p = DataParser(max_size, max_line)
+    out, rest, done = b"", b"", False
+    edges = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    for a, b in itertools.pairwise(edges):
+        f = p.feed(stream[a:b])
+        out += f.data
+        if f.done:
+            rest, done = f.rest + stream[b:], True
+            break
+    return p, out, rest, done
+
+
+_pieces = st.lists(st.sampled_from([
+    b"a", b"xyz", b".", b"..", b"\r\n", b"\n", b"\r", b"\x00", b"\r\n.\r\n", b"\n.\n",
+    b"\r.\r", b"\n.\r\n", b"\r\n.\n", b".\r\n", b"QUIT\r\n", b"\xc3\xa9",
+]), max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=_pieces, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_any_split_gives_the_whole_buffer_result(pieces: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(pieces)
+    expected = reference(stream)
+    _p, out, rest, done = run(stream, cuts)
+    if expected is None:
+        assert not done
+        return
+    assert done
+    data, after = expected
+    assert (out, rest) == (data, after)
+
+
+@pytest.mark.parametrize(
+    ("stream", "data", "rest"),
+    [
+        (b".\r\n", b"", b""),  # an empty message
+        (b".\r\nQUIT\r\n", b"", b"QUIT\r\n"),
+        (b"a\r\n.\r\nQUIT\r\n", b"a\r\n", b"QUIT\r\n"),
+        (b"..\r\n.\r\n", b".\r\n", b""),  # a transparency dot
+        (b"a\n.\nb\r\n.\r\n", b"a\r\n.\r\nb\r\n", b""),  # LF.LF does not end it
+        (b"a\r.\rb\r\n.\r\n", b"a\r\n.\r\nb\r\n", b""),
+        (b"a\r\n.\nb\r\n.\r\n", b"a\r\n\r\nb\r\n", b""),  # line ".\nb": dot removed
+        (b"a\n.\r\nb\r\n.\r\n", b"a\r\n.\r\nb\r\n", b""),
+        (b"a\x00b\r\n.\r\n", b"ab\r\n", b""),
+    ],
+)
+def test_table(stream: bytes, data: bytes, rest: bytes) -> None:
+    for cut in range(len(stream) + 1):
+        _p, out, r, done = run(stream, [cut])
+        assert done and (out, r) == (data, rest), cut
+
+
+def test_nul_count() -> None:
+    p, out, _r, _d = run(b"a\x00\x00b\r\n.\r\n", [])
+    assert out == b"ab\r\n" and p.nul_count == 2
+
+
+def test_over_size_is_reported_at_the_end_and_memory_stays_bounded() -> None:
+    p = DataParser(max_size=1000, max_line=10_000)
+    for _ in range(2000):  # 2 MB of lines
+        f = p.feed(b"x" * 998 + b"\r\n")
+        assert f.data == b"" or p.raw_size <= 1000
+        assert len(p._pending) < 2000
+    f = p.feed(b".\r\nNOOP\r\n")
+    assert f.done and f.rest == b"NOOP\r\n"
+    assert p.state is DataState.TOO_MUCH
+
+
+def test_over_long_line_without_crlf_keeps_memory_bounded() -> None:
+    p = DataParser(max_size=0, max_line=1001)
+    for _ in range(1000):
+        p.feed(b"y" * 10_000)  # 10 MB, one line, no CRLF
+        assert len(p._pending) <= 1001 + 4 + 10_000
+    f = p.feed(b"\r\n.\r\n")
+    assert f.done and p.state is DataState.TOO_LONG
+
+
+def test_line_limit_counts_the_crlf_and_the_transparency_dot() -> None:
+    ok = DataParser(0, 1001)
+    ok.feed(b"." + b"x" * 998 + b"\r\n.\r\n")  # 1001 octets with the dot and CRLF
+    assert ok.state is DataState.NOMINAL
+    long = DataParser(0, 1001)
+    long.feed(b"." + b"x" * 999 + b"\r\n.\r\n")
+    assert long.state is DataState.TOO_LONG
+
+
+def test_linear_on_hostile_blocks() -> None:
+    import time
+
+    p = DataParser(0, 10**9)
+    started = time.perf_counter()
+    for _ in range(200):
+        p.feed(b"\r" * 65536)  # no LF ever: one growing incomplete line
+    assert time.perf_counter() - started < 5.0
+    assert re.fullmatch(rb"\r*", bytes(p._pending)) is not None
