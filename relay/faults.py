@@ -10,11 +10,12 @@ Rules:
   while the daemon runs. `RELAY_FAULTS` holds the same lines for faults from the start.
 - Seams: `spool.begin`, `spool.job` (inside a job's savepoint), `spool.commit` (instead of
   COMMIT), `body.write` (a body file write), `inbound.accept` (the DATA hook, before the
-  spool), `clock` (see `offset()`). DNS failures need no seam: the tests' loopback name
-  server answers SERVFAIL or nothing on request (tests/dnsserver.py).
+  spool), `engine.record` (recording an attempt's outcomes), `transport.body` (writing a
+  body upstream, before the final dot), `clock` (see `offset()`). DNS failures need no
+  seam: the tests' loopback name server answers SERVFAIL or nothing on request.
 - Errors: `enospc` / `eio` (OSError for files; for the database the sqlite3 error SQLite
   gives: "database or disk is full" / "disk I/O error"), `locked` ("database is locked"),
-  `error` (RuntimeError, an unexpected bug).
+  `reset` (ConnectionResetError), `error` (RuntimeError, an unexpected bug).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def hit(seam: str) -> None:
                    "locked": "database is locked"}.get(kind)
         if message is not None:
             raise sqlite3.OperationalError(message)
+    if kind == "reset":
+        raise ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if kind == "eio":

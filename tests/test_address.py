@@ -262,3 +262,60 @@ def test_error_messages_name_the_character(arg: str, message: str | None) -> Non
 )
 def test_printable_table(text: str, shown: str) -> None:
     assert printable(text) == shown
+
+
+# The reply text names what is wrong: an operator reads it in the app's log. One row per
+# refusal in relay/address.py (the message wording mutants of `make mutate`).
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("<a@>", "missing domain"),
+        ("<a@b..c>", "empty label in domain"),
+        ("<a@" + "x" * 64 + ">", "domain label too long"),
+        ("<a@-b>", "domain label starts or ends with '-'"),
+        ("<a@[1.2.3.4>", "malformed address literal"),
+        ("<a@[]>", "malformed address literal"),
+        ("<a@[IPv6:g]>", "malformed IPv6 address literal"),
+        ("<a@[1.2.3]>", "malformed IPv4 address literal"),
+        ('<"a\\\u00e9"@b>', "bad quoted pair in local part"),
+        ('<"a\u00e9\u2028"@b>', None),
+        ('<"a\\', "missing '>'"),
+        ('<"ab>', "missing '>'"),
+        ('<"ab"c@d>', "missing '@' after the quoted local part"),
+        ("<a..b@c>", "empty atom in local part"),
+        ("<.a@c>", "empty atom in local part"),
+        ("<@>", "malformed source route"),
+        ("<ab>", "missing '@' and domain"),
+        ("<ab.@c>", "local part ends with '.'"),
+        ("<" + "a" * 65 + "@b>", "local part longer than 64 octets"),
+        ("a@b", "the address must be enclosed in <>"),
+        ("<a@b>SIZE=1", "text after '>' must be separated by a space"),
+        ("<>", "empty address"),
+        ("<@b>", "malformed source route"),
+        ("<@b,c:a@d>", "malformed source route"),
+        ("<@b a@d>", "malformed source route"),
+        ("<" + "a" * 64 + "@" + "d" * 63 + "." + "e" * 63 + "." + "f" * 63 + ">",
+         "path longer than 256 octets"),
+        ("<a<b@c>", "unbalanced '<'"),
+        ("<a@b", "missing '>'"),
+    ],
+)
+def test_refusal_texts(arg: str, message: str | None) -> None:
+    if message is None:
+        parse_path(arg, null_ok=False)
+        return
+    with pytest.raises(AddressError) as e:
+        parse_path(arg, null_ok=False)
+    assert str(e.value) == message
+
+
+def test_domain_too_long_text() -> None:
+    with pytest.raises(AddressError, match="^domain too long$"):
+        check_domain("x." * 127 + "xx")
+
+
+def test_unterminated_quote_inside_check_mailbox() -> None:
+    with pytest.raises(AddressError, match="^unterminated quoted local part$"):
+        check_mailbox('"abc')
+    with pytest.raises(AddressError, match="^empty address$"):
+        check_mailbox("")

@@ -190,3 +190,48 @@ def test_spool_failures_answer_4xx_and_lose_nothing(
         bodies = [p for p in (r.spool / "bodies").rglob("*") if p.is_file()]
         assert all(not p.name.startswith(".") for p in bodies), bodies  # no temp left
     assert r.proc is not None and r.proc.poll() is None
+
+
+def test_an_outcome_the_spool_refuses_is_recorded_once_it_takes_it(
+    faulty: tuple[RelayProcess, Upstream, Path],
+) -> None:
+    """Commit dcfd486: recording an outcome retries (with capped backoff) until the spool
+    takes it, not five times; otherwise the recipient stays `sending` until a restart and
+    is sent again then."""
+    r, up, fault_file = faulty
+    _set(fault_file, "engine.record error times=6")
+    code, _msg = _submit(r.port, make_message(message_id="<record-retry@failure>"))
+    assert code == 250
+    up.wait_for(1)
+    r.wait_until(lambda: [x["state"] for m in r.queue(all=True) for x in m["recipients"]]
+                 == ["delivered"], timeout=40, what="the outcome recorded")
+    assert sum(b"<record-retry@failure>" in m.data for m in up.received) == 1
+    assert sum(1 for e in r.events() if e.get("event") == "spool_error") >= 6
+
+
+def test_healthz_answers_503_while_the_spool_fails_and_200_once_it_works(
+    faulty: tuple[RelayProcess, Upstream, Path],
+) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    r, _up, fault_file = faulty
+
+    def healthz() -> tuple[int, dict[str, object]]:
+        url = f"http://127.0.0.1:{r.admin_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert healthz()[0] == 200
+    _set(fault_file, "spool.commit eio")  # every commit fails until the file changes
+    code, _msg = _submit(r.port, make_message(message_id="<healthz@failure>"))
+    assert code == 451
+    status, doc = healthz()
+    assert status == 503, doc
+    assert "spool" in json.dumps(doc)
+    _set(fault_file, "")
+    r.wait_until(lambda: healthz()[0] == 200, timeout=10, what="healthy again")

@@ -153,3 +153,39 @@ def test_nul_bytes_are_stripped_and_logged(live: tuple[RelayProcess, Upstream]) 
     got = _wait(up, b"<nul@streaming>")
     assert got.endswith(b"\r\n\r\nab\r\n") and b"\x00" not in got
     assert any(e.get("event") == "nul_stripped" and e.get("count") == 1 for e in r.events())
+
+
+def test_the_event_loop_keeps_serving_during_a_large_upload(
+    live: tuple[RelayProcess, Upstream],
+) -> None:
+    """Commit d13da60's promise (large messages are processed off the event loop) for the
+    streamed DATA: while 7 MiB full of bare LFs (the normalising path) arrives, another
+    client's NOOPs are answered promptly."""
+    import threading
+
+    r, up = live
+    body = b"Subject: lf\r\nMessage-ID: <lf-big@streaming>\r\n\r\n" + (
+        b"bare lf line\n" * 40 + b"\r\n") * 14_000  # CRLF lines of 522 octets (limit 1000)
+    done = threading.Event()
+
+    def upload() -> None:
+        try:
+            assert _send_raw(r.port, body + b"\r\n.\r\n").startswith(b"250 ")
+        finally:
+            done.set()
+
+    sock, f = _session(r.port)
+    worst = 0.0
+    with sock:
+        t = threading.Thread(target=upload)
+        t.start()
+        while not done.is_set():
+            started = time.monotonic()
+            sock.sendall(b"NOOP\r\n")
+            assert _reply(f).startswith(b"250")
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.01)
+        t.join()
+        f.close()  # type: ignore[attr-defined]
+    assert worst < 0.5, worst
+    _wait(up, b"<lf-big@streaming>")

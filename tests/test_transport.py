@@ -419,3 +419,48 @@ async def test_auth_refused_is_transient_operator_fault(
     assert e.verdict.outcome is Outcome.TRANSIENT
     assert e.reply.code == 535
     assert "wrong" not in str(e.reply)
+
+
+# --- the final-dot boundary and stored bodies (fault seam: relay/faults.py) --------------------
+
+
+async def test_a_write_that_fails_before_the_final_dot_is_not_ambiguous(
+    upstream, conn_factory,
+) -> None:
+    """Commit 3331261: the ambiguity flag is set only once the final dot was written. A body
+    write that fails before it is a plain transient failure: the upstream cannot have
+    accepted a message it never saw the end of."""
+    from relay import faults
+
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    faults.arm("transport.body", "reset", times=1)
+    try:
+        res = await c.send(SENDER, ["a@example.org"], BODY)
+    finally:
+        faults.disarm_all()
+    r = res.results["a@example.org"]
+    assert r.verdict.outcome is Outcome.TRANSIENT
+    assert not r.ambiguous, r
+    assert r.phase is Phase.DATA
+
+
+async def test_a_stored_body_is_streamed_with_transparency(
+    upstream, conn_factory, tmp_path,
+) -> None:
+    from relay.spool.bodies import StoredBody
+
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    lines = [b".dot first\r\n", b"plain\r\n", b"..two\r\n", b".\r\n", b"x" * 100 + b"\r\n"]
+    data = b"Subject: stored\r\n\r\n" + b"".join(lines[i % 5] for i in range(60_000))
+    (tmp_path / "body").write_bytes(data)
+    prefix = b"Received: from test\r\n"
+    body = StoredBody(prefix, tmp_path / "body", len(prefix) + len(data))
+    blocks = list(body.blocks(size=4096))
+    assert all(b.endswith(b"\r\n") for b in blocks)  # line-aligned: transparency per block
+    res = await c.send(SENDER, ["a@example.org"], body)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].data == prefix + data

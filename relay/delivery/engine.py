@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay import retry, shaping
+from relay import faults, retry, shaping
 from relay.config import Config, Destination, Identity
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.mx import MxHost, Resolver
@@ -56,6 +56,8 @@ from relay.spool import bodies, ops
 from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)
+
+RECORD_RETRY_FIRST = 0.5  # seconds; doubles up to 30 s while the spool refuses an outcome
 
 IDLE_CLOSE = 5.0  # seconds an idle connection stays open waiting for more work
 
@@ -870,9 +872,10 @@ class Engine:
     async def _record(self, outcomes: Sequence[ops.Outcome]) -> None:
         now = self.clock()
         day = self._day(now)
-        delay = 0.5
+        delay = min(RECORD_RETRY_FIRST, self.config.delivery.poll_interval)
         while True:
             try:
+                faults.hit("engine.record")
                 await self.writer.run(lambda c: ops.record(c, outcomes, now, day))
                 return
             except Exception as e:

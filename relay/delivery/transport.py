@@ -26,6 +26,7 @@ from typing import Any
 import aiosmtplib
 from aiosmtplib.protocol import PERIOD_REGEX
 
+from relay import faults
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
 from relay.replies import Outcome, Phase, Reply, Verdict, classify
 from relay.spool.bodies import StoredBody
@@ -287,6 +288,7 @@ class Connection:
             if start.code != 354:
                 return Reply.parse(start.code, start.message), Phase.DATA
             proto._response_pending = True
+            faults.hit("transport.body")  # a write that fails before the final dot
             if isinstance(body, StoredBody):
                 await self._stream(proto, body)
             else:
