@@ -310,12 +310,12 @@ def test_refusal_texts(arg: str, message: str | None) -> None:
 
 
 def test_domain_too_long_text() -> None:
-    with pytest.raises(AddressError, match="^domain too long$"):
+    with pytest.raises(AddressError, match=r"^domain too long$"):
         check_domain("x." * 127 + "xx")
 
 
 def test_unterminated_quote_inside_check_mailbox() -> None:
-    with pytest.raises(AddressError, match="^unterminated quoted local part$"):
+    with pytest.raises(AddressError, match=r"^unterminated quoted local part$"):
         check_mailbox('"abc')
-    with pytest.raises(AddressError, match="^empty address$"):
+    with pytest.raises(AddressError, match=r"^empty address$"):
         check_mailbox("")
