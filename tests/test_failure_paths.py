@@ -177,8 +177,11 @@ def test_spool_failures_answer_4xx_and_lose_nothing(
     r, up, fault_file = faulty
     mid = f"<fault-{spec.replace(' ', '-')}@failure>"
     data = make_message(message_id=mid) + (BIG * 1000 if large else b"")  # > inline_max
-    _set(fault_file, spec + " times=1")
+    # armed for every hit while this client submits (the daemon's own commits, which run
+    # every 2 s, fail meanwhile too: which commit a `times=1` fault hits would be a race)
+    _set(fault_file, spec)
     code, msg = _submit(r.port, data)
+    _set(fault_file, "")
     assert (code, msg[:5]) == (452 if expected == b"4.3.1" else 451, expected), (code, msg)
     assert r.queue(all=True) == []  # nothing half-accepted
     # the client retries, as a 4xx tells it to: now it is accepted and delivered once
