@@ -27,6 +27,7 @@ from relay.config import from_mapping
 from relay.inbound import InboundHandler, Suppressions
 from relay.model import RcptState
 from relay.spool import bodies, db, ops
+from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.harness import ROOT
 
@@ -440,7 +441,8 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
         handler = InboundHandler(cfg, cfg.listen[0], writer, Suppressions())
         loop = asyncio.get_running_loop()
 
-        def envelope(content: bytes) -> tuple[Session, Envelope]:
+        async def deliver(content: bytes) -> str:
+            """What RelaySMTP.smtp_DATA does with the data, after the parser."""
             session = Session(loop)
             session.peer = ("127.0.0.1", 40000)
             session.host_name = "client.test"
@@ -448,15 +450,17 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
             env = Envelope()
             env.mail_from = "app@example.com"
             env.rcpt_tos = ["user@example.org"]
-            env.original_content = content
-            return session, env
+            incoming = IncomingBody(cfg.spool_path, cfg.inline_max)
+            for i in range(0, len(content), 4096):
+                await incoming.add(content[i : i + 4096])
+            return await handler.accept_stream(session, env, incoming, 0)
 
         big = b"Subject: big\r\nMessage-ID: <big@app.example>\r\n\r\n" + b"y" * 50_000 + b"\r\n"
-        status = await handler.handle_DATA(None, *envelope(big))
+        status = await deliver(big)
         assert status.startswith("250 2.0.0 Ok: queued as ")
         qid = status.rsplit(" ", 1)[1]
         small = b"Subject: small\r\nMessage-ID: <small@app.example>\r\n\r\nhi\r\n"
-        status2 = await handler.handle_DATA(None, *envelope(small))
+        status2 = await deliver(small)
         assert status2.startswith("250 2.0.0 Ok: queued as ")
         qid2 = status2.rsplit(" ", 1)[1]
     finally:
@@ -468,14 +472,17 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
         raw2, rel2 = ops.message_body(c, qid2)
     finally:
         c.close()
-    assert raw is None and rel == f"bodies/{qid[:2]}/{qid}"
+    # the row holds our prefix, the file exactly the data (never copied to prepend it)
+    assert raw is not None and raw.startswith(b"Received: ") and rel == f"bodies/{qid[:2]}/{qid}"
     stored = (spool / rel).read_bytes()
-    assert stored.endswith(big) and stored.startswith(b"Received: ")
+    assert stored == big
+    assert bodies.load(spool, raw, rel) == raw + big
     # when the accept job ran, the file was complete and both it and its folder fsync'd
     insert = next(s for s in at_insert if rel in s["files"])
     assert insert["files"][rel] == stored
     folder = str((spool / rel).parent.resolve())
     assert folder in insert["fsyncs"]
+    assert any("/bodies/tmp/" in f for f in insert["fsyncs"])  # the file itself, before rename
     # the small one stayed inline: no file
     assert rel2 is None and raw2 is not None and raw2.endswith(small)
     assert not list((spool / "bodies").glob(f"*/{qid2}"))
