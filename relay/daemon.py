@@ -33,6 +33,7 @@ from relay import __version__, faults, fdlimit, smtpd_adapter
 from relay.admin import AdminServer
 from relay.alerts import run_alert
 from relay.config import Config, ConfigError, ListenerTLS, load_config
+from relay.delivery import smtpclient_adapter
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.guard import InboundGuard
@@ -309,7 +310,8 @@ def serve(config_path: str | None) -> int:
     faults.load_env()
     try:
         smtpd_adapter.check()
-    except smtpd_adapter.AdapterError as e:
+        smtpclient_adapter.check()
+    except (smtpd_adapter.AdapterError, smtpclient_adapter.AdapterError) as e:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 70  # EX_SOFTWARE: the installed library is not one we support
     try:

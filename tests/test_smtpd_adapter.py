@@ -59,3 +59,21 @@ async def test_other_separators_are_untouched() -> None:
     r, calls = await _reader(b"a\nb\r\n")
     assert await r.readuntil(b"\r\n") == b"a\nb\r\n"
     assert calls == []
+
+
+def test_installed_aiosmtplib_has_what_we_rely_on() -> None:
+    from relay.delivery import smtpclient_adapter
+
+    smtpclient_adapter.check()
+
+
+def test_aiosmtplib_check_names_a_missing_internal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosmtplib.protocol import SMTPProtocol
+
+    from relay.delivery import smtpclient_adapter
+
+    for klass in SMTPProtocol.__mro__:
+        if "_drain_helper" in vars(klass):
+            monkeypatch.delattr(klass, "_drain_helper")
+    with pytest.raises(smtpclient_adapter.AdapterError, match="_drain_helper"):
+        smtpclient_adapter.check()

@@ -27,6 +27,7 @@ import aiosmtplib
 from aiosmtplib.protocol import PERIOD_REGEX
 
 from relay import faults
+from relay.delivery import smtpclient_adapter
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
 from relay.replies import Outcome, Phase, Reply, Verdict, classify
 from relay.spool.bodies import StoredBody
@@ -281,13 +282,13 @@ class Connection:
         smtp = self.smtp
         assert smtp is not None and smtp.protocol is not None
         proto: Any = smtp.protocol
-        async with proto._command_lock:
-            proto._response_pending = True
+        async with smtpclient_adapter.command_lock(proto):
+            smtpclient_adapter.expect_reply(proto)
             proto.write(b"DATA\r\n")
             start = await proto.read_response(timeout=self.timeouts.command)
             if start.code != 354:
                 return Reply.parse(start.code, start.message), Phase.DATA
-            proto._response_pending = True
+            smtpclient_adapter.expect_reply(proto)
             faults.hit("transport.body")  # a write that fails before the final dot
             if isinstance(body, StoredBody):
                 await self._stream(proto, body)
@@ -319,7 +320,7 @@ class Connection:
                     block = b"." + block
                 proto.write(block.replace(b"\r\n.", b"\r\n.."))
                 last = block[-2:]
-                await proto._drain_helper()
+                await smtpclient_adapter.drain(proto)
         if last != b"\r\n":
             proto.write(b"\r\n")
 
