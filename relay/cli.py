@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from relay import __version__
 from relay.address import AddressError, check_mailbox, printable
 from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
 from relay.logs import log_event, setup_logging
@@ -33,10 +34,17 @@ class CliError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relay", description="Local SMTP relay: daemon and CLI")
+    p.add_argument("--version", action="version", version=f"relay {__version__}")
+    # -c and --json work before the verb (`relay -c FILE queue list`) and after it: the
+    # verb's copies default to SUPPRESS so they never overwrite what was given before it
+    p.add_argument("-c", "--config", help="config file (else $RELAY_CONFIG, else "
+                   "/etc/relay/relay.yaml)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", help="config file (else $RELAY_CONFIG, else "
-                        "/etc/relay/relay.yaml)")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("-c", "--config", default=argparse.SUPPRESS,
+                        help="config file (else $RELAY_CONFIG, else /etc/relay/relay.yaml)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
