@@ -498,9 +498,10 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        how = "" if path or os.environ.get("RELAY_CONFIG") else (" (no -c FILE given and $RELAY_CONFIG not set: point at a config"
-                               " with `-c FILE` or `RELAY_CONFIG=FILE`; `make run` uses"
-                               " conf/relay.yaml)")
+        how = ""
+        if not path and not os.environ.get("RELAY_CONFIG"):
+            how = (" (no -c FILE given and $RELAY_CONFIG not set: point at a config with"
+                   " `-c FILE` or `RELAY_CONFIG=FILE`; `make run` uses conf/relay.yaml)")
         raise ConfigError(f"config: cannot read {p}: {e.strerror or e}{how}") from None
     try:
         data = yaml.safe_load(text)

@@ -303,34 +303,44 @@ class RelaySMTP(SMTP):
 
     # --- MAIL and RCPT: our own path parser (relay/address.py) --------------------------
 
+    async def _path_and_params(
+        self, arg: str | None, keyword: str, *, null_ok: bool, bad: str,
+    ) -> tuple[address_.Path, list[str], dict[str, str | bool]] | None:
+        """`FROM:<path> params` / `TO:<path> params`: the checked path, the parameter words
+        and their map; or None once the error reply has been pushed."""
+        assert self.session is not None
+        syntaxerr = f"501 5.5.4 Syntax: {'MAIL FROM' if null_ok else 'RCPT TO'}:<address>" + (
+            " [SP <mail-parameters>]" if self.session.extended_smtp else "")
+        rest = _strip_keyword(arg, keyword)
+        if rest is None:
+            await self.push(syntaxerr)
+            return None
+        try:
+            path = address_.parse_path(rest, null_ok=null_ok)
+        except address_.AddressError as e:
+            self._relay_handler.stats.reject("bad_address")
+            await self.push(f"{bad}: {e}")
+            return None
+        if null_ok and self.envelope is not None and self.envelope.mail_from:
+            await self.push("503 5.5.1 Error: nested MAIL command")
+            return None
+        options = path.params.upper().split()
+        params = self._getparams(options)
+        if (path.params and not self.session.extended_smtp) or params is None:
+            await self.push(syntaxerr)
+            return None
+        return path, options, params
+
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         if await self.check_helo_needed() or await self.check_auth_needed("MAIL"):
             return
         assert self.session is not None and self.envelope is not None
-        syntaxerr = "501 5.5.4 Syntax: MAIL FROM:<address>" + (
-            " [SP <mail-parameters>]" if self.session.extended_smtp else "")
-        rest = _strip_keyword(arg, "FROM:")
-        if rest is None:
-            await self.push(syntaxerr)
+        got = await self._path_and_params(arg, "FROM:", null_ok=True,
+                                          bad="501 5.1.7 Bad sender address syntax")
+        if got is None:
             return
-        try:
-            path = address_.parse_path(rest, null_ok=True)
-        except address_.AddressError as e:
-            self._relay_handler.stats.reject("bad_address")
-            await self.push(f"501 5.1.7 Bad sender address syntax: {e}")
-            return
-        if self.envelope.mail_from:
-            await self.push("503 5.5.1 Error: nested MAIL command")
-            return
-        if path.params and not self.session.extended_smtp:
-            await self.push(syntaxerr)
-            return
-        options = path.params.upper().split()
-        params = self._getparams(options)
-        if params is None:
-            await self.push(syntaxerr)
-            return
+        path, options, params = got
         body = params.pop("BODY", "7BIT")
         if body not in ("7BIT", "8BITMIME"):  # RFC 6152
             await self.push("501 5.5.4 BODY can only be one of 7BIT, 8BITMIME")
@@ -343,7 +353,7 @@ class RelaySMTP(SMTP):
         size = params.pop("SIZE", None)
         if size is not None:  # RFC 1870 §6
             if isinstance(size, bool) or not size.isascii() or not size.isdigit():
-                await self.push(syntaxerr)
+                await self.push("501 5.5.4 Syntax: MAIL FROM:<address> [SP <mail-parameters>]")
                 return
             if self.data_size_limit and int(size) > self.data_size_limit:
                 await self.push("552 5.3.4 Message size exceeds fixed maximum message size")
@@ -363,26 +373,11 @@ class RelaySMTP(SMTP):
         if not self.envelope.mail_from:
             await self.push("503 5.5.1 Error: need MAIL command")
             return
-        syntaxerr = "501 5.5.4 Syntax: RCPT TO:<address>" + (
-            " [SP <mail-parameters>]" if self.session.extended_smtp else "")
-        rest = _strip_keyword(arg, "TO:")
-        if rest is None:
-            await self.push(syntaxerr)
+        got = await self._path_and_params(arg, "TO:", null_ok=False,
+                                          bad="501 5.1.3 Bad recipient address syntax")
+        if got is None:
             return
-        try:
-            path = address_.parse_path(rest, null_ok=False)
-        except address_.AddressError as e:
-            self._relay_handler.stats.reject("bad_address")
-            await self.push(f"501 5.1.3 Bad recipient address syntax: {e}")
-            return
-        if path.params and not self.session.extended_smtp:
-            await self.push(syntaxerr)
-            return
-        options = path.params.upper().split()
-        params = self._getparams(options)
-        if params is None:
-            await self.push(syntaxerr)
-            return
+        path, options, params = got
         if params:
             await self.push("555 5.5.4 RCPT TO parameters not recognized or not implemented")
             return
