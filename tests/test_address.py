@@ -319,3 +319,30 @@ def test_unterminated_quote_inside_check_mailbox() -> None:
         check_mailbox('"abc')
     with pytest.raises(AddressError, match=r"^empty address$"):
         check_mailbox("")
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("<a@b!c>", "character '!' not allowed in a domain"),
+        ("<a@[1]>", "malformed IPv4 address literal"),
+        ("<a\udc80@b>", "character byte 0x80 not allowed in a command"),
+        ("<a\udcff@b>", "character byte 0xFF not allowed in a command"),
+        ("<a\udd00@b>", "character U+DD00 not allowed in a command"),
+    ],
+)
+def test_more_refusal_texts(arg: str, message: str) -> None:
+    with pytest.raises(AddressError) as e:
+        parse_path(arg, null_ok=False)
+    assert str(e.value) == message
+
+
+def test_quoted_pair_of_del_is_refused_by_check_mailbox() -> None:
+    with pytest.raises(AddressError, match="bad quoted pair"):
+        check_mailbox('"\\\x7f"@example.org')
+    check_mailbox('"\\~"@example.org')
+
+
+def test_printable_of_surrogates_outside_the_byte_range() -> None:
+    assert printable("\udd00") == "\\udd00"
+    assert printable("\udcff\udc80") == "\\xff\\x80"

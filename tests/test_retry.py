@@ -120,3 +120,26 @@ def test_next_attempt_never_after_deadline(
     else:
         assert at is not None
         assert now <= at <= created + max_age
+
+
+# --- rows for mutants that survived `make mutate` -------------------------------------------------
+
+
+class _Low(random.Random):
+    """A source whose uniform() always draws the low end."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return a
+
+
+def test_default_floor_is_one_second() -> None:
+    assert next_delay(1, [60.0], _Low()) == 1.0
+    assert next_attempt_at(100.0, 100.0, 1, [60.0], 3600.0, _Low()) == 101.0
+
+
+def test_min_delay_is_passed_through_by_next_attempt_at() -> None:
+    assert next_attempt_at(100.0, 100.0, 1, [60.0], 3600.0, _Low(), min_delay=0.0) == 100.0
+
+
+def test_full_jitter_draws_from_zero() -> None:
+    assert next_delay(1, [60.0], _Low(), min_delay=0.0) == 0.0
