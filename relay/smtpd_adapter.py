@@ -52,7 +52,7 @@ def check() -> None:
     src = inspect.getsource(SMTP.__init__)
     if "inspect.getmembers" not in src or "dir(self)" not in src:
         missing.append("SMTP.__init__ scanning members with inspect.getmembers / dir(self)")
-    if not isinstance(getattr(asyncio.StreamReader(), "_buffer", None), bytearray):
+    if "self._buffer = bytearray()" not in inspect.getsource(asyncio.StreamReader.__init__):
         missing.append("asyncio.StreamReader._buffer (a bytearray)")
     cb = getattr(SMTP, "_cb_client_connected", None)
     if cb is not None and "self._reader" not in inspect.getsource(cb):
