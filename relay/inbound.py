@@ -63,6 +63,7 @@ from relay.guard import InboundGuard, is_allowed
 from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
 from relay.logs import log_event
 from relay.message import (
+    date_header,
     header,
     parse_headers,
     received_header,
@@ -622,11 +623,14 @@ class InboundHandler(AuthMechanisms):
         if not mid or not dedup.normalize_message_id(mid):
             mid = incoming.content_message_id(cfg.hostname)
             added = f"Message-ID: {mid}\r\n".encode()
+        if header(headers, "Date") is None:
+            added += date_header(now)  # after the content id: a resubmission keeps its id
         rcpts = list(envelope.rcpt_tos)
         trace = received_header(
             helo=session.host_name or "unknown", peer_ip=peer_ip, hostname=cfg.hostname,
             queue_id=queue_id, recipient=rcpts[0] if len(rcpts) == 1 else None,
-            protocol=_with_protocol(session), now=now,
+            protocol=_with_protocol(session, bool(getattr(envelope, "smtp_utf8", False))),
+            now=now,
         )
         prefix = trace + added
         size = len(prefix) + incoming.size
@@ -724,12 +728,13 @@ async def _discard_line(reader: asyncio.StreamReader, consumed: int) -> None:
             await reader.readexactly(e.consumed)
 
 
-def _with_protocol(session: Session) -> str:
+def _with_protocol(session: Session, utf8: bool = False) -> str:
     """The `with` of our Received: line: SMTP, ESMTP, or RFC 3848's ESMTPS (TLS), ESMTPA
-    (authenticated), ESMTPSA (both)."""
+    (authenticated), ESMTPSA (both); with SMTPUTF8, RFC 6531 §4.3's UTF8SMTP, UTF8SMTPS,
+    UTF8SMTPA, UTF8SMTPSA."""
     if not session.extended_smtp:
         return "SMTP"
-    return ("ESMTP" + ("S" if session.ssl is not None else "")
+    return (("UTF8SMTP" if utf8 else "ESMTP") + ("S" if session.ssl is not None else "")
             + ("A" if session.authenticated else ""))
 
 

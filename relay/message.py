@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 import time
-from email.utils import formatdate
+from datetime import UTC, datetime
+from email.utils import format_datetime
 
 _BARE = re.compile(rb"\r\n|\r|\n")
 _HEADER_END = b"\r\n\r\n"
@@ -69,16 +70,28 @@ TRACE_HEADERS = frozenset({"received", "return-path", "x-received", "delivered-t
                            "x-originating-ip"})
 
 
+def rfc5322_date(now: float | None = None) -> str:
+    """A Date: value with a numeric zone (RFC 5322 §3.3): `Wed, 02 Dec 2026 19:00:00 +0000`."""
+    return format_datetime(datetime.fromtimestamp(time.time() if now is None else now,
+                                                  UTC))
+
+
 def received_header(*, helo: str, peer_ip: str, hostname: str, queue_id: str,
                     recipient: str | None, protocol: str, now: float | None = None) -> bytes:
-    """The Received: trace header (RFC 5321 §4.4), folded below 78 columns."""
-    when = formatdate(time.time() if now is None else now, usegmt=True)
-    helo_clean = re.sub(r"[^\w.\-\[\]:]", "", helo)[:100] or "unknown"
+    """The Received: trace header (RFC 5321 §4.4), folded below 78 columns. A UTF-8
+    recipient stays UTF-8 (RFC 6532 §3.7 allows it in a message sent with SMTPUTF8); our
+    own parts are ASCII."""
+    helo_clean = re.sub(r"[^\w.\-\[\]:]", "", helo, flags=re.ASCII)[:100] or "unknown"
     lines = [
         f"Received: from {helo_clean} ([{peer_ip}])",
         f"\tby {hostname} (relay) with {protocol} id {queue_id}",
     ]
     if recipient:
         lines.append(f"\tfor <{recipient}>")
-    lines[-1] += f"; {when}"
-    return ("\r\n".join(lines) + "\r\n").encode("ascii", errors="replace")
+    lines[-1] += f"; {rfc5322_date(now)}"
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8", errors="replace")
+
+
+def date_header(now: float | None = None) -> bytes:
+    """The Date: a legacy app forgot (RFC 5322 §3.6.1 requires one), as Postfix adds it."""
+    return f"Date: {rfc5322_date(now)}\r\n".encode("ascii")

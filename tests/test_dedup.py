@@ -310,7 +310,7 @@ def test_received_header_shape() -> None:
     assert h == (
         b"Received: from client.test ([127.0.0.1])\r\n"
         b"\tby relay.test (relay) with ESMTP id 0123456789BCDFGH\r\n"
-        b"\tfor <user@example.org>; Tue, 14 Nov 2023 22:13:20 GMT\r\n"
+        b"\tfor <user@example.org>; Tue, 14 Nov 2023 22:13:20 +0000\r\n"
     )
     assert all(len(line) <= 78 for line in h.split(b"\r\n"))
     assert parse_headers(h)[0][0] == "Received"
@@ -324,7 +324,7 @@ def test_received_header_shape() -> None:
         protocol="SMTP",
         now=0,
     )
-    assert b"for <" not in h2 and h2.endswith(b"; Thu, 01 Jan 1970 00:00:00 GMT\r\n")
+    assert b"for <" not in h2 and h2.endswith(b"; Thu, 01 Jan 1970 00:00:00 +0000\r\n")
 
 
 def test_received_header_cannot_be_used_to_inject_headers() -> None:
@@ -343,3 +343,11 @@ def test_received_header_cannot_be_used_to_inject_headers() -> None:
     assert lines[0].startswith(b"Received: from ")
     assert all(line.startswith(b"\t") for line in lines[1:-1])
     assert _bare_endings(h) == 0
+
+
+def test_received_header_keeps_a_utf8_recipient_and_says_utf8smtp() -> None:
+    h = received_header(helo="client.test", peer_ip="127.0.0.1", hostname="relay.test",
+                        queue_id="Q", recipient="josé@exämple.org", protocol="UTF8SMTPS",
+                        now=0)
+    assert "for <josé@exämple.org>".encode() in h  # was "jos?@ex?mple.org"
+    assert b"with UTF8SMTPS id Q" in h
