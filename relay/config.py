@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
         "max_message_size": "25MiB",
         "max_recipients": 1000,
         "session_timeout": "300s",
-        "max_line_length": 1000,
+        "max_line_length": 65536,  # accepted; over 998 octets re-encoded (relay/longlines.py)
         "max_command_length": 512,
         "max_connections": 500,
         "max_connections_per_ip": 50,

@@ -54,6 +54,7 @@ class DataParser:
         self.state = DataState.NOMINAL
         self.raw_size = 0  # octets received, with transparency dots, before the end line
         self.nul_count = 0
+        self.longest = 0  # the longest line of the normalised message, without its CRLF
         self._pending = bytearray()  # an incomplete last line
         self._done = False
 
@@ -121,4 +122,7 @@ class DataParser:
         if b"\x00" in lines:
             self.nul_count += lines.count(b"\x00")
             lines = lines.replace(b"\x00", b"")
-        return normalize_line_endings(lines)
+        out = normalize_line_endings(lines)
+        if len(out) > 1000:  # a line over RFC 5322's 998 octets is possible (relay/longlines.py)
+            self.longest = max(self.longest, max(map(len, out.split(b"\r\n"))))
+        return out

@@ -55,7 +55,7 @@ from aiosmtpd.smtp import (
 
 from relay import address as address_
 from relay import auth as auth_
-from relay import dedup, faults, smtpd_adapter
+from relay import dedup, faults, longlines, smtpd_adapter
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
@@ -443,7 +443,8 @@ class RelaySMTP(SMTP):
             await self.push(handler.spool_failed("-", store_error))
             return
         status = await handler.accept_stream(self.session, envelope, incoming,
-                                             parser.nul_count)
+                                             parser.nul_count,
+                                             long_lines=parser.longest > longlines.MAX_LINE)
         await self.push(status)
 
     async def push(self, status: Any) -> None:
@@ -576,13 +577,13 @@ class InboundHandler(AuthMechanisms):
         return "250 2.1.0 OK"
 
     async def accept_stream(self, session: Session, envelope: Envelope,
-                            incoming: IncomingBody, nuls: int) -> str:
+                            incoming: IncomingBody, nuls: int, long_lines: bool = False) -> str:
         """The end of a DATA (RelaySMTP.smtp_DATA): spool it, then the reply. Any failure
         is 451/452 and leaves nothing behind (the client keeps the message)."""
         self.in_flight += 1
         try:
             faults.hit("inbound.accept")
-            return await self._accept(session, envelope, incoming, nuls)
+            return await self._accept(session, envelope, incoming, nuls, long_lines)
         except BaseException:
             incoming.discard()
             raise
@@ -602,13 +603,19 @@ class InboundHandler(AuthMechanisms):
     # --- accepting --------------------------------------------------------------------
 
     async def _accept(self, session: Session, envelope: Envelope, incoming: IncomingBody,
-                      nuls: int) -> str:
+                      nuls: int, long_lines: bool = False) -> str:
         cfg = self.config
         now = time.time()
         queue_id = ops.new_queue_id(now)
         peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         try:
             await incoming.finish()
+            if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
+                before = incoming.size
+                await incoming.rewrite(longlines.conform)
+                if incoming.size != before:
+                    log_event(log, logging.INFO, "reencoded", "lines over 998 octets"
+                              " re-encoded", queue_id=queue_id, size=incoming.size)
         except OSError as e:
             return self.spool_failed(queue_id, e)
         head = incoming.header_block()

@@ -37,7 +37,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RelayProces
     cfg = deep_merge(
         smarthost_config(up),
         {
-            "limits": {"max_message_size": MAX_SIZE, "max_recipients": MAX_RCPTS},
+            "limits": {"max_message_size": MAX_SIZE, "max_recipients": MAX_RCPTS,
+                       "max_line_length": 1000},
             "destinations": {"*": {"rate": "unlimited"}},
         },
     )
@@ -188,6 +189,7 @@ def test_over_long_line_in_data_and_the_session_continues(
     live: tuple[RelayProcess, Upstream],
 ) -> None:
     r, up = live
+    # over limits.max_line_length (1000 here; 64 KiB by default): refused
     long_line = make_message(message_id="<long-line@limits>", body=b"x" * 2000 + b"\r\n")
     after = make_message(message_id="<after-long-line@limits>")
     with smtp_session(r.port) as s:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from relay import faults
@@ -150,6 +151,21 @@ class IncomingBody:
         assert fd is not None
         await asyncio.to_thread(os.fsync, fd)
 
+    async def rewrite(self, fn: Callable[[bytes], bytes | None]) -> None:
+        """After `finish()`: replace the stored message by `fn(message)` when that is not
+        None (relay/longlines.py), in a thread, holding it whole in memory meanwhile. The
+        header block and the content hash stay those of what the client sent."""
+        if self._tmp is None:
+            new = await asyncio.to_thread(fn, bytes(self._mem))
+            if new is not None:
+                self._mem = bytearray(new)
+                self.size = len(new)
+            return
+        assert self._fd is not None
+        size = await asyncio.to_thread(_rewrite_file, self._tmp, self._fd, fn)
+        if size is not None:
+            self.size = size
+
     @staticmethod
     def needs_content_id(head: bytes) -> bool:
         mid = header(parse_headers(head), "Message-ID")
@@ -203,6 +219,17 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _rewrite_file(path: Path, fd: int, fn: Callable[[bytes], bytes | None]) -> int | None:
+    new = fn(path.read_bytes())
+    if new is None:
+        return None
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    _write_all(fd, new)
+    os.fsync(fd)
+    return len(new)
 
 
 def _pread(path: Path, offset: int, length: int) -> bytes:
