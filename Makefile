@@ -5,13 +5,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck bench fuzz coverage mutate clean
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+# The bootstrap runs under a lock, and checks again once it holds it: `make run` and
+# `make test` started together on a fresh clone install once, the second waits.
+$(STAMP): pyproject.toml
+	@flock $(VENV).lock sh -c '\
+	  if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
+	  [ -x $(BIN)/python ] || { $(PY) -m venv $(VENV) && $(BIN)/pip install -q --upgrade pip; } \
+	    && $(BIN)/pip install -q -e ".[test]" && touch $(STAMP)'
 
 run: $(STAMP)
 	$(BIN)/relay serve -c conf/relay.yaml
@@ -53,4 +53,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) var .coverage-data htmlcov mutants
+	rm -rf $(VENV) $(VENV).lock var .coverage-data htmlcov mutants
