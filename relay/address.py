@@ -149,7 +149,17 @@ def check_mailbox(address: str) -> None:
     check_domain(address[at + 1:])
 
 
-def parse_path(arg: str, *, null_ok: bool) -> Path:
+def check_local_part(local: str) -> None:
+    """A bare local part (`root`, as cron and old apps send): Dot-string or Quoted-string,
+    at most 64 octets. Raises AddressError."""
+    end = _local_part_end(local + "@")
+    if end != len(local):
+        raise AddressError("not a bare local part")
+    if len(local.encode("utf-8", "surrogatepass")) > MAX_LOCAL:
+        raise AddressError("local part longer than 64 octets")
+
+
+def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
     """`<mailbox> [params]`, `<@a,@b:mailbox> [params]`, or (with `null_ok`) `<> [params]`.
 
     Raises AddressError for anything else; never a super-linear amount of work."""
@@ -179,6 +189,9 @@ def parse_path(arg: str, *, null_ok: bool) -> Path:
         inner = inner[colon + 1:]
     if len(inner.encode("utf-8", "surrogatepass")) > MAX_PATH - 2:
         raise AddressError("path longer than 256 octets")
+    if bare_ok and "@" not in inner.rpartition('"')[2]:
+        check_local_part(inner)  # the caller qualifies it (local.domain)
+        return Path(inner, rest.strip())
     check_mailbox(inner)
     return Path(inner, rest.strip())
 

@@ -86,6 +86,7 @@ DEFAULTS: dict[str, Any] = {
     "delivery": {"workers": 50, "batch": 200, "poll_interval": "1s"},
     "alerts": {"command": None, "timeout": "10s"},
     "dsn": {"enabled": False, "from": None},
+    "local": {"domain": None, "aliases": {}},
     "admin": {"listen": "127.0.0.1:9025"},
     "log": {"level": "info", "format": "json", "unmask": False},
     "shutdown_timeout": "30s",
@@ -257,6 +258,16 @@ class _Reader:
         unknown = [k for k in self.data if k not in self.used]
         if unknown:
             raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+
+
+def _domain_ok(domain: str) -> bool:
+    from relay.address import AddressError, check_domain
+
+    try:
+        check_domain(domain)
+    except AddressError:
+        return False
+    return True
 
 
 def _kind(v: object) -> str:
@@ -441,6 +452,80 @@ class Alerts:
 
 
 @dataclass(frozen=True, slots=True)
+class Local:
+    """Bare local parts (`root`) from relay-sendmail and allow-listed clients: qualified with
+    `domain`, then `aliases` (local name -> addresses, already qualified) applied."""
+
+    domain: str
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def qualify(self, local: str) -> str:
+        return f"{local}@{self.domain}"
+
+    def expand(self, address: str) -> tuple[str, ...]:
+        """The recipients an address stands for: its alias targets (recursively, at most
+        8 levels, each once), or itself."""
+        out: list[str] = []
+
+        def walk(addr: str, depth: int) -> None:
+            local, _at, domain = addr.rpartition("@")
+            targets = (self.aliases.get(local.lower())
+                       if domain.lower() == self.domain.lower() else None)
+            if targets is None or depth >= 8:
+                if addr.lower() not in (a.lower() for a in out):
+                    out.append(addr)
+                return
+            for t in targets:
+                walk(t, depth + 1)
+
+        walk(address, 0)
+        return tuple(out)
+
+
+def parse_aliases(text: str, domain: str, key: str) -> dict[str, tuple[str, ...]]:
+    """aliases(5): `name: addr, addr` per line, `#` comments, continuation lines starting
+    with white space. Local names in targets are qualified with `domain`. Pipes, files and
+    :include: are refused (a relay delivers no mail locally)."""
+    from relay.address import AddressError, check_local_part, check_mailbox
+
+    entries: dict[str, tuple[str, ...]] = {}
+    logical: list[tuple[int, str]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
+            continue
+        if line[0] in " \t" and logical:
+            logical[-1] = (logical[-1][0], logical[-1][1] + " " + line.strip())
+        else:
+            logical.append((n, line))
+    for n, line in logical:
+        name, sep, rest = line.partition(":")
+        name = name.strip().lower()
+        if not sep or not name:
+            raise ConfigError(f"{key}: line {n}: expected 'name: address, address'")
+        targets: list[str] = []
+        for t in (x.strip().strip("<>") for x in rest.split(",")):
+            if not t:
+                continue
+            if t[0] in "|/" or t.startswith(":include:"):
+                raise ConfigError(f"{key}: line {n}: {t!r}: only addresses (no pipes, files"
+                                  " or :include:)")
+            try:
+                if "@" in t:
+                    check_mailbox(t)
+                else:
+                    check_local_part(t)
+                    t = f"{t}@{domain}"
+            except AddressError as e:
+                raise ConfigError(f"{key}: line {n}: {t!r}: {e}") from None
+            targets.append(t)
+        if not targets:
+            raise ConfigError(f"{key}: line {n}: {name!r} has no address")
+        entries[name] = tuple(targets)
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
 class Dsn:
     enabled: bool
     sender: str | None
@@ -477,6 +562,7 @@ class Config:
     shutdown_timeout: float
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
     auth: AuthLimits = field(default_factory=AuthLimits)
+    local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -676,6 +762,32 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     dsn = Dsn(enabled=ds.boolean("enabled"), sender=ds.opt_str("from"))
     ds.finish()
 
+    lo = _Reader(top.get("local"), "local")
+    local_domain = lo.opt_str("domain") or hostname
+    if not _domain_ok(local_domain):
+        raise ConfigError(f"local.domain: {local_domain!r} is not a domain")
+    raw_aliases = lo.get("aliases")
+    if isinstance(raw_aliases, str):  # an aliases(5) file
+        apath = lo.path_("aliases", base_dir)
+        assert apath is not None
+        try:
+            atext = apath.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"local.aliases: cannot read {apath}: {e.strerror or e}") from None
+        aliases = parse_aliases(atext, local_domain, f"local.aliases ({apath})")
+    elif isinstance(raw_aliases, Mapping):
+        lines = []
+        for k, v in raw_aliases.items():
+            vals = v if isinstance(v, list) else [v]
+            if not all(isinstance(x, str) for x in vals):
+                raise ConfigError(f"local.aliases.{k}: expected an address or a list of them")
+            lines.append(f"{k}: {', '.join(vals)}")
+        aliases = parse_aliases("\n".join(lines), local_domain, "local.aliases")
+    else:
+        raise ConfigError("local.aliases: expected a mapping or a file name")
+    local = Local(local_domain, aliases)
+    lo.finish()
+
     ad = _Reader(top.get("admin"), "admin")
     admin_addr = ad.opt_str("listen")
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
@@ -698,7 +810,7 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
         shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
         admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
-        auth=auth_limits,
+        auth=auth_limits, local=local,
     )
 
 

@@ -316,12 +316,18 @@ class RelaySMTP(SMTP):
         if rest is None:
             await self.push(syntaxerr)
             return None
+        # a bare local part (`<root>`, cron's habit) from a client that may relay is
+        # qualified with local.domain, as Postfix's myorigin / nullmailer's defaultdomain
+        handler = self._relay_handler
+        bare_ok = handler.peer_allowed(self.session)
         try:
-            path = address_.parse_path(rest, null_ok=null_ok)
+            path = address_.parse_path(rest, null_ok=null_ok, bare_ok=bare_ok)
         except address_.AddressError as e:
-            self._relay_handler.stats.reject("bad_address")
+            handler.stats.reject("bad_address")
             await self.push(f"{bad}: {e}")
             return None
+        if path.address and "@" not in path.address.rpartition('"')[2]:
+            path = address_.Path(handler.config.local.qualify(path.address), path.params)
         if null_ok and self.envelope is not None and self.envelope.mail_from:
             await self.push("503 5.5.1 Error: nested MAIL command")
             return None
@@ -526,6 +532,9 @@ class InboundHandler(AuthMechanisms):
         responses.extend(["250-PIPELINING", "250-ENHANCEDSTATUSCODES", last])
         return responses
 
+    def peer_allowed(self, session: Session | None) -> bool:
+        return session is not None and self._peer_allowed(session)
+
     def _peer_allowed(self, session: Session) -> bool:
         if session.authenticated:
             return True
@@ -551,17 +560,28 @@ class InboundHandler(AuthMechanisms):
         if not at or not local or not domain or not _valid_domain(domain) or not _utf8(address):
             self.stats.reject("bad_address")
             return "553 5.1.3 Recipient address must be a fully qualified mailbox"
-        if len(envelope.rcpt_tos) >= self.config.limits.max_recipients:
+        targets = self.config.local.expand(address)  # local.aliases (root -> ops@...)
+        if len(envelope.rcpt_tos) + len(targets) > self.config.limits.max_recipients:
             self.stats.reject("too_many_recipients")
             return "452 4.5.3 Too many recipients"
-        supp = self.suppressions.get(address)
-        if supp is not None:
-            self.stats.reject("suppressed")
-            since = ops.iso_utc(supp[1])
-            return (f"550 5.1.1 Recipient is suppressed since {since}: "
-                    f"{_printable(supp[0])[:200]}")
-        envelope.rcpt_tos.append(address)
+        refusal = ""
+        accepted = 0
+        for target in targets:
+            supp = self.suppressions.get(target)
+            if supp is not None:
+                self.stats.reject("suppressed")
+                since = ops.iso_utc(supp[1])
+                refusal = (f"550 5.1.1 Recipient is suppressed since {since}: "
+                           f"{_printable(supp[0])[:200]}")
+                continue
+            if target.lower() not in (r.lower() for r in envelope.rcpt_tos):
+                envelope.rcpt_tos.append(target)
+                accepted += 1
+        if not accepted and refusal:
+            return refusal
         envelope.rcpt_options.extend(rcpt_options)
+        if targets != (address,):
+            return f"250 2.1.5 OK (alias: {len(targets)} recipient{'s' * (len(targets) > 1)})"
         return "250 2.1.5 OK"
 
     async def handle_MAIL(

@@ -62,7 +62,7 @@ from typing import BinaryIO, NoReturn
 
 import yaml
 
-from relay.address import AddressError, check_mailbox, printable
+from relay.address import AddressError, check_local_part, check_mailbox, printable
 from relay.config import DEFAULT_PATH, DEFAULTS, ConfigError, parse_hostport
 
 EX_OK = 0
@@ -173,6 +173,7 @@ class Target:
     host: str
     port: int
     hostname: str
+    local_domain: str = ""  # local.domain (else hostname): qualifies `root` in headers
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -202,7 +203,11 @@ def find_relay(config_path: str | None) -> Target:
     name = data.get("hostname")
     if name is not None and not isinstance(name, str):
         raise ConfigError("hostname: expected a string")
-    return Target(host=host, port=port, hostname=name or socket.getfqdn())
+    hostname = name or socket.getfqdn()
+    local = data.get("local") or {}
+    domain = local.get("domain") if isinstance(local, dict) else None
+    return Target(host=host, port=port, hostname=hostname,
+                  local_domain=domain if isinstance(domain, str) and domain else hostname)
 
 
 def default_sender(hostname: str) -> str:
@@ -277,7 +282,7 @@ def parse_recipients(args: list[str]) -> list[str]:
 
 
 def build_message(
-    lines: list[bytes], opts: Options, sender: str, default_from: str
+    lines: list[bytes], opts: Options, sender: str, default_from: str, local_domain: str = ""
 ) -> tuple[bytes, list[str]]:
     """The message to submit (CRLF line endings) and the recipients found by -t."""
     headers, body = split_headers(lines)
@@ -289,6 +294,8 @@ def build_message(
             if name.lower() in ("bcc", "resent-bcc"):
                 drop.update(range(first, end))
     kept = [h for idx, h in enumerate(headers) if idx not in drop]
+    if local_domain:
+        kept = qualify_headers(kept, local_domain)
     names = {n.lower() for n, _v, _a, _b in flds}
     added: list[bytes] = []
     if "from" not in names:
@@ -299,6 +306,30 @@ def build_message(
         added.append(b"Date: " + email.utils.formatdate(time.time(), localtime=True).encode())
     data = b"\r\n".join([*added, *kept, b"", *body]) + b"\r\n"
     return data, found
+
+
+_ADDRESS_FIELDS = frozenset({b"from", b"to", b"cc", b"reply-to", b"sender"})
+
+
+def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
+    """`From: root (Cron Daemon)` -> `From: root@<domain> (Cron Daemon)`: bare local parts
+    in the address fields get the local domain, as nullmailer and Postfix's myorigin do.
+    Only whole words that `email.utils.getaddresses` reads as an address without "@"."""
+    out: list[bytes] = []
+    current = False
+    for line in headers:
+        if line[:1] not in (b" ", b"\t"):
+            current = line.split(b":", 1)[0].strip().lower() in _ADDRESS_FIELDS
+        if current:
+            text = line.decode("utf-8", errors="surrogateescape")
+            value = text.split(":", 1)[1] if line[:1] not in (b" ", b"\t") else text
+            for _name, addr in email.utils.getaddresses([value]):
+                if addr and "@" not in addr and re.fullmatch(r"[\w.!#$%&'*+/=?^`{|}~-]+", addr):
+                    text = re.sub(rf"(?<![\w.@<-]){re.escape(addr)}(?![\w.@-])",
+                                  f"{addr}@{domain}", text, count=1)
+            line = text.encode("utf-8", errors="surrogateescape")
+        out.append(line)
+    return out
 
 
 def _dedupe(addrs: list[str]) -> list[str]:
@@ -498,14 +529,18 @@ def run(argv: Sequence[str]) -> int:
     sender = default_from if opts.sender is None else opts.sender.strip().strip("<>").strip()
     if sender:
         try:
-            check_mailbox(sender)
+            if "@" in sender:
+                check_mailbox(sender)
+            else:  # `-f root`: qualified with local.domain, as the daemon does for `root`
+                check_local_part(sender)
+                sender = f"{sender}@{target.local_domain}"
         except AddressError as e:
             _die(EX_USAGE, f"bad sender address '{printable(sender)}': {e}")
     rcpts = parse_recipients(opts.recipients)
     if not rcpts and not opts.extract:
         _die(EX_USAGE, "no recipients given (name them as arguments, or use -t)")
     lines = read_message(sys.stdin.buffer, opts.ignore_dots)
-    data, found = build_message(lines, opts, sender, default_from)
+    data, found = build_message(lines, opts, sender, default_from, target.local_domain)
     rcpts = _dedupe(rcpts + found)
     for r in rcpts:
         if any(ord(ch) < 32 or ord(ch) == 127 for ch in r):
