@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
         x = q.add_parser(name, parents=[common], help=helptext)
         x.add_argument("ids", nargs="+")
     q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    qp = q.add_parser("purge", parents=[common],
+                      help="delete finished messages (and their bodies) older than a duration")
+    qp.add_argument("--older-than", required=True, help="e.g. 1h, 2d; 0 = every finished one")
+    qp.add_argument("--dry-run", action="store_true", help="only count them")
     q.add_parser("summary", parents=[common],
                  help="unfinished recipients by destination and age (like qshape)")
 
@@ -243,6 +247,24 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     if c == "flush":
         n = _act(conn, "flush", {}, lambda x: ops.flush(x, now))
         return _done(args, "flush", n, [])
+    if c == "purge":
+        try:
+            age = parse_duration(args.older_than, "--older-than")
+        except ConfigError as e:
+            print(f"relay: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        # data minimisation: bodies hold reset links and one-time codes
+        found = ops.finished_before(conn, now - age)
+        if not args.dry_run and found:
+            paths = _act(conn, "purge", {"older_than": args.older_than, "messages": len(found)},
+                         lambda x: ops.delete_messages(x, found))
+            bodies.delete_bodies(spool, paths)
+        if args.json:
+            _print_json({"action": "purge", "dry_run": args.dry_run, "messages": len(found)})
+        else:
+            verb = "would delete" if args.dry_run else "deleted"
+            print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
+        return EXIT_OK
     ids: list[str] = list(getattr(args, "ids", []) or [])
     if c == "retry" and not ids and not args.failed:
         print("relay: queue retry needs IDs or --failed", file=sys.stderr)

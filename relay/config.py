@@ -31,7 +31,7 @@ DEFAULT_PATH = "/etc/relay/relay.yaml"
 DEFAULTS: dict[str, Any] = {
     "hostname": None,
     "listen": [{"address": "127.0.0.1:2525", "allow": ["127.0.0.0/8", "::1/128"]}],
-    "spool": {"path": "../var/spool", "inline_max": "64KiB"},
+    "spool": {"path": "../var/spool", "inline_max": "64KiB", "retention": "7d"},
     "dedup": {"window": "7d"},
     "limits": {
         "max_message_size": "25MiB",
@@ -563,6 +563,7 @@ class Config:
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
     auth: AuthLimits = field(default_factory=AuthLimits)
     local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
+    retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -617,6 +618,7 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     if spool_path is None:
         raise ConfigError("spool.path: required")
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
+    retention = spool.duration("retention")
     spool.finish()
 
     dedup = _Reader(top.get("dedup"), "dedup")
@@ -810,7 +812,7 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
         shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
         admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
-        auth=auth_limits, local=local,
+        auth=auth_limits, local=local, retention=retention,
     )
 
 

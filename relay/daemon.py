@@ -52,7 +52,6 @@ PRUNE_EVERY = 600.0
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
-RETENTION = 7 * 86400.0  # finished messages are kept this long for `queue list --all`
 
 
 class Daemon:
@@ -162,7 +161,10 @@ class Daemon:
             try:
                 await self.suppressions.refresh(self.writer)
                 await self._write_runtime()
-                if time.monotonic() - last_prune > PRUNE_EVERY:
+                # spool.retention 0: a finished message (and its body: reset links, one-time
+                # codes) is gone within one maintenance tick of its last recipient
+                if (time.monotonic() - last_prune > PRUNE_EVERY
+                        or self.config.retention == 0):
                     last_prune = time.monotonic()
                     await self._prune()
             except asyncio.CancelledError:
@@ -188,7 +190,8 @@ class Daemon:
     async def _prune(self) -> None:
         now = time.time()
         window = self.config.dedup_window
-        paths = await self.writer.run(lambda c: ops.prune(c, now, window, RETENTION))
+        retention = self.config.retention
+        paths = await self.writer.run(lambda c: ops.prune(c, now, window, retention))
         known = await self.writer.run(ops.body_paths)
         await asyncio.to_thread(bodies.delete_bodies, self.config.spool_path, paths)
         removed = await asyncio.to_thread(bodies.sweep, self.config.spool_path, known)

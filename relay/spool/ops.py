@@ -261,6 +261,14 @@ def prune(conn: sqlite3.Connection, now: float, dedup_window: float,
     return delete_messages(conn, old)
 
 
+def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:
+    """Messages every recipient of which is done, created before `cutoff`."""
+    finals = ",".join(f"'{s.value}'" for s in FINAL)
+    return [r[0] for r in conn.execute(
+        f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
+        f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals}))", (cutoff,))]
+
+
 def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
     paths: list[str] = []
     for mid in ids:
