@@ -138,9 +138,12 @@ def parse_args(argv: Sequence[str]) -> Options:
                 break
             if c == "b":
                 mode = a[j:]
-                if mode not in ("m", "s"):
-                    raise UsageError(f"unsupported mode -b{mode} (only -bm and -bs)")
+                if mode not in ("m", "s", "p"):
+                    raise UsageError(f"unsupported mode -b{mode} (only -bm, -bs and -bp)")
                 opts.mode = mode
+                break
+            if c == "q":  # -q, -q30m...: process the queue now (`relay queue flush`)
+                opts.mode = "q"
                 break
             if c in _WITH_VALUE:
                 value = a[j:]
@@ -523,6 +526,8 @@ def run(argv: Sequence[str]) -> int:
         target = find_relay(opts.config)
     except ConfigError as e:
         _die(EX_CONFIG, str(e))
+    if opts.mode in ("p", "q"):
+        return _queue_verb(opts)
     if opts.mode == "s":
         return smtp_proxy(target)
     default_from = default_sender(target.hostname)
@@ -561,8 +566,25 @@ def run(argv: Sequence[str]) -> int:
     return EX_OK
 
 
+def _queue_verb(opts: Options) -> int:
+    """`sendmail -bp` (= mailq) lists the queue, `sendmail -q` flushes it: the `relay` CLI
+    with the same config, so the usual /usr/bin/mailq symlink works. These read the spool:
+    run them as a user who may (the daemon's)."""
+    from relay import cli
+
+    config = ["-c", opts.config] if opts.config else []
+    verb = ["queue", "list"] if opts.mode == "p" else ["queue", "flush"]
+    return cli.main([*config, *verb])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return run(sys.argv[1:] if argv is None else argv)
+
+
+def mailq(argv: Sequence[str] | None = None) -> int:
+    """The `mailq` console script: `sendmail -bp`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return run(["-bp", *args])
 
 
 if __name__ == "__main__":
