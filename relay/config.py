@@ -13,6 +13,7 @@ Rules:
 from __future__ import annotations
 
 import copy
+import difflib
 import ipaddress
 import os
 import re
@@ -206,6 +207,8 @@ class _Reader:
 
     def string(self, name: str, choices: tuple[str, ...] | None = None) -> str:
         v = self.get(name)
+        if v is None:
+            self._misspelt(name)
         if not isinstance(v, str):
             raise ConfigError(f"{self.key(name)}: expected a string, got {_kind(v)}")
         if choices and v not in choices:
@@ -254,10 +257,26 @@ class _Reader:
         v = self.opt_str(name)
         return None if v is None else (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
+    def _misspelt(self, name: str) -> None:
+        """A required key is missing: if an unknown key looks like it, say so (the
+        misspelling is the error, not the missing key)."""
+        others = [str(k) for k in self.data if k not in self.used and k != name]
+        close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
+        if close:
+            raise ConfigError(f"{self.key(close[0])}: unknown key {close[0]!r}"
+                              f" (did you mean {name!r}?)")
+
     def finish(self) -> None:
-        unknown = [k for k in self.data if k not in self.used]
-        if unknown:
-            raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+        unknown = [str(k) for k in self.data if k not in self.used]
+        if not unknown:
+            return
+        name = unknown[0]
+        if name == "password" or name.endswith("_password"):
+            raise ConfigError(f"{self.key(name)}: unknown key: secrets are never inline; put"
+                              " it in a file and name the file with 'password_file'")
+        close = difflib.get_close_matches(name, sorted(self.used), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{self.key(name)}: unknown key {name!r}{hint}")
 
 
 def _domain_ok(domain: str) -> bool:
@@ -593,11 +612,60 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config: {where} is not valid YAML: {problem}") from None
     return from_mapping(data or {}, p.resolve().parent, path=p.resolve())
 
 
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
 def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
+    """The config tree, or one ConfigError listing every error of the file (one a line):
+    after an error the offending key is set aside (its default applies) and the file is
+    read again, so errors in other places are found in the same run."""
+    errors: list[str] = []
+    current = copy.deepcopy(data)
+    for _ in range(50):
+        try:
+            config = _from_mapping(current, base_dir, path)
+        except ConfigError as e:
+            msg = str(e)
+            errors.append(msg)
+            if not isinstance(current, dict) or not _set_aside(current, msg):
+                break
+            continue
+        if errors:
+            break
+        return config
+    raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def _set_aside(data: dict[str, Any], msg: str) -> bool:
+    """Remove the key an error message names (`retry.schedule[2]: ...` removes
+    retry.schedule) from `data`; False when the message names none that is there."""
+    keypath = msg.split(":", 1)[0].strip().strip('"')
+    # list indexes are skipped: removing the key that holds the list sets the whole list
+    # aside (its default applies), which keeps the other indexes' meaning
+    parts = [m.group(1) for m in _PATH_PART.finditer(keypath) if m.group(1) is not None]
+    node: Any = data
+    trail: list[tuple[dict[str, Any], str]] = []
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            trail.append((node, part))
+            node = node[part]
+        else:
+            break
+    if not trail:
+        return False
+    parent, key = trail[-1]
+    del parent[key]
+    return True
+
+
+def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     merged: dict[str, Any] = _merge(DEFAULTS, data)

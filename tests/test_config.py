@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,7 +243,8 @@ def test_named_destination_inherits_from_star() -> None:
 
 def test_inline_secret_is_refused_without_echoing_it() -> None:
     msg = _error({"upstream": {"smarthost": {"password": "hunter2-secret"}}})
-    assert msg == "upstream.smarthost.password: unknown key"
+    assert msg.startswith("upstream.smarthost.password: unknown key")
+    assert "password_file" in msg  # says where a secret goes
     assert "hunter2-secret" not in msg
 
 
@@ -402,3 +404,35 @@ def test_other_commands_with_bad_config_exit_78(tmp_path: Path) -> None:
         res = _relay(*args, "-c", str(cfg))
         assert res.returncode == 78, args
         assert 'destinations."*".rate' in res.stderr
+
+
+# --- errors that help --------------------------------------------------------------------
+
+
+def test_every_error_of_a_file_is_reported_at_once() -> None:
+    msg = _error({
+        "retry": {"schedule": ["1m", "5x"]},
+        "listen": [{"adress": "127.0.0.1:2525"}],
+        "limits": {"max_recipients": "many"},
+        "dedup": {"window": "forever"},
+    })
+    lines = msg.splitlines()
+    assert len(lines) == 4, msg
+    assert any(line.startswith("retry.schedule[1]: '5x' is not a duration") for line in lines)
+    assert "listen[0].adress: unknown key 'adress' (did you mean 'address'?)" in lines
+    assert any(line.startswith("limits.max_recipients:") for line in lines)
+    assert any(line.startswith("dedup.window:") for line in lines)
+
+
+def test_a_misspelt_key_gets_a_suggestion() -> None:
+    msg = _error({"spool": {"inline_mx": "1KiB"}})
+    assert msg == "spool.inline_mx: unknown key 'inline_mx' (did you mean 'inline_max'?)"
+    assert _error({"zzz": 1}) == "zzz: unknown key 'zzz'"
+
+
+def test_yaml_errors_name_file_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen:\n  - address: 127.0.0.1:2525\n    allow: [127.0.0.0/8\nspool: {}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert re.match(rf"config: {re.escape(str(bad))}:\d+:\d+ is not valid YAML: ", str(e.value))
