@@ -69,11 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     qr.add_argument("ids", nargs="*")
     qr.add_argument("--failed", action="store_true",
                     help="every dead letter (bounced/failed recipients)")
+    _bulk_options(qr)
     for name, helptext in (("delete", "remove messages from the queue"),
                            ("hold", "park messages; they are not delivered until released"),
                            ("release", "release held messages (due now)")):
         x = q.add_parser(name, parents=[common], help=helptext)
-        x.add_argument("ids", nargs="+")
+        x.add_argument("ids", nargs="*")
+        _bulk_options(x)
     q.add_parser("flush", parents=[common], help="every deferred recipient due now")
     qp = q.add_parser("purge", parents=[common],
                       help="delete finished messages (and their bodies) older than a duration")
@@ -199,6 +201,27 @@ def _act(conn: sqlite3.Connection, action: str, detail: dict[str, Any],
     return res
 
 
+def _bulk_options(p: argparse.ArgumentParser) -> None:
+    """postsuper-style bulk selection: `--all` with optional filters, `--dry-run`."""
+    p.add_argument("--all", action="store_true",
+                   help="every message matching the filters (like postsuper -d ALL)")
+    p.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent",
+                                       "failed"])
+    p.add_argument("--domain", help="with --all: a recipient at this domain")
+    p.add_argument("--recipient", help="with --all: this recipient")
+    p.add_argument("--older-than", help="with --all: older than this (e.g. 1h)")
+    p.add_argument("--dry-run", action="store_true", help="only say how many would change")
+
+
+def _select(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> list[str]:
+    """The message ids a bulk command (`--all` + filters) acts on."""
+    older = parse_duration(args.older_than, "--older-than") if args.older_than else None
+    msgs = ops.list_messages(conn, state=args.state, include_finished=args.qcmd == "delete",
+                             recipient=args.recipient, domain=args.domain, older_than=older,
+                             now=now)
+    return [m["id"] for m in msgs]
+
+
 def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) -> int:
     now = time.time()
     if args.cmd == "stats":
@@ -266,14 +289,45 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
         return EXIT_OK
     ids: list[str] = list(getattr(args, "ids", []) or [])
+    filters = [f for f in ("state", "domain", "recipient", "older_than")
+               if getattr(args, f, None)]
+    if getattr(args, "all", False):
+        if ids:
+            print(f"relay: queue {c}: --all selects with filters; give it no IDs",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            ids = _select(args, conn, now)
+        except ConfigError as e:
+            print(f"relay: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if not ids or args.dry_run:
+            n = len(ids)
+            if args.json:
+                _print_json({"action": c, "dry_run": args.dry_run, "ids": ids, "messages": n})
+            else:
+                verb = "would change" if args.dry_run else "changed"
+                print(f"{c}: {verb} {n} message{'' if n == 1 else 's'}")
+            return EXIT_OK
+    elif filters or getattr(args, "dry_run", False):
+        print(f"relay: queue {c}: filters and --dry-run go with --all", file=sys.stderr)
+        return EXIT_USAGE
+    elif c in ("delete", "hold", "release") and not ids:
+        print(f"relay: queue {c} needs IDs or --all", file=sys.stderr)
+        return EXIT_USAGE
     if c == "retry" and not ids and not args.failed:
-        print("relay: queue retry needs IDs or --failed", file=sys.stderr)
+        print("relay: queue retry needs IDs, --failed or --all", file=sys.stderr)
         return EXIT_USAGE
     missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
     if missing:
         raise CliError(f"no such message: {', '.join(missing)}")
     if c == "retry":
         target = ids or None
+        for qid, addr, reason in ops.suppressed_recipients(conn, target, args.failed):
+            print(f"relay: {qid}: {printable(addr)} is on the suppression list"
+                  f" ({printable(reason)}) and is not retried; lift it with"
+                  f" `relay suppression remove {printable(addr)}` and retry again",
+                  file=sys.stderr)
         n = _act(conn, "retry", {"ids": ids, "failed": args.failed},
                  lambda x: ops.retry(x, target, now, failed_only=args.failed))
         return _done(args, "retry", n, ids)
@@ -496,7 +550,8 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
 def _print_show(msg: dict[str, Any]) -> None:
     for k in ("id", "state", "message_id", "sender", "size", "created_at", "lane",
               "identity", "client", "peer", "next_attempt_at"):
-        print(f"{k + ':':<17}{printable(str(msg.get(k)))}")
+        value = msg.get(k)
+        print(f"{k + ':':<17}{'-' if value is None else printable(str(value))}")
     print("recipients:")
     for r in msg["recipients"]:
         print(f"  {printable(r['address'])}  {r['state']}  attempts={r['attempts']}"

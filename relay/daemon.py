@@ -170,7 +170,7 @@ class Daemon:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log_event(log, logging.ERROR, "maintenance_error", "", exc=e)
+                log_event(log, logging.ERROR, "maintenance_error", "maintenance pass failed", exc=e)
             await asyncio.sleep(MAINTENANCE_EVERY)
             if self.engine is not None:
                 self.engine.wake()  # pick up CLI changes (retry, release, flush) promptly
@@ -196,8 +196,8 @@ class Daemon:
         await asyncio.to_thread(bodies.delete_bodies, self.config.spool_path, paths)
         removed = await asyncio.to_thread(bodies.sweep, self.config.spool_path, known)
         if paths or removed:
-            log_event(log, logging.INFO, "pruned", "", messages=len(paths),
-                      orphan_bodies=len(removed))
+            log_event(log, logging.INFO, "pruned", "finished messages and orphan bodies removed",
+                      messages=len(paths), orphan_bodies=len(removed))
 
     async def _reloader(self) -> None:
         while True:

@@ -740,9 +740,10 @@ class Engine:
                     count_attempt=True, next_attempt_at=None, last_reply=reply_s, log=attempt))
                 self.metrics.delivered.labels(st.name).inc()
                 self.metrics.latency.observe(max(0.0, now - job.created_at))
-                log_event(log, logging.INFO, "delivered", "", queue_id=job.msg_id,
-                          dedup_key=cl.dedup_key, rcpt=cl.address, destination=st.name,
-                          host=host, reply=reply_s, duration=round(duration, 3))
+                log_event(log, logging.INFO, "delivered", "recipient delivered",
+                          queue_id=job.msg_id, dedup_key=cl.dedup_key, rcpt=cl.address,
+                          destination=st.name, host=host, reply=reply_s,
+                          duration=round(duration, 3))
             elif outcome is Outcome.TRANSIENT:
                 nxt = retry.next_attempt_at(
                     now, job.created_at, cl.attempts + 1, self.config.retry.schedule,
@@ -762,9 +763,9 @@ class Engine:
                         count_attempt=True, next_attempt_at=nxt, last_reply=reply_s,
                         log=attempt))
                     self.metrics.deferred.labels(st.name, "transient").inc()
-                    log_event(log, logging.WARNING, "deferred", "", queue_id=job.msg_id,
-                              dedup_key=cl.dedup_key, rcpt=cl.address, destination=st.name,
-                              host=host,
+                    log_event(log, logging.WARNING, "deferred", "recipient deferred",
+                              queue_id=job.msg_id, dedup_key=cl.dedup_key,
+                              rcpt=cl.address, destination=st.name, host=host,
                               reply=reply_s, next_attempt_at=_iso(nxt),
                               attempts=cl.attempts + 1)
             elif outcome is Outcome.BOUNCE:

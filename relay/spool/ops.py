@@ -373,7 +373,8 @@ def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
 
 
 def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptState,
-               src: Iterable[str], now: float, *, due_now: bool, reset: bool) -> int:
+               src: Iterable[str], now: float, *, due_now: bool, reset: bool,
+               skip_suppressed: bool = False) -> int:
     src_list = list(src)
     sets = ["state = ?", "updated_at = ?", "reason = NULL"]
     params: list[Any] = [dst.value, now]
@@ -387,6 +388,8 @@ def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptSta
     sql = (f"UPDATE recipients SET {', '.join(sets)}"
            f" WHERE state IN ({','.join('?' * len(src_list))})")
     params.extend(src_list)
+    if skip_suppressed:
+        sql += " AND lower(address) NOT IN (SELECT address FROM suppression)"
     if ids is not None:
         if not ids:
             return 0
@@ -403,8 +406,27 @@ def retry(conn: sqlite3.Connection, ids: Sequence[str] | None, now: float,
     src = ({RcptState.BOUNCED.value, RcptState.FAILED.value} if failed_only
            else {RcptState.DEFERRED.value, RcptState.PENDING.value, RcptState.BOUNCED.value,
                  RcptState.FAILED.value, RcptState.SUPPRESSED.value, RcptState.HELD.value})
-    # leaving the suppression list is a separate, explicit operator act
-    return _set_state(conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True)
+    # leaving the suppression list is a separate, explicit operator act: a recipient whose
+    # address is still suppressed is left as it is (the CLI says so and how to lift it)
+    return _set_state(conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True,
+                      skip_suppressed=True)
+
+
+def suppressed_recipients(conn: sqlite3.Connection, ids: Sequence[str] | None,
+                          failed_only: bool = False) -> list[tuple[str, str, str]]:
+    """(queue id, address, reason) of the recipients of these messages (or of every dead
+    letter) whose address is on the suppression list: what `queue retry` leaves alone."""
+    sql = ("SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN suppression s"
+           " ON s.address = lower(r.address) WHERE r.state NOT IN ('delivered')")
+    params: list[Any] = []
+    if failed_only or ids is None:
+        sql += " AND r.state IN ('bounced', 'failed', 'suppressed')"
+    if ids is not None:
+        if not ids:
+            return []
+        sql += f" AND r.msg_id IN ({','.join('?' * len(ids))})"
+        params.extend(ids)
+    return [(r[0], r[1], r[2]) for r in conn.execute(sql, params)]
 
 
 def hold(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
