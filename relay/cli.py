@@ -253,7 +253,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     if c == "show":
         msg = ops.show_message(conn, args.id)
         if msg is None:
-            raise CliError(f"no message {args.id}")
+            raise CliError(f"no such message: {args.id}")
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")

@@ -342,6 +342,8 @@ class _StructuredFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, Mapping):
             for raw_key, value in fields.items():
+                if value is None:  # an absent value is left out, never printed as null
+                    continue
                 key = str(raw_key)
                 out_key = f"field_{key}" if key in _RESERVED_KEYS else key
                 out[out_key] = _sanitize(key, value, self.unmask)

@@ -414,3 +414,28 @@ def test_standard_event_names_are_constants_and_documented() -> None:
     for name in expected:
         assert getattr(logs, f"EVENT_{name.upper()}") == name
         assert f"``{name}``" in doc
+
+
+def test_absent_fields_are_left_out_not_null() -> None:
+    import json
+    import logging
+
+    from relay.logs import JSONFormatter, log_event
+
+    logger = logging.getLogger("relay.test.nulls")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = Keep()
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    try:
+        log_event(logger, logging.INFO, "deferred", "recipient deferred", queue_id="Q",
+                  next_attempt_at=None)
+    finally:
+        logger.removeHandler(h)
+    doc = json.loads(JSONFormatter().format(records[0]))
+    assert doc["queue_id"] == "Q" and "next_attempt_at" not in doc
