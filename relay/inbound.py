@@ -66,6 +66,8 @@ from relay.message import (
     date_header,
     header,
     parse_headers,
+    qualify_header_block,
+    qualify_headers,
     received_header,
 )
 from relay.metrics import Metrics
@@ -630,6 +632,12 @@ class InboundHandler(AuthMechanisms):
         peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         try:
             await incoming.finish()
+            head_lines = incoming.header_block()[:-2].split(b"\r\n")
+            if (self._peer_allowed(session) and incoming.header_block()
+                    and qualify_headers(head_lines, cfg.local.domain) != head_lines):
+                # `To: root` from an allow-listed app: qualified like the envelope
+                domain = cfg.local.domain
+                await incoming.rewrite(lambda d: qualify_header_block(d, domain))
             if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
                 before = incoming.size
                 await incoming.rewrite(longlines.conform)

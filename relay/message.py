@@ -10,6 +10,7 @@ Rules:
 
 from __future__ import annotations
 
+import email.utils
 import re
 import time
 from datetime import UTC, datetime
@@ -95,3 +96,40 @@ def received_header(*, helo: str, peer_ip: str, hostname: str, queue_id: str,
 def date_header(now: float | None = None) -> bytes:
     """The Date: a legacy app forgot (RFC 5322 §3.6.1 requires one), as Postfix adds it."""
     return f"Date: {rfc5322_date(now)}\r\n".encode("ascii")
+
+
+_ADDRESS_FIELDS = frozenset({b"from", b"to", b"cc", b"reply-to", b"sender"})
+
+
+def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
+    """`From: root (Cron Daemon)` -> `From: root@<domain> (Cron Daemon)`: bare local parts
+    in the address fields get the local domain, as nullmailer and Postfix's myorigin do.
+    Only whole words that `email.utils.getaddresses` reads as an address without "@".
+    Lines without CRLF (header lines, as split)."""
+    out: list[bytes] = []
+    current = False
+    for line in headers:
+        if line[:1] not in (b" ", b"\t"):
+            current = line.split(b":", 1)[0].strip().lower() in _ADDRESS_FIELDS
+        if current:
+            text = line.decode("utf-8", errors="surrogateescape")
+            value = text.split(":", 1)[1] if line[:1] not in (b" ", b"\t") else text
+            for _name, addr in email.utils.getaddresses([value]):
+                if addr and "@" not in addr and re.fullmatch(r"[\w.!#$%&'*+/=?^`{|}~-]+", addr):
+                    text = re.sub(rf"(?<![\w.@-]){re.escape(addr)}(?![\w.@-])",
+                                  f"{addr}@{domain}", text, count=1)
+            line = text.encode("utf-8", errors="surrogateescape")
+        out.append(line)
+    return out
+
+
+def qualify_header_block(data: bytes, domain: str) -> bytes | None:
+    """`qualify_headers` over a whole message's header block; None when nothing changed."""
+    head, body = split_message(data)
+    if not head:
+        return None
+    lines = head[:-2].split(b"\r\n")
+    new = qualify_headers(lines, domain)
+    if new == lines:
+        return None
+    return b"\r\n".join(new) + b"\r\n\r\n" + body

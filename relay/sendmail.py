@@ -64,6 +64,7 @@ import yaml
 
 from relay.address import AddressError, check_local_part, check_mailbox, printable
 from relay.config import DEFAULT_PATH, DEFAULTS, ConfigError, parse_hostport
+from relay.message import qualify_headers
 
 EX_OK = 0
 EX_USAGE = 64
@@ -309,30 +310,6 @@ def build_message(
         added.append(b"Date: " + email.utils.formatdate(time.time(), localtime=True).encode())
     data = b"\r\n".join([*added, *kept, b"", *body]) + b"\r\n"
     return data, found
-
-
-_ADDRESS_FIELDS = frozenset({b"from", b"to", b"cc", b"reply-to", b"sender"})
-
-
-def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
-    """`From: root (Cron Daemon)` -> `From: root@<domain> (Cron Daemon)`: bare local parts
-    in the address fields get the local domain, as nullmailer and Postfix's myorigin do.
-    Only whole words that `email.utils.getaddresses` reads as an address without "@"."""
-    out: list[bytes] = []
-    current = False
-    for line in headers:
-        if line[:1] not in (b" ", b"\t"):
-            current = line.split(b":", 1)[0].strip().lower() in _ADDRESS_FIELDS
-        if current:
-            text = line.decode("utf-8", errors="surrogateescape")
-            value = text.split(":", 1)[1] if line[:1] not in (b" ", b"\t") else text
-            for _name, addr in email.utils.getaddresses([value]):
-                if addr and "@" not in addr and re.fullmatch(r"[\w.!#$%&'*+/=?^`{|}~-]+", addr):
-                    text = re.sub(rf"(?<![\w.@<-]){re.escape(addr)}(?![\w.@-])",
-                                  f"{addr}@{domain}", text, count=1)
-            line = text.encode("utf-8", errors="surrogateescape")
-        out.append(line)
-    return out
 
 
 def _dedupe(addrs: list[str]) -> list[str]:

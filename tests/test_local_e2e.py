@@ -55,11 +55,17 @@ def test_bare_local_parts_over_smtp_only_from_allowed_clients(
         code, msg = s.docmd("RCPT", "TO:<root>")
         assert code == 250 and b"alias" in msg
         assert s.docmd("RCPT", "TO:<nobody>")[0] == 250
-        code, _ = s.data(b"Subject: hi\r\n\r\nhello\r\n")
+        code, _ = s.data(b"From: Web <www-data>\r\nTo: root, x@example.org\r\n"
+                         b"Subject: root and www-data stay\r\n\r\nhello root\r\n")
         assert code == 250
     got = up.wait_for(1)[0]
     assert got.mail_from == "www-data@host.example.net"
     assert sorted(got.rcpt_tos) == ["nobody@host.example.net", "ops@example.com"]
+    # the address headers are qualified like the envelope; nothing else is touched
+    assert b"\r\nFrom: Web <www-data@host.example.net>\r\n" in got.data
+    assert b"\r\nTo: root@host.example.net, x@example.org\r\n" in got.data
+    assert b"\r\nSubject: root and www-data stay\r\n" in got.data
+    assert got.data.endswith(b"\r\n\r\nhello root\r\n")
     # a listener that allows nobody: `<root>` is a syntax error there (no open relay trick)
     r2 = relay(upstream=up, name="closed", config={"local": {"domain": "host.example.net"}},
                start=False)
