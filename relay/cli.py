@@ -201,6 +201,15 @@ def _act(conn: sqlite3.Connection, action: str, detail: dict[str, Any],
     return res
 
 
+def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, Any]]) -> None:
+    """The destination a recipient goes through, as logs, stats and `destination list` name
+    it: in smarthost mode every recipient goes to "smarthost" (its domain is in its address)."""
+    if getattr(args, "smarthost_mode", False):
+        for m in msgs:
+            for r in m["recipients"]:
+                r["destination"] = "smarthost"
+
+
 def _bulk_options(p: argparse.ArgumentParser) -> None:
     """postsuper-style bulk selection: `--all` with optional filters, `--dry-run`."""
     p.add_argument("--all", action="store_true",
@@ -245,6 +254,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         msgs = ops.list_messages(conn, state=args.state, include_finished=args.all,
                                  recipient=args.recipient, domain=args.domain,
                                  older_than=older, now=now)
+        _destinations_as_delivered(args, msgs)
         if args.json:
             _print_json(msgs)
         else:
@@ -254,6 +264,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         msg = ops.show_message(conn, args.id)
         if msg is None:
             raise CliError(f"no such message: {args.id}")
+        _destinations_as_delivered(args, [msg])
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")

@@ -57,3 +57,20 @@ def test_retry_of_a_suppressed_recipient_says_how_to_lift_it(
     res = r.cli("queue", "retry", qid, check=True)
     assert "suppression" not in res.stderr
     assert r.queue(all=True)[0]["recipients"][0]["state"] in ("deferred", "sending", "bounced")
+
+
+def test_queue_json_names_the_destination_as_logs_and_stats_do(
+    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+) -> None:
+    up = upstream()
+    r = relay(upstream=up)
+    assert send(r.port, "app@example.com", ["user@example.org"], make_message(41)) == {}
+    up.wait_for(1)
+    r.wait_until(lambda: r.queue(all=True)[0]["state"] == "sent", what="sent")
+    msg = r.queue(all=True)[0]
+    assert msg["recipients"][0]["destination"] == "smarthost"
+    shown = r.cli_json("queue", "show", msg["id"])
+    assert {a["destination"] for a in shown["attempt_log"]} == {"smarthost"}
+    assert shown["recipients"][0]["destination"] == "smarthost"
+    delivered = [e for e in r.events() if e.get("event") == "delivered"]
+    assert delivered and delivered[0]["destination"] == "smarthost"
