@@ -130,7 +130,9 @@ def faulty(tmp_path: Path) -> Iterator[tuple[RelayProcess, Upstream, Path]]:
     up = Upstream().start()
     fault_file = tmp_path / "faults"
     fault_file.write_text("")
-    cfg = deep_merge(smarthost_config(up), {"destinations": {"*": {"rate": "unlimited"}}})
+    # a short poll interval: the first outcome-record retry waits min(0.5 s, poll interval)
+    cfg = deep_merge(smarthost_config(up), {"destinations": {"*": {"rate": "unlimited"}},
+                                            "delivery": {"poll_interval": "0.05s"}})
     r = RelayProcess(tmp_path / "relay", cfg, env={"RELAY_FAULTS_FILE": str(fault_file)})
     r.start()
     try:
