@@ -1,9 +1,11 @@
-"""The admin endpoint: `GET /metrics` (Prometheus text format) and `GET /healthz`.
+"""The admin endpoint: `GET /metrics` (Prometheus text format), `GET /healthz` (readiness)
+and `GET /health` (the whole health model, relay/health.py).
 
 Rules: a tiny HTTP/1.0-style server on asyncio streams (two read-only routes do not justify
 a web framework). Each request is bounded in size and time; anything else gets 404/405.
-`/healthz` answers 200 when every listener is open and the spool's last commit worked,
-503 otherwise, with a JSON body saying why.
+`/healthz` answers 200 when every listener is open, the spool's last commit worked and
+neither the disk nor the spool database is critical; 503 otherwise, with a JSON body
+saying why. `/health` answers 200 for ok and warning, 503 for critical.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from relay.health import READINESS
 from relay.spool import ops
 
 if TYPE_CHECKING:
@@ -59,6 +62,11 @@ class AdminServer:
             elif path == "/metrics":
                 body = await self.metrics_text()
                 await self._send(writer, 200, CONTENT_TYPE_LATEST, body, method == "HEAD")
+            elif path == "/health":
+                hdoc = d_health(self.daemon)
+                await self._send(writer, 503 if hdoc["status"] == "critical" else 200,
+                                 "application/json", json.dumps(hdoc).encode() + b"\n",
+                                 method == "HEAD")
             elif path == "/healthz":
                 ok, doc = await self.health()
                 await self._send(writer, 200 if ok else 503, "application/json",
@@ -108,9 +116,18 @@ class AdminServer:
             problems.append(f"spool not answering: {e}")
         if any(h.closing for h in d.handlers):
             problems.append("shutting down")
+        for c in d.health.checks.values():  # the disk, a replaced spool database
+            if c.name in READINESS and c.status == "critical" and c.detail not in problems:
+                problems.append(c.detail)
         doc: dict[str, object] = {
             "status": "ok" if not problems else "unhealthy",
             "problems": problems,
             "uptime_seconds": round(time.time() - d.started_at, 1),
         }
         return not problems, doc
+
+
+def d_health(daemon: Daemon) -> dict[str, object]:
+    doc = daemon.health_doc()
+    doc["uptime_seconds"] = round(time.time() - daemon.started_at, 1)
+    return doc

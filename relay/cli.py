@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("check-config", parents=[common],
                    help="validate the config and print it, secrets redacted")
     sub.add_parser("stats", parents=[common], help="queue counts and destination state")
+    sub.add_parser("status", parents=[common],
+                   help="health, as a monitoring plugin: exit 0 OK, 1 WARNING, 2 CRITICAL,"
+                   " 3 UNKNOWN")
+    al = sub.add_parser("alerts", parents=[common], help="the newest alerts and their sinks")
+    al.add_argument("--limit", type=int, default=20)
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
         dest="qcmd", required=True)
@@ -102,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--reason", default="suspended by operator")
     dr = d.add_parser("resume", parents=[common])
     dr.add_argument("name")
+    dx = d.add_parser("reset", parents=[common],
+                      help="close the circuit and clear any slow-down, now")
+    dx.add_argument("name")
 
     a = sub.add_parser("auth", help="inbound AUTH users").add_subparsers(
         dest="acmd", required=True)
@@ -147,6 +155,56 @@ def _auth_hash(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+STALE_AFTER = 15.0  # seconds: a daemon snapshot older than this means the daemon is gone
+
+
+def _alive(pid: object) -> bool:
+    import os
+
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
+def _status(args: argparse.Namespace, spool: Any) -> int:
+    """`relay status`: the daemon's health file, judged like a monitoring plugin. Reads no
+    database: it works when the spool is the problem."""
+    from relay.daemon import HEALTH_FILE
+    from relay.health import UNKNOWN_EXIT, plugin_output
+
+    path = spool / HEALTH_FILE
+    doc: dict[str, Any]
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        doc = {"status": "unknown", "detail": "daemon not running (no health file)"}
+    except (OSError, ValueError) as e:
+        doc = {"status": "unknown", "detail": f"cannot read {path}: {e}"}
+    if doc.get("status") != "unknown":
+        age = time.time() - float(doc.get("updated_ts", 0))
+        if not _alive(doc.get("pid")):
+            doc = {"status": "unknown",
+                   "detail": f"daemon not running (pid {doc.get('pid')} is gone)"}
+        elif age > STALE_AFTER:
+            doc = {"status": "unknown",
+                   "detail": f"daemon not responding (health last updated {age:.0f}s ago)"}
+    code, text = plugin_output(doc)
+    if args.json:
+        doc = {**doc, "exit_code": code}
+        if code == UNKNOWN_EXIT:
+            doc["status"] = "unknown"
+        _print_json(doc)
+    else:
+        print(text)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "serve":
@@ -159,10 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
     except ConfigError as e:
         print(f"relay: {e}", file=sys.stderr)
+        if args.cmd == "status":
+            print(f"UNKNOWN: bad config: {e}")
+            return 3
         return EX_CONFIG
     setup_logging(config.log.level, "text", config.log.unmask)
     # in smarthost mode every recipient goes to the one destination "smarthost"
     args.smarthost_mode = config.upstream.mode == "smarthost"
+    if args.cmd == "status":  # needs no database: it must work when the spool is broken
+        return _status(args, config.spool_path)
     if args.cmd == "check-config":
         if args.json:
             print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
@@ -235,6 +298,20 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
     now = time.time()
     if args.cmd == "stats":
         return _stats(args, conn, now)
+    if args.cmd == "alerts":
+        from relay.alerts import recent
+
+        rows = recent(conn, max(1, args.limit))
+        if args.json:
+            _print_json(rows)
+        else:
+            for a in rows:
+                state = "sent" if a["sent_at"] else (
+                    f"pending {','.join(a['pending_sinks'])}"
+                    + (f" ({a['last_error']})" if a["last_error"] else ""))
+                print(f"{a['last_at']} {a['severity']:<8} {a['event']:<20} x{a['count']:<4}"
+                      f" {a['summary']}  [{state}]")
+        return EXIT_OK
     if args.cmd == "queue":
         return _queue(args, conn, spool, now)
     if args.cmd == "suppression":
@@ -279,7 +356,11 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     if c == "summary":
         return _summary(args, conn, now)
     if c == "flush":
-        n = _act(conn, "flush", {}, lambda x: ops.flush(x, now))
+        def flush(x: sqlite3.Connection) -> int:
+            ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
+            return ops.flush(x, now)
+
+        n = _act(conn, "flush", {}, flush)
         return _done(args, "flush", n, [])
     if c == "purge":
         try:
@@ -482,8 +563,21 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
         else:
             print(f"suspended {name} until {_iso(until)}")
         return EXIT_OK
-    n = _act(conn, "destination_resume", {"name": name},
-             lambda x: ops.resume_destination(x, name, now))
+    if args.dcmd == "reset":
+        _act(conn, "destination_reset", {"name": name},
+             lambda x: ops.engine_command(x, "reset", name, now))
+        if args.json:
+            _print_json({"action": "reset", "name": name})
+        else:
+            print(f"reset {name}: circuit closed and slow-down cleared (the daemon acts within"
+                  " a second)")
+        return EXIT_OK
+
+    def resume(x: sqlite3.Connection) -> int:
+        ops.engine_command(x, "kick", name, now)
+        return ops.resume_destination(x, name, now)
+
+    n = _act(conn, "destination_resume", {"name": name}, resume)
     if args.json:
         _print_json({"action": "resume", "name": name, "recipients_due_now": n})
     else:
@@ -496,7 +590,8 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
     runtime = ops.get_runtime(conn, "daemon")
     if runtime is not None:
         live, updated = runtime
-        st["daemon"] = {**live, "snapshot_age_seconds": round(now - updated, 1)}
+        st["daemon"] = {**live, "snapshot_age_seconds": round(now - updated, 1),
+                        "running": _alive(live.get("pid")) and now - updated < STALE_AFTER}
     else:
         st["daemon"] = None
     if args.json:
@@ -509,6 +604,9 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
     print(f"oldest unfinished: {'-' if age is None else f'{age:.0f}s'}")
     print(f"suppressed addresses: {st['suppressed_addresses']}, dedup keys: {st['dedup_keys']}")
     d = st["daemon"]
+    if d and not d["running"]:
+        print(f"daemon: NOT RUNNING (pid {d.get('pid')} gone or silent; the last snapshot"
+              f" is {d['snapshot_age_seconds']:.0f}s old and shown below as it was)")
     if d:
         print(f"daemon pid {d.get('pid')} (snapshot {d['snapshot_age_seconds']}s old),"
               f" in flight {d.get('inflight')}")

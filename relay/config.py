@@ -73,7 +73,8 @@ DEFAULTS: dict[str, Any] = {
         "mx": {"port": 25, "tls": "opportunistic", "verify": False, "nameservers": None,
                "dns_timeout": "10s"},
     },
-    "retry": {"schedule": ["1m", "5m", "30m", "2h"], "max_age": "5d", "min_delay": "1s"},
+    "retry": {"schedule": ["1m", "5m", "30m", "2h"], "max_age": "5d", "min_delay": "1s",
+              "warn_after": "4h"},
     "timeouts": {"connect": "10s", "command": "30s", "data": "120s"},
     "destinations": {"*": {}},
     "identities": {},
@@ -85,7 +86,10 @@ DEFAULTS: dict[str, Any] = {
         "bulk": {"share": 0.5},
     },
     "delivery": {"workers": 50, "batch": 200, "poll_interval": "1s"},
-    "alerts": {"command": None, "timeout": "10s"},
+    "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
+    "health": {"disk_free_warning": "10%", "disk_free_critical": "5%",
+               "queue_age_warning": "30m", "queue_age_critical": "4h", "stall_after": "10m",
+               "dead_letters_warning": 50},
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
     "admin": {"listen": "127.0.0.1:9025"},
@@ -141,6 +145,41 @@ def parse_duration(value: object, key: str) -> float:
         if m:
             return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     raise ConfigError(f"{key}: {value!r} is not a duration (use 30s, 5m, 2h, 7d or seconds)")
+
+
+def parse_percent(value: object, key: str) -> float:
+    """"10%" or 10 (percent, 0 to 100)."""
+    v: object = value
+    if isinstance(v, str) and v.endswith("%"):
+        try:
+            v = float(v[:-1])
+        except ValueError:
+            v = value
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 100:
+        raise ConfigError(f"{key}: {value!r} is not a percentage (use 10% or 10)")
+    return float(v)
+
+
+def _webhook(item: object, base: Path) -> Webhook | None:
+    if item is None:
+        return None
+    r = _Reader(item, "alerts.webhook")
+    url = r.string("url")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"alerts.webhook.url: {url!r} is not an http:// or https:// URL")
+    secret_file = r.path_("secret_file", base)
+    secret = None
+    if secret_file is not None:
+        try:
+            secret = secret_file.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"alerts.webhook.secret_file: cannot read {secret_file}:"
+                              f" {e.strerror or e}") from None
+        if not secret:
+            raise ConfigError(f"alerts.webhook.secret_file: {secret_file} is empty")
+    timeout = 10.0 if r.get("timeout") is None else r.duration("timeout")
+    r.finish()
+    return Webhook(url=url, secret=secret, secret_file=secret_file, timeout=timeout)
 
 
 def parse_size(value: object, key: str) -> int:
@@ -408,6 +447,7 @@ class Retry:
     schedule: tuple[float, ...]
     max_age: float
     min_delay: float
+    warn_after: float = 4 * 3600.0  # a `delayed` alert (and DSN) once per message; 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,9 +505,29 @@ class Delivery:
 
 
 @dataclass(frozen=True, slots=True)
+class Webhook:
+    url: str
+    secret: bytes | None  # read from secret_file at load; signs X-Relay-Signature
+    secret_file: Path | None
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
 class Alerts:
     command: str | None
     timeout: float
+    coalesce: float = 300.0  # events of one (event, key) within this window make one alert
+    webhook: Webhook | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    disk_free_warning: float = 10.0  # percent of the spool's filesystem
+    disk_free_critical: float = 5.0
+    queue_age_warning: float = 1800.0
+    queue_age_critical: float = 4 * 3600.0
+    stall_after: float = 600.0
+    dead_letters_warning: int = 50  # dead letters in the last hour
 
 
 @dataclass(frozen=True, slots=True)
@@ -583,6 +643,7 @@ class Config:
     auth: AuthLimits = field(default_factory=AuthLimits)
     local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
+    health: Health = field(default_factory=Health)
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -740,6 +801,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         schedule=tuple(parse_duration(s, f"retry.schedule[{i}]") for i, s in enumerate(sched)),
         max_age=rt.duration("max_age"),
         min_delay=rt.duration("min_delay"),
+        warn_after=rt.duration("warn_after"),
     )
     rt.finish()
 
@@ -825,8 +887,29 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     dl.finish()
 
     al = _Reader(top.get("alerts"), "alerts")
-    alerts = Alerts(command=al.opt_str("command"), timeout=al.duration("timeout"))
+    alerts = Alerts(command=al.opt_str("command"), timeout=al.duration("timeout"),
+                    coalesce=al.duration("coalesce"),
+                    webhook=_webhook(al.get("webhook"), base_dir))
     al.finish()
+
+    he = _Reader(top.get("health"), "health")
+    health = Health(
+        disk_free_warning=parse_percent(he.get("disk_free_warning"),
+                                        "health.disk_free_warning"),
+        disk_free_critical=parse_percent(he.get("disk_free_critical"),
+                                         "health.disk_free_critical"),
+        queue_age_warning=he.duration("queue_age_warning"),
+        queue_age_critical=he.duration("queue_age_critical"),
+        stall_after=he.duration("stall_after"),
+        dead_letters_warning=he.integer("dead_letters_warning", 1),
+    )
+    if health.disk_free_critical > health.disk_free_warning:
+        raise ConfigError("health.disk_free_critical: must not be above"
+                          " health.disk_free_warning")
+    if health.queue_age_critical < health.queue_age_warning:
+        raise ConfigError("health.queue_age_critical: must not be below"
+                          " health.queue_age_warning")
+    he.finish()
 
     ds = _Reader(top.get("dsn"), "dsn")
     dsn = Dsn(enabled=ds.boolean("enabled"), sender=ds.opt_str("from"))
@@ -880,7 +963,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
         shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
         admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
-        auth=auth_limits, local=local, retention=retention,
+        auth=auth_limits, local=local, retention=retention, health=health,
     )
 
 

@@ -15,12 +15,21 @@ Rules:
   `limits.max_connections` that cannot fit under it exits 78 (relay/fdlimit.py).
 - One InboundGuard for every listener: connection counts, AUTH checks and bans are per
   daemon, not per listener.
+- Health (relay/health.py) is measured every second: listeners, the spool (writable, commit
+  latency, the database file still the one we opened), free disk, each destination, the
+  queue (oldest waiting, stall; every 5 s), dead letters per hour. A transition is logged
+  and raised as an alert (relay/alerts.py); the model is served at /health and /healthz
+  and written to `<spool>/health.json` for `relay status`. While the spool is broken
+  inbound answers `451 4.3.0`, while the disk is critically full `452 4.3.1` (at MAIL,
+  before anything is accepted that could not be kept).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -29,9 +38,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from relay import __version__, faults, fdlimit, smtpd_adapter
+from relay import __version__, alerts, faults, fdlimit, health, smtpd_adapter
 from relay.admin import AdminServer
-from relay.alerts import run_alert
 from relay.config import Config, ConfigError, ListenerTLS, load_config
 from relay.delivery import smtpclient_adapter
 from relay.delivery.engine import Engine
@@ -41,13 +49,17 @@ from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.sdnotify import Notifier, watchdog_loop
-from relay.spool import bodies, ops
+from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
 from relay.tls_listener import implicit_context
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_EVERY = 2.0  # seconds: suppression refresh, runtime snapshot (CLI sees <= 2 s)
+HEALTH_EVERY = 1.0  # seconds between health passes
+QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
+SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
+HEALTH_FILE = "health.json"
 PRUNE_EVERY = 600.0
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
 # an app's SYN is dropped and retried only after a second (the default is 100).
@@ -72,6 +84,14 @@ class Daemon:
         self._reload = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = time.time()
+        self.health = health.Model()
+        self.refusal: str | None = None  # what inbound answers while the spool/disk is bad
+        self.alerts = alerts.Dispatcher(self.writer, lambda: self.config.alerts,
+                                        lambda: self.config.hostname, faults.now)
+        self._spool_id: tuple[int, int] | None = None
+        self._commit_max = 0.0
+        self._queue_checked = -QUEUE_HEALTH_EVERY
+        self._queue_results: list[tuple[str, health.Status, str]] = []
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -79,6 +99,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.writer.on_commit = self._on_commit
         await asyncio.to_thread(self.writer.start)
+        st = os.stat(db.db_path(self.config.spool_path))
+        self._spool_id = (st.st_dev, st.st_ino)
         await self.suppressions.refresh(self.writer)
         self.engine = Engine(
             self.config, self.writer, metrics=self.metrics,
@@ -88,7 +110,7 @@ class Daemon:
         for lst in self.config.listen:
             h = InboundHandler(self.config, lst, self.writer, self.suppressions,
                                on_queued=self.engine.wake, stats=self.stats,
-                               guard=self.guard)
+                               guard=self.guard, gate=self._refusal)
             tls: dict[str, Any] = {}
             if lst.tls is not None and lst.tls.implicit:  # RFC 8314 §3
                 tls = {"ssl": implicit_context(lst.tls, _current_tls(h)),
@@ -104,8 +126,11 @@ class Daemon:
         for sig, fn in ((signal.SIGTERM, self._stop.set), (signal.SIGINT, self._stop.set),
                         (signal.SIGHUP, self._reload.set)):
             loop.add_signal_handler(sig, fn)
+        await self.check_health()
         self._tasks = [
             loop.create_task(self.engine.run(), name="engine"),
+            loop.create_task(self._health_loop(), name="health"),
+            loop.create_task(self.alerts.run(), name="alerts"),
             loop.create_task(self._maintenance(), name="maintenance"),
             loop.create_task(self._reloader(), name="reloader"),
             loop.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval()),
@@ -147,6 +172,8 @@ class Daemon:
             except TimeoutError:
                 pass
         await self._write_runtime()
+        with contextlib.suppress(OSError):
+            (self.config.spool_path / HEALTH_FILE).unlink()
         if self.admin is not None:
             await self.admin.stop()
         await asyncio.to_thread(self.writer.close)
@@ -261,17 +288,149 @@ class Daemon:
     def _on_commit(self, seconds: float, jobs: int) -> None:
         self.metrics.commit_latency.observe(seconds)
         self.metrics.commit_batch.observe(jobs)
+        self._commit_max = max(self._commit_max, seconds)
+
+    def _refusal(self) -> str | None:
+        return self.refusal
+
+    # --- health ---------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_EVERY)
+            try:
+                await self.check_health()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log_event(log, logging.ERROR, "health_error", "health pass failed", exc=e)
+
+    async def check_health(self) -> None:
+        now = faults.now()
+        cfg = self.config
+        hc = cfg.health
+        results: list[tuple[str, health.Status, str]] = []
+        down = [lst.name for lst, s in zip(cfg.listen, self.servers, strict=False)
+                if not s.is_serving()]
+        if any(h.closing for h in self.handlers):
+            results.append(("listeners", "critical", "shutting down: new mail gets 421"))
+        elif down:
+            results.append(("listeners", "critical", f"not serving: {', '.join(down)}"))
+        else:
+            results.append(("listeners", "ok", f"{len(self.servers)} listening"))
+        results.append(("spool", *await self._spool_check()))
+        try:
+            v = await asyncio.to_thread(os.statvfs, cfg.spool_path)
+            free = 100.0 * v.f_bavail / v.f_blocks if v.f_blocks else 100.0
+            results.append(("disk", *health.disk(free, hc.disk_free_warning,
+                                                 hc.disk_free_critical)))
+        except OSError as e:
+            results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
+        if self.engine is not None:
+            for name, circuit, failures, err, reopen in self.engine.health():
+                results.append((f"destination:{name}",
+                                *health.destination(name, circuit, failures, err, reopen)))
+            results.append(("dead_letters", *health.dead_letters(
+                self.engine.dead_letters_last_hour(), hc.dead_letters_warning)))
+            if time.monotonic() - self._queue_checked >= QUEUE_HEALTH_EVERY:
+                self._queue_checked = time.monotonic()
+                self._queue_results = await self._queue_check(now)
+            results.extend(self._queue_results)
+        for name, status, detail in results:
+            self.metrics.health_status.labels(name).set(health.RANK[status])
+            t = self.health.update(name, status, detail, now)
+            if t is not None:
+                await self._transition(t)
+        checks = self.health.checks
+        if checks["spool"].status == "critical":
+            self.refusal = "451 4.3.0 Spool unavailable; message not accepted, try again later"
+        elif checks["disk"].status == "critical":
+            self.refusal = "452 4.3.1 Insufficient system storage; try again later"
+        else:
+            self.refusal = None
+        doc = self.health_doc()
+        doc.update(pid=os.getpid(), updated_at=ops.iso_utc(now), updated_ts=now)
+        await asyncio.to_thread(_write_atomic, cfg.spool_path / HEALTH_FILE,
+                                json.dumps(doc, sort_keys=True).encode())
+
+    def health_doc(self) -> dict[str, Any]:
+        return self.health.as_dict(ops.iso_utc)
+
+    async def _spool_check(self) -> tuple[health.Status, str]:
+        path = db.db_path(self.config.spool_path)
+        try:
+            st = await asyncio.to_thread(os.stat, path)
+        except FileNotFoundError:
+            return "critical", (f"the spool database {path} was deleted under the running"
+                                " daemon: new mail is refused (451 4.3.0); restore it, or"
+                                " restart relay to start a new spool")
+        except OSError as e:
+            return "critical", f"cannot stat the spool database {path}: {e}"
+        if (st.st_dev, st.st_ino) != self._spool_id:
+            return "critical", (f"the spool database {path} was replaced under the running"
+                                " daemon: new mail is refused (451 4.3.0); restart relay")
+        t0 = time.monotonic()
+        try:  # a commit of its own: after a failed one, this is what proves it works again
+            await asyncio.wait_for(
+                self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+        except Exception as e:
+            return "critical", (f"the spool cannot commit ({e or type(e).__name__}): new mail"
+                                " gets 451 4.3.0 until it can")
+        if not self.writer.healthy:
+            return "critical", "the last spool commit failed: new mail gets 4xx until one works"
+        latency = max(self._commit_max, time.monotonic() - t0)
+        self._commit_max = 0.0
+        if latency > SLOW_COMMIT:
+            return "warning", f"slow spool: a group commit took {latency:.1f}s"
+        return "ok", f"writable; commit latency {latency * 1000:.0f} ms"
+
+    async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
+        hc = self.config.health
+        age, overdue = await self.writer.run(
+            lambda c: ops.queue_health(c, now, hc.stall_after))
+        last = None if self.engine is None else self.engine.last_delivery_at
+        since = (now - last) if last is not None else (
+            None if now - self.started_at >= hc.stall_after else 0.0)
+        return [("queue_age", *health.queue_age(age, hc.queue_age_warning,
+                                                hc.queue_age_critical)),
+                ("queue_stall", *health.stall(overdue, since, hc.stall_after))]
+
+    async def _transition(self, t: health.Transition) -> None:
+        if t.new == "ok":
+            log_event(log, logging.INFO, "health_resolved", f"{t.name} is ok again",
+                      check=t.name, was=t.old, detail=t.detail)
+            ev = alerts.Event("resolved", "info", t.name, f"{t.name} ok again: {t.detail}")
+        else:
+            log_event(log, logging.ERROR if t.new == "critical" else logging.WARNING,
+                      "health_changed", f"{t.name} is {t.new}", check=t.name, was=t.old,
+                      detail=t.detail)
+            name = "health"
+            if t.name.startswith("destination:") and "refused our configuration" in t.detail:
+                name = "upstream_config_error"
+            ev = alerts.Event(name, t.new, t.name, f"{t.name} {t.new}: {t.detail}")
+        try:
+            await self.alerts.add(ev)
+        except Exception as e:
+            log_event(log, logging.ERROR, "alert_failed", "could not record an alert",
+                      exc=e, check=t.name)
 
     async def _dead_letter(self, doc: dict[str, Any]) -> None:
+        """A dead letter or a delay warning: its alert is in the outbox already (recorded
+        with the outcome); here only the DSN to the sender."""
         cfg = self.config
-        if cfg.alerts.command:
-            await run_alert(cfg.alerts.command, doc, cfg.alerts.timeout)
         if cfg.dsn.enabled and doc.get("sender"):
             try:
                 await queue_dsn(self, doc)
             except Exception as e:
                 log_event(log, logging.ERROR, "dsn_failed", "could not queue a DSN", exc=e,
                           queue_id=doc.get("queue_id"))
+
+
+def _write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _current_tls(handler: InboundHandler) -> Callable[[], ListenerTLS | None]:

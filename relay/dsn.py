@@ -7,11 +7,15 @@ Rules:
 - One DSN per dead recipient, with the original headers (text/rfc822-headers), never the
   body. It is queued through the spool like any message, with a dedup key of
   (queue id, recipient), so a replayed dead letter does not notify twice.
+- A delay warning (`retry.warn_after`, like Postfix's `delay_warning_time`) is one DSN per
+  message with `Action: delayed`, a 4.x.x status and `Will-Retry-Until` (RFC 3464 §2.3.9),
+  deduplicated on (queue id, "delayed").
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import re
 import time
 import uuid
@@ -31,15 +35,27 @@ _ENHANCED = re.compile(r"(?<![\d.])[45]\.\d{1,3}\.\d{1,3}(?![\d.])")
 
 def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, recipient: str,
               status: str, reply: str, action: str, original_headers: bytes,
-              now: float) -> tuple[str, bytes]:
+              now: float, retry_until: float | None = None) -> tuple[str, bytes]:
     boundary = f"=_{uuid.uuid4().hex}"
     mid = f"<{uuid.uuid4().hex}.dsn@{hostname}>"
-    human = (
-        f"This is the mail relay at {hostname}.\r\n\r\n"
-        f"Your message could not be delivered to <{recipient}>.\r\n"
-        f"The remote server said: {reply}\r\n\r\n"
-        f"Queue id: {queue_id}\r\n"
-    )
+    delayed = action == "delayed"
+    if delayed:
+        human = (
+            f"This is the mail relay at {hostname}.\r\n\r\n"
+            f"Your message to <{recipient}> has not been delivered yet. It is still in the"
+            f" queue and will be retried"
+            + (f" until {formatdate(retry_until, usegmt=True)}" if retry_until else "")
+            + ".\r\nYou do not need to send it again.\r\n"
+            f"The remote server said: {reply}\r\n\r\n"
+            f"Queue id: {queue_id}\r\n"
+        )
+    else:
+        human = (
+            f"This is the mail relay at {hostname}.\r\n\r\n"
+            f"Your message could not be delivered to <{recipient}>.\r\n"
+            f"The remote server said: {reply}\r\n\r\n"
+            f"Queue id: {queue_id}\r\n"
+        )
     report = (
         f"Reporting-MTA: dns; {hostname}\r\n"
         f"X-Relay-Queue-ID: {queue_id}\r\n"
@@ -49,10 +65,13 @@ def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, rec
         f"Status: {status}\r\n"
         f"Diagnostic-Code: smtp; {reply}\r\n"
     )
+    if delayed and retry_until:
+        report += f"Will-Retry-Until: {formatdate(retry_until, usegmt=True)}\r\n"
     parts = [
         f"From: Mail Delivery System <{from_addr}>",
         f"To: <{to_addr}>",
-        "Subject: Undelivered Mail Returned to Sender",
+        "Subject: " + ("Delayed Mail (still being retried)" if delayed
+                       else "Undelivered Mail Returned to Sender"),
         f"Date: {formatdate(now, usegmt=True)}",
         f"Message-ID: {mid}",
         "Auto-Submitted: auto-replied",
@@ -89,17 +108,26 @@ async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
     # the first enhanced code in the reply: "550 5.1.1 ..." or, for an expired recipient,
     # "expired after 5d in queue; last reply: 451 4.2.2 ..." (the code is not its 2nd word)
     enh = _ENHANCED.search(str(doc.get("reply", "")))
-    status = enh.group(0) if enh else "5.0.0"
-    if status.startswith("4"):
+    delayed = doc.get("event") == "delayed"
+    status = enh.group(0) if enh else ("4.0.0" if delayed else "5.0.0")
+    if delayed:
+        status = "4" + status[1:]  # still trying: a transient status
+    elif status.startswith("4"):
         status = "5" + status[1:]  # expired after transient failures: final now
     now = time.time()
+    retry_until = None
+    if delayed and doc.get("retry_until"):
+        retry_until = dt.datetime.fromisoformat(
+            str(doc["retry_until"]).replace("Z", "+00:00")).timestamp()
     from_addr = cfg.dsn.sender or f"MAILER-DAEMON@{cfg.hostname}"
     mid, data = build_dsn(
         hostname=cfg.hostname, from_addr=from_addr, to_addr=sender, queue_id=queue_id,
         recipient=str(doc["recipient"]), status=status, reply=str(doc.get("reply", "")),
-        action="failed", original_headers=headers, now=now)
+        action="delayed" if delayed else "failed", original_headers=headers, now=now,
+        retry_until=retry_until)
     new_id = ops.new_queue_id(now)
-    key = dedup.dedup_key("dsn", f"{queue_id}/{doc['recipient']}", sender)
+    what = "delayed" if delayed else doc["recipient"]
+    key = dedup.dedup_key("dsn", f"{queue_id}/{what}", sender)
     msg = ops.NewMessage(
         queue_id=new_id, message_id=dedup.normalize_message_id(mid), sender="", size=len(data),
         created_at=now, client="dsn", peer="127.0.0.1", lane="transactional",

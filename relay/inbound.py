@@ -480,8 +480,12 @@ class InboundHandler(AuthMechanisms):
         on_queued: Callable[[], None] = lambda: None,
         stats: InboundStats | None = None,
         guard: InboundGuard | None = None,
+        gate: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.config = config
+        # the daemon's health says the spool or the disk cannot keep mail: this reply
+        # (451 4.3.0 / 452 4.3.1) at MAIL and at the end of DATA instead of a 250
+        self.gate = gate
         self.listener = listener
         self.writer = writer
         self.suppressions = suppressions
@@ -590,6 +594,10 @@ class InboundHandler(AuthMechanisms):
         self, server: SMTP, session: Session, envelope: Envelope, address: str,
         mail_options: list[str],
     ) -> str:
+        refusal = self.gate()
+        if refusal is not None:
+            self.stats.reject("spool_unavailable")
+            return refusal
         if address not in ("", "<>"):
             local, at, domain = address.rpartition("@")
             if not at or not local or not _valid_domain(domain) or not _utf8(address):
@@ -699,6 +707,9 @@ class InboundHandler(AuthMechanisms):
                 body_path=body_path, recipients=new_rcpts,
             )
             window = cfg.dedup_window
+            refusal = self.gate()
+            if refusal is not None:  # the spool went bad while the client sent its data
+                raise SpoolError(refusal)
             result = await self.writer.run(lambda c: ops.accept(c, msg, window))
         except (SpoolError, OSError) as e:
             if body_path:
@@ -730,6 +741,8 @@ class InboundHandler(AuthMechanisms):
         log_event(log, logging.ERROR, "spool_error", "message not accepted",
                   queue_id=queue_id, error=str(e))
         self.stats.reject("spool_error")
+        if isinstance(e, SpoolError) and str(e)[:4] in ("451 ", "452 "):
+            return str(e)  # the daemon's health gate: its own reply
         if full:
             return "452 4.3.1 Insufficient system storage; try again later"
         return "451 4.3.0 Spool unavailable; message not accepted, try again later"

@@ -45,6 +45,9 @@ class Metrics:
         self.effective_connections = Gauge("relay_destination_effective_connections",
                                            "Current connection limit", ["destination"],
                                            registry=r)
+        self.health_status = Gauge("relay_health_status",
+                                   "Health check status: 0 ok, 1 warning, 2 critical",
+                                   ["check"], registry=r)
         self.circuit_open = Gauge("relay_destination_circuit_open",
                                   "1 when the circuit breaker is open or half-open",
                                   ["destination"], registry=r)

@@ -395,6 +395,13 @@ class Adaptive:
         self._successes = 0
         return True
 
+    def reset(self) -> None:
+        """The operator's `destination reset`: back to the configured rate at once."""
+        self.factor = 1.0
+        self.last_decrease = None
+        self.hold_until = None
+        self._successes = 0
+
     def effective_rate(self) -> float:
         """Current rate in tokens per second (0 stays 0 = unlimited)."""
         return self.base_rate * self.factor
@@ -578,6 +585,14 @@ class Breaker:
         self.failures += 1
         if self.failures >= self.threshold:
             self.opened_at = now
+
+    def kick(self, now: float) -> None:
+        """The operator asked for an attempt now (`queue flush`, `destination resume`): an
+        open breaker becomes half-open at once, so the next connection is its trial."""
+        if self.opened_at is not None and now - self.opened_at < self.cooldown:
+            self.opened_at = now - self.cooldown
+            self.half_open_trial = False
+            self.trial_started_at = None
 
     def release(self) -> None:
         """The half-open trial ended without a connection outcome (e.g. cancelled)."""

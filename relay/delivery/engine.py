@@ -14,7 +14,17 @@ Rules:
   so a campaign never takes the last connection from a password reset.
 - Outcomes: delivered; transient -> deferred per retry schedule (or failed when expired);
   bounce -> bounced + suppressed; fail -> failed. Every bounced/failed/expired recipient is a
-  dead letter: an ERROR line `event=dead_letter`, the alert command, and a DSN if enabled.
+  dead letter: an ERROR line `event=dead_letter`, an alert in the spool's outbox (recorded
+  in the same commit as the outcome: relay/alerts.py), and a DSN if enabled. A recipient
+  still deferred `retry.warn_after` after its message arrived raises one `delayed` alert
+  (and a delay DSN) per message.
+- The circuit breaker's every change is a log line (circuit_open / circuit_half_open /
+  circuit_closed). Connection-level failures count, and so does an upstream that answers
+  4xx to MAIL (it accepts connections but takes no mail). An AUTH, TLS-verification or
+  STARTTLS refusal is an `upstream_config_error` the health model shows as critical.
+- Operator commands reach the engine through the spool (`engine_commands`): `reset`
+  closes a circuit and clears the slow-down; `kick` (after `queue flush` or `destination
+  resume`) lets the next attempt through an open circuit at once.
 - Ambiguous (connection lost after the final "."): logged as `ambiguous`; retried by default
   (at-least-once), or counted delivered with `ambiguous: assume-delivered`.
 """
@@ -35,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay import faults, retry, shaping
+from relay import alerts, faults, retry, shaping
 from relay.config import Config, Destination, Identity
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.mx import MxHost, Resolver
@@ -93,6 +103,7 @@ class DestState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     sent: int = 0
     reserved: int = 0
+    config_error: str | None = None  # AUTH/TLS refused our configuration; cleared on success
 
     def queued(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -133,6 +144,10 @@ class Engine:
         self._loop_exited = asyncio.Event()
         self._pending_records: list[ops.Outcome] = []
         self._hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
+        self._alert_backlog: list[alerts.Event] = []  # recorded with the next outcomes
+        self.dead_times: deque[float] = deque()  # dead letters of the last hour
+        self.last_delivery_at: float | None = None
+        self._cmd_seen: int | None = None  # engine_commands read so far
         self.config = config
         self.resolver = resolver
         self._apply_config(config)
@@ -325,6 +340,17 @@ class Engine:
                       if self.is_suppressed(cl.address) is not None}
             return claims, envs, ops.suspensions(c, now), stored
 
+        def commands(c: Any) -> list[tuple[int, str, str]]:
+            if self._cmd_seen is None:  # at start: only what comes from now on
+                self._cmd_seen = ops.last_engine_command(c)
+                return []
+            return ops.engine_commands(c, self._cmd_seen)
+
+        # commands first: a `queue flush` makes recipients due and kicks the circuit in one
+        # transaction, and the kick must be seen before those recipients are dispatched
+        for cid, action, name in await self.writer.run(commands):
+            self._cmd_seen = max(self._cmd_seen or 0, cid)
+            self._command(action, name, now)
         claims, envs, susp, stored = await self.writer.run(claim)
         for name, (until, reason) in susp.items():
             st = self.dest(name)
@@ -363,6 +389,62 @@ class Engine:
         if immediate:
             await self._record(immediate)
         return len(claims)
+
+    def _command(self, action: str, name: str, now: float) -> None:
+        targets = list(self.dests.values()) if name == "*" else [self.dest(name)]
+        for st in targets:
+            before = st.breaker.state(now)
+            if action == "reset":
+                st.breaker.on_success(now)
+                st.adaptive.reset()
+                st.config_error = None
+                self._retune(st)
+                self._spawn_workers(st)
+            elif action == "kick":
+                st.breaker.kick(now)
+            self._breaker_changed(st, before, now, f"operator {action}")
+            if action == "reset":
+                log_event(log, logging.INFO, "destination_reset",
+                          "circuit closed and slow-down cleared by the operator",
+                          destination=st.name)
+
+    def _breaker_changed(self, st: DestState, before: str, now: float, why: str) -> None:
+        """A log line for every change of a destination's circuit."""
+        after = st.breaker.state(now)
+        self.metrics.circuit_open.labels(st.name).set(0 if after == "closed" else 1)
+        if after == before:
+            return
+        if after == "open":
+            until = (st.breaker.opened_at or now) + st.breaker.cooldown
+            log_event(log, logging.WARNING, "circuit_open",
+                      "destination failing: no new connections until the cooldown ends",
+                      destination=st.name, reason=why, failures=st.breaker.failures,
+                      retry_at=_iso(until))
+        elif after == "closed":
+            log_event(log, logging.INFO, "circuit_closed", "destination working again",
+                      destination=st.name, reason=why)
+        else:
+            log_event(log, logging.INFO, "circuit_half_open",
+                      "cooldown over: one trial connection allowed", destination=st.name,
+                      reason=why)
+
+    def health(self) -> list[tuple[str, str, int, str | None, str | None]]:
+        """(destination, circuit, consecutive failures, config error, reopen time)."""
+        now = self.clock()
+        out: list[tuple[str, str, int, str | None, str | None]] = []
+        for st in self.dests.values():
+            circuit = st.breaker.state(now)
+            reopen = None
+            if circuit == "open":
+                reopen = _iso((st.breaker.opened_at or now) + st.breaker.cooldown)
+            out.append((st.name, circuit, st.breaker.failures, st.config_error, reopen))
+        return out
+
+    def dead_letters_last_hour(self) -> int:
+        cutoff = self.clock() - 3600
+        while self.dead_times and self.dead_times[0] < cutoff:
+            self.dead_times.popleft()
+        return len(self.dead_times)
 
     def _dispatch(self, job: Job, now: float,
                   stored: dict[str, tuple[str, float] | None] | None = None
@@ -602,6 +684,7 @@ class Engine:
     async def _deliver(self, st: DestState, job: Job, conn: Connection | None
                        ) -> Connection | None:
         now = self.clock()
+        before = st.breaker.state(now)
         if st.suspended_until > now or (not st.breaker.allow(now)):
             until = max(st.suspended_until,
                         (st.breaker.opened_at or now) + st.breaker.cooldown)
@@ -613,6 +696,9 @@ class Engine:
                       f"circuit open for {st.name} until {_iso(until)}")
             await self._finish(job, self._outcomes_wait(job, until, reason), delivered=0)
             return conn
+        if before == "half-open":
+            log_event(log, logging.INFO, "circuit_half_open",
+                      "cooldown over: this connection is the trial", destination=st.name)
         await self._wait_token(st)
         body: bytes | bodies.StoredBody | None = job.envelope.body
         if job.envelope.body_path:
@@ -683,10 +769,16 @@ class Engine:
                                timeouts=timeouts, username=user, password=pw)
                 try:
                     await c.open()
+                    if st.config_error is not None:
+                        log_event(log, logging.INFO, "upstream_config_ok",
+                                  "upstream accepts our configuration again",
+                                  destination=st.name, host=c.label)
+                    st.config_error = None
                     return c, None
                 except ConnectFailed as e:
                     last = e
                     if e.operator_fault:
+                        st.config_error = f"{c.label}: {e.reply}"
                         log_event(log, logging.ERROR, "upstream_config_error",
                                   "upstream refused our configuration (credentials, TLS);"
                                   " mail is kept and retried, fix the config",
@@ -712,6 +804,7 @@ class Engine:
         delivered = 0
         throttled = False
         rule_hit: shaping.ShapingRule | None = None
+        delayed: tuple[ops.Claim, str] | None = None
         for cl in job.claims:
             res = results.get(cl.address)
             if res is None:
@@ -735,6 +828,7 @@ class Engine:
                 rule_hit = rule_hit or shaping.match_rules(self.rules, reply_s)
             if outcome is Outcome.DELIVERED:
                 delivered += 1
+                self.last_delivery_at = now
                 outcomes.append(ops.Outcome(
                     rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DELIVERED,
                     count_attempt=True, next_attempt_at=None, last_reply=reply_s, log=attempt))
@@ -745,8 +839,10 @@ class Engine:
                           destination=st.name, host=host, reply=reply_s,
                           duration=round(duration, 3))
             elif outcome is Outcome.TRANSIENT:
+                # the recipient's own clock (coalesce(retry_base, created_at)): after
+                # `queue retry`, recipients sharing a job may have different ones
                 nxt = retry.next_attempt_at(
-                    now, job.created_at, cl.attempts + 1, self.config.retry.schedule,
+                    now, cl.created_at, cl.attempts + 1, self.config.retry.schedule,
                     self.config.retry.max_age, self.rng, self.config.retry.min_delay)
                 if nxt is None:
                     expired = f"expired after {_human(self.config.retry.max_age)} in queue;" \
@@ -763,6 +859,10 @@ class Engine:
                         count_attempt=True, next_attempt_at=nxt, last_reply=reply_s,
                         log=attempt))
                     self.metrics.deferred.labels(st.name, "transient").inc()
+                    warn = self.config.retry.warn_after
+                    if (warn and now - cl.created_at >= warn and delayed is None
+                            and job.envelope.delay_warned_at is None):
+                        delayed = (cl, reply_s)
                     log_event(log, logging.WARNING, "deferred", "recipient deferred",
                               queue_id=job.msg_id, dedup_key=cl.dedup_key,
                               rcpt=cl.address, destination=st.name, host=host,
@@ -783,14 +883,16 @@ class Engine:
                 self.metrics.failed.labels(st.name).inc()
                 dead.append(self._dead(job, cl, "failed", reply_s, st.name))
         # destination health
+        before = st.breaker.state(now)
         if not upstream_seen:
             st.breaker.release()  # a half-open trial that never tried goes back
         elif connection_failed:
             st.breaker.on_failure(now)
+        elif refused_mail(results, delivered):
+            st.breaker.on_failure(now)  # it answers, but takes no mail: failing too
         else:
             st.breaker.on_success(now)
-        self.metrics.circuit_open.labels(st.name).set(
-            0 if st.breaker.state(now) == "closed" else 1)
+        self._breaker_changed(st, before, now, _first_reply(results))
         if throttled:
             hold = 0.0
             if rule_hit is not None and rule_hit.action == "suspend":
@@ -810,11 +912,52 @@ class Engine:
         elif delivered and st.adaptive.on_success(now):
             self._retune(st)
             self._spawn_workers(st)
+        self._emit_dead(dead, host)  # before the record: its alerts go in the same commit
         await self._finish(job, outcomes, delivered)
-        self._emit_dead(dead, host)
+        if delayed is not None:
+            await self._delay_warning(st, job, *delayed)
+
+    async def _delay_warning(self, st: DestState, job: Job, cl: ops.Claim, reply: str
+                             ) -> None:
+        """Once per message: a `delayed` alert, and (by the hook) a delay DSN."""
+        now = self.clock()
+        conf = self.config.alerts
+        age = _human_round(now - cl.created_at)
+        ev = alerts.Event("delayed", "warning", st.name,
+                          f"mail to {st.name} delayed {age}: {reply}",
+                          alerts.sample(job.msg_id, cl.address, reply))
+
+        def mark(c: Any) -> bool:
+            if not ops.mark_delay_warned(c, job.msg_id, now):
+                return False
+            alerts.record(c, ev, now, conf.coalesce, alerts.sinks_of(conf))
+            return True
+
+        try:
+            first = await self.writer.run(mark)
+        except Exception as e:
+            log_event(log, logging.ERROR, "spool_error", "could not record a delay warning",
+                      queue_id=job.msg_id, exc=e)
+            return
+        if not first:
+            return
+        log_event(log, logging.WARNING, "delayed", "message delayed", queue_id=job.msg_id,
+                  rcpt=cl.address, destination=st.name, age=age, reply=reply)
+        if self.on_dead_letter is not None:
+            doc = {"event": "delayed", "queue_id": job.msg_id, "recipient": cl.address,
+                   "sender": job.sender, "reply": reply, "destination": st.name,
+                   "retry_until": _iso(cl.created_at + self.config.retry.max_age)}
+            task = asyncio.get_running_loop().create_task(self._dead_letter_hook(doc))
+            self._hooks.add(task)
+            task.add_done_callback(self._hooks.discard)
 
     def _emit_dead(self, dead: list[dict[str, Any]], host: str | None = None) -> None:
         for d in dead:
+            self.dead_times.append(self.clock())
+            self._alert_backlog.append(alerts.Event(
+                "dead_letter", "warning", d["destination"],
+                f"{d['state']}: {d['reply']}",
+                alerts.sample(d["queue_id"], d["recipient"], d["reply"])))
             # the outcome itself (standard events bounced / failed / expired, see relay.logs),
             # then the dead letter it makes
             log_event(log, logging.WARNING, d["state"], "", queue_id=d["queue_id"],
@@ -874,10 +1017,21 @@ class Engine:
         now = self.clock()
         day = self._day(now)
         delay = min(RECORD_RETRY_FIRST, self.config.delivery.poll_interval)
+        # the alerts of the dead letters these outcomes make, in the same commit: a crash
+        # cannot record a dead letter and lose its alert
+        evs, self._alert_backlog = self._alert_backlog, []
+        conf = self.config.alerts
+        sinks = alerts.sinks_of(conf)
+
+        def job(c: Any) -> None:
+            ops.record(c, outcomes, now, day)
+            for ev in evs:
+                alerts.record(c, ev, now, conf.coalesce, sinks)
+
         while True:
             try:
                 faults.hit("engine.record")
-                await self.writer.run(lambda c: ops.record(c, outcomes, now, day))
+                await self.writer.run(job)
                 return
             except Exception as e:
                 log_event(log, logging.ERROR, "spool_error",
@@ -924,6 +1078,30 @@ class Engine:
 
 def _iso(ts: float) -> str:
     return ops.iso_utc(ts)
+
+
+def refused_mail(results: dict[str, RcptResult], delivered: int) -> bool:
+    """An upstream that answered but refused the transaction at MAIL with a 4xx (or a 421
+    anywhere): it takes no mail, so for the breaker it is failing like a refused
+    connection."""
+    if delivered or not results:
+        return False
+    return all(r.verdict.outcome is Outcome.TRANSIENT and not r.ambiguous
+               and (r.phase is Phase.MAIL or r.reply.code == 421)
+               for r in results.values())
+
+
+def _first_reply(results: dict[str, RcptResult]) -> str:
+    for r in results.values():
+        return str(r.reply)
+    return ""
+
+
+def _human_round(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _human(seconds: float) -> str:

@@ -105,6 +105,36 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE recipients ADD COLUMN retry_base REAL;
     """,
+    # 2 -> 3: the alert outbox (relay/alerts.py), operator commands to the running engine
+    # (`destination reset`, and the kick that `queue flush`/`destination resume` give an
+    # open circuit), and the once-per-message delay warning.
+    """
+    CREATE TABLE alerts (
+        id          INTEGER PRIMARY KEY,
+        event       TEXT NOT NULL,             -- dead_letter, delayed, health, resolved, ...
+        severity    TEXT NOT NULL,             -- info | warning | critical
+        key         TEXT NOT NULL,             -- the destination or check it is about
+        count       INTEGER NOT NULL,          -- events coalesced into this alert
+        first_at    REAL NOT NULL,
+        last_at     REAL NOT NULL,
+        send_at     REAL NOT NULL,             -- when the coalescing window closes
+        summary     TEXT NOT NULL,
+        samples     TEXT NOT NULL,             -- JSON list, at most a few
+        sinks       TEXT NOT NULL,             -- JSON list of sinks still to deliver to
+        attempts    INTEGER NOT NULL DEFAULT 0,
+        next_try_at REAL NOT NULL,
+        last_error  TEXT,
+        sent_at     REAL                       -- NULL until every sink has it
+    );
+    CREATE INDEX alerts_open ON alerts(event, key) WHERE sent_at IS NULL;
+    CREATE TABLE engine_commands (
+        id          INTEGER PRIMARY KEY,
+        at          REAL NOT NULL,
+        action      TEXT NOT NULL,             -- reset | kick
+        name        TEXT NOT NULL              -- a destination, or '*' for all
+    );
+    ALTER TABLE messages ADD COLUMN delay_warned_at REAL;
+    """,
 ]
 
 

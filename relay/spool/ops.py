@@ -160,6 +160,7 @@ class Envelope:
     size: int
     body: bytes | None
     body_path: str | None
+    delay_warned_at: float | None = None  # the once-per-message delay warning went out
 
 
 def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str, Envelope]:
@@ -169,7 +170,8 @@ def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str
         chunk = ids[i : i + 500]
         q = ",".join("?" * len(chunk))
         for row in conn.execute(
-            f"SELECT id, message_id, sender, size, body, body_path FROM messages"
+            f"SELECT id, message_id, sender, size, body, body_path, delay_warned_at"
+            f" FROM messages"
             f" WHERE id IN ({q})", chunk,
         ):
             out[row[0]] = Envelope(*row)
@@ -252,6 +254,9 @@ def prune(conn: sqlite3.Connection, now: float, dedup_window: float,
     """Forget expired dedup keys and finished messages older than `retention`; returns the
     body files to delete (after the commit)."""
     conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
+    conn.execute("DELETE FROM engine_commands WHERE at < ?", (now - 86400,))
+    conn.execute("DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
+                 (now - max(retention, 86400),))
     finals = ",".join(f"'{s.value}'" for s in FINAL)
     old = [r[0] for r in conn.execute(
         f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
@@ -317,6 +322,47 @@ def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
         " WHERE (destination = ? OR ? = 'smarthost') AND state = 'deferred'"
         " AND reason IS NOT NULL", (now, now, name, name)).rowcount
+
+
+def engine_command(conn: sqlite3.Connection, action: str, name: str, now: float) -> None:
+    """A command for the running engine, read at its next claim (within a second):
+    `reset` closes a destination's circuit and clears its slow-down; `kick` lets the next
+    attempt through an open circuit (after `queue flush`, `destination resume`)."""
+    conn.execute("INSERT INTO engine_commands (at, action, name) VALUES (?,?,?)",
+                 (now, action, name.lower()))
+
+
+def engine_commands(conn: sqlite3.Connection, after: int) -> list[tuple[int, str, str]]:
+    return [(r[0], r[1], r[2]) for r in conn.execute(
+        "SELECT id, action, name FROM engine_commands WHERE id > ? ORDER BY id", (after,))]
+
+
+def last_engine_command(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("SELECT coalesce(max(id), 0) FROM engine_commands").fetchone()[0])
+
+
+def mark_delay_warned(conn: sqlite3.Connection, msg_id: str, now: float) -> bool:
+    """True for the first caller only: one delay warning per message."""
+    return conn.execute(
+        "UPDATE messages SET delay_warned_at = ? WHERE id = ? AND delay_warned_at IS NULL",
+        (now, msg_id)).rowcount == 1
+
+
+def queue_health(conn: sqlite3.Connection, now: float, stall_after: float
+                 ) -> tuple[float | None, int]:
+    """(age of the oldest waiting recipient, recipients overdue by more than `stall_after`:
+    due and not taken, or taken and not finished). Held recipients are the operator's."""
+    oldest = conn.execute(
+        "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
+        " WHERE r.state IN ('pending', 'deferred', 'sending')").fetchone()[0]
+    cutoff = now - stall_after
+    due = conn.execute(
+        "SELECT count(*) FROM recipients WHERE state IN ('pending', 'deferred')"
+        " AND next_attempt_at <= ?", (cutoff,)).fetchone()[0]
+    stuck = conn.execute(
+        "SELECT count(*) FROM recipients WHERE state = 'sending' AND updated_at <= ?",
+        (cutoff,)).fetchone()[0]
+    return (None if oldest is None else max(0.0, now - oldest)), int(due) + int(stuck)
 
 
 def put_runtime(conn: sqlite3.Connection, name: str, value: Any, now: float) -> None:
