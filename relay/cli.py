@@ -564,13 +564,13 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             print(f"suspended {name} until {_iso(until)}")
         return EXIT_OK
     if args.dcmd == "reset":
-        _act(conn, "destination_reset", {"name": name},
-             lambda x: ops.engine_command(x, "reset", name, now))
+        n = _act(conn, "destination_reset", {"name": name},
+                 lambda x: ops.reset_destination(x, name, now))
         if args.json:
-            _print_json({"action": "reset", "name": name})
+            _print_json({"action": "reset", "name": name, "recipients_due_now": n})
         else:
             print(f"reset {name}: circuit closed and slow-down cleared (the daemon acts within"
-                  " a second)")
+                  f" a second); {n} recipients that waited for the circuit are due now")
         return EXIT_OK
 
     def resume(x: sqlite3.Connection) -> int:

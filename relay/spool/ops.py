@@ -332,6 +332,16 @@ def engine_command(conn: sqlite3.Connection, action: str, name: str, now: float)
                  (now, action, name.lower()))
 
 
+def reset_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
+    """`destination reset`: the engine closes the circuit, and what waited for it is due."""
+    name = name.lower()
+    engine_command(conn, "reset", name, now)
+    return conn.execute(
+        "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
+        " WHERE (destination = ? OR ? = 'smarthost') AND state = 'deferred'"
+        " AND reason LIKE 'circuit open%'", (now, now, name, name)).rowcount
+
+
 def engine_commands(conn: sqlite3.Connection, after: int) -> list[tuple[int, str, str]]:
     return [(r[0], r[1], r[2]) for r in conn.execute(
         "SELECT id, action, name FROM engine_commands WHERE id > ? ORDER BY id", (after,))]

@@ -1,0 +1,312 @@
+"""The pure parts of "no silent failure": health judgements and transitions, the monitoring
+plugin output, the alert outbox's coalescing on a real SQLite spool, the webhook signature,
+the breaker's operator controls, what counts as a failing upstream, and the per-recipient
+retry clock (a regression: recipients sharing a job expired against the first one's)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relay import alerts, health, shaping
+from relay.config import ConfigError, load_config
+from relay.delivery.engine import Engine, Job, refused_mail
+from relay.delivery.transport import RcptResult
+from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.spool import db, ops
+from relay.spool.writer import SpoolWriter
+
+# --- judgements -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("free", "status"), [
+    (50.0, "ok"), (10.01, "ok"), (10.0, "warning"), (5.01, "warning"), (5.0, "critical"),
+    (0.0, "critical"),
+])
+def test_disk(free: float, status: str) -> None:
+    got, detail = health.disk(free, 10.0, 5.0)
+    assert got == status
+    assert f"{free:.1f}% free" in detail
+    assert ("452 4.3.1" in detail) == (status == "critical")
+
+
+@pytest.mark.parametrize(("age", "status"), [
+    (None, "ok"), (0.0, "ok"), (1799.0, "ok"), (1800.0, "warning"), (14399.0, "warning"),
+    (14400.0, "critical"),
+])
+def test_queue_age(age: float | None, status: str) -> None:
+    assert health.queue_age(age, 1800.0, 14400.0)[0] == status
+
+
+@pytest.mark.parametrize(("overdue", "since", "status"), [
+    (0, None, "ok"),  # nothing overdue
+    (3, 5.0, "ok"),  # overdue, but deliveries continue
+    (3, 600.0, "warning"),  # overdue, and nothing delivered for stall_after
+    (3, None, "warning"),  # overdue, nothing delivered since start
+])
+def test_stall(overdue: int, since: float | None, status: str) -> None:
+    got, detail = health.stall(overdue, since, 600.0)
+    assert got == status
+    if status == "warning":
+        assert f"{overdue} recipients" in detail
+
+
+def test_dead_letters_and_destination() -> None:
+    assert health.dead_letters(49, 50)[0] == "ok"
+    assert health.dead_letters(50, 50)[0] == "warning"
+    assert health.destination("d", "closed", 0, None, None) == ("ok", "d: ok")
+    assert health.destination("d", "closed", 2, None, None)[0] == "ok"
+    st, detail = health.destination("d", "open", 5, None, "2026-01-01T00:00:00Z")
+    assert st == "warning" and "5 consecutive" in detail and "2026-01-01" in detail
+    assert health.destination("d", "half-open", 5, None, None)[0] == "warning"
+    # a configuration error is critical at once, whatever the circuit says
+    st, detail = health.destination("d", "closed", 1, "h: 535 5.7.8 bad", None)
+    assert st == "critical" and "535 5.7.8" in detail
+
+
+def test_model_transitions_and_since() -> None:
+    m = health.Model()
+    assert m.update("disk", "ok", "90% free", 1.0) is None  # starting ok is no news
+    assert m.update("spool", "critical", "gone", 1.0) == health.Transition(
+        "spool", "ok", "critical", "gone")  # starting bad is
+    assert m.update("disk", "ok", "89% free", 2.0) is None
+    assert m.checks["disk"].since == 1.0 and m.checks["disk"].detail == "89% free"
+    t = m.update("disk", "warning", "9% free", 3.0)
+    assert t == health.Transition("disk", "ok", "warning", "9% free")
+    assert m.checks["disk"].since == 3.0
+    assert m.status() == "critical" and not m.ready()
+    m.update("spool", "ok", "fine", 4.0)
+    assert m.status() == "warning" and m.ready()  # a warning is still ready
+    m.update("destination:x", "critical", "refused", 5.0)
+    assert m.ready()  # a destination does not decide whether mail can be taken
+    doc = m.as_dict(str)
+    assert doc["status"] == "critical"
+    assert [c["name"] for c in doc["checks"]] == ["destination:x", "disk", "spool"]
+
+
+@pytest.mark.parametrize(("doc", "code", "head"), [
+    ({"status": "ok", "checks": [{"name": "a", "status": "ok", "since": "t", "detail": "d"}]},
+     0, "OK: all checks ok"),
+    ({"status": "warning", "checks": [
+        {"name": "a", "status": "warning", "since": "t", "detail": "slow"}]},
+     1, "WARNING: a: slow"),
+    ({"status": "critical", "checks": [
+        {"name": "a", "status": "critical", "since": "t", "detail": "x"},
+        {"name": "b", "status": "warning", "since": "t", "detail": "y"}]},
+     2, "CRITICAL: a: x; b: y"),
+    ({"status": "unknown", "detail": "daemon not running"}, 3,
+     "UNKNOWN: daemon not running"),
+    ({}, 3, "UNKNOWN: no health data"),
+])
+def test_plugin_output(doc: dict, code: int, head: str) -> None:
+    got, text = health.plugin_output(doc)
+    assert got == code
+    assert text.splitlines()[0] == head
+
+
+# --- the alert outbox ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def conn(tmp_path: Path):
+    c = db.connect(tmp_path)
+    db.migrate(c)
+    yield c
+    c.close()
+
+
+def dead(i: int, key: str = "example.org") -> alerts.Event:
+    return alerts.Event("dead_letter", "warning", key, f"bounced: 550 #{i}",
+                        alerts.sample(f"Q{i}", f"user{i}@{key}", f"550 5.1.1 #{i}"))
+
+
+def test_events_in_one_window_coalesce_into_one_alert(conn) -> None:
+    for i in range(200):
+        alerts.record(conn, dead(i), 100.0 + i * 0.1, 300.0, ["webhook"])
+    alerts.record(conn, dead(0, "other.test"), 101.0, 300.0, ["webhook"])
+    assert alerts.due(conn, 399.0) == []  # held until the window closes
+    rows = alerts.due(conn, 400.0)
+    assert [(r["key"], r["count"]) for r in rows] == [("example.org", 200)]
+    r = rows[0]
+    assert len(r["samples"]) == alerts.MAX_SAMPLES
+    assert r["samples"][0] == {"queue_id": "Q0", "recipient": "u***@example.org",
+                               "reply": "550 5.1.1 #0"}
+    assert r["first_at"] == 100.0 and r["last_at"] == pytest.approx(119.9)
+    doc = alerts.document(r, "relay.test")
+    assert doc["version"] == 1 and doc["count"] == 200
+    assert doc["summary"].startswith("200 dead_letter events for example.org; latest:")
+    assert doc["first_at"] == "1970-01-01T00:01:40Z"
+    assert set(doc) >= {"event", "severity", "key", "count", "first_at", "last_at",
+                        "summary", "samples", "id"}
+    # an event after the window opens a new alert
+    alerts.record(conn, dead(999), 401.0, 300.0, ["webhook"])
+    assert alerts.due(conn, 701.0)[-1]["count"] == 1
+
+
+def test_state_changes_go_at_once_and_a_taken_alert_is_never_given_again(conn) -> None:
+    ev = alerts.Event("health", "critical", "spool", "spool critical: gone")
+    a = alerts.record(conn, ev, 10.0, 300.0, ["command", "webhook"])
+    b = alerts.record(conn, ev, 11.0, 300.0, ["command", "webhook"])
+    assert a != b  # transitions are never merged: each is news
+    assert [r["id"] for r in alerts.due(conn, 11.0)] == [a, b]
+    # the command took it, the webhook did not: only the webhook is retried
+    alerts.mark(conn, a, ["webhook"], 12.0, "webhook: refused", 20.0)
+    assert [r["id"] for r in alerts.due(conn, 19.0)] == [b]
+    row = alerts.due(conn, 20.0)[0]
+    assert row["id"] == a and row["sinks"] == ["webhook"] and row["attempts"] == 1
+    alerts.mark(conn, a, [], 21.0, None, 0.0)
+    assert [r["id"] for r in alerts.due(conn, 1e9)] == [b]
+    # with no sink configured the log line is the alert: nothing to send
+    c = alerts.record(conn, ev, 30.0, 300.0, [])
+    assert c not in [r["id"] for r in alerts.due(conn, 1e9)]
+
+
+def test_severity_is_the_worst_of_the_coalesced_events(conn) -> None:
+    alerts.record(conn, alerts.Event("delayed", "warning", "k", "a"), 1.0, 10.0, ["command"])
+    alerts.record(conn, alerts.Event("delayed", "critical", "k", "b"), 2.0, 10.0, ["command"])
+    alerts.record(conn, alerts.Event("delayed", "warning", "k", "c"), 3.0, 10.0, ["command"])
+    r = alerts.due(conn, 11.0)[0]
+    assert r["severity"] == "critical" and r["count"] == 3 and r["summary"] == "c"
+
+
+def test_signature_is_the_github_convention() -> None:
+    body = b'{"event": "x"}'
+    want = "sha256=" + hmac.new(b"k", body, hashlib.sha256).hexdigest()
+    assert alerts.sign(b"k", body) == want
+
+
+def test_run_command_reports_failures() -> None:
+    doc = {"event": "x"}
+    assert asyncio.run(alerts.run_command("cat >/dev/null", doc, 5.0)) is None
+    err = asyncio.run(alerts.run_command("echo boom >&2; exit 3", doc, 5.0))
+    assert err == "alert command exited 3: boom"
+    err = asyncio.run(alerts.run_command("sleep 5", doc, 0.2))
+    assert err is not None and "timed out" in err
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+def _load(tmp_path: Path, extra: dict) -> object:
+    p = tmp_path / "relay.yaml"
+    p.write_text(yaml.safe_dump({"spool": {"path": "spool"}, **extra}))
+    return load_config(str(p))
+
+
+def test_health_and_webhook_config(tmp_path: Path) -> None:
+    (tmp_path / "s").write_text("sekrit\n")
+    cfg = _load(tmp_path, {"health": {"disk_free_warning": 20, "disk_free_critical": "2.5%"},
+                           "alerts": {"webhook": {"url": "https://h.test/x",
+                                                  "secret_file": "s"}}})
+    assert cfg.health.disk_free_warning == 20.0 and cfg.health.disk_free_critical == 2.5
+    assert cfg.alerts.webhook.secret == b"sekrit" and cfg.alerts.webhook.timeout == 10.0
+    assert cfg.alerts.coalesce == 300.0 and cfg.retry.warn_after == 4 * 3600
+    assert "sekrit" not in json.dumps(cfg.redacted(), default=str)
+    for bad, msg in [
+        ({"health": {"disk_free_warning": "110%"}}, "health.disk_free_warning"),
+        ({"health": {"disk_free_warning": "5%", "disk_free_critical": "6%"}},
+         "health.disk_free_critical"),
+        ({"alerts": {"webhook": {"url": "ftp://x"}}}, "alerts.webhook.url"),
+        ({"alerts": {"webhook": {"url": "http://x", "secret_file": "nope"}}},
+         "alerts.webhook.secret_file"),
+        ({"alerts": {"webhook": {"url": "http://x", "secret": "inline"}}},
+         "alerts.webhook.secret"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            _load(tmp_path, bad)
+
+
+# --- the breaker ------------------------------------------------------------------------------
+
+
+def test_kick_makes_an_open_breaker_half_open_at_once() -> None:
+    b = shaping.Breaker(threshold=1, cooldown=3600.0)
+    b.on_failure(100.0)
+    assert b.state(101.0) == "open" and not b.allow(101.0)
+    b.kick(101.0)
+    assert b.state(101.0) == "half-open"
+    assert b.allow(101.0)  # the trial
+    assert not b.allow(101.5)  # only one
+    b.on_failure(102.0)
+    assert b.state(102.0) == "open"  # a failed trial re-opens with a fresh cooldown
+    closed = shaping.Breaker()
+    closed.kick(5.0)
+    assert closed.state(5.0) == "closed"
+
+
+def test_reset_undoes_every_slow_down() -> None:
+    a = shaping.Adaptive(base_rate=10.0, base_connections=8)
+    a.on_throttle(1.0, hold=600.0)
+    a.on_throttle(10.0)
+    assert a.effective_connections() == 2
+    a.reset()
+    assert a.effective_rate() == 10.0 and a.effective_connections() == 8
+    assert a.hold_until is None and a.last_decrease is None
+
+
+def _res(code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT,
+         ambiguous: bool = False) -> RcptResult:
+    return RcptResult(Verdict(outcome, False, False, Scope.TRANSACTION),
+                      Reply(code, f"{code // 100}.0.0", "x"), phase, ambiguous)
+
+
+@pytest.mark.parametrize(("results", "delivered", "failing"), [
+    ({"a": _res(451, Phase.MAIL), "b": _res(451, Phase.MAIL)}, 0, True),  # 4xx to MAIL
+    ({"a": _res(421, Phase.RCPT)}, 0, True),  # 421: the server is going away
+    ({"a": _res(451, Phase.RCPT)}, 0, False),  # one mailbox busy: the host works
+    ({"a": _res(451, Phase.MAIL), "b": _res(250, Phase.DATA, Outcome.DELIVERED)}, 1, False),
+    ({"a": _res(550, Phase.MAIL, Outcome.FAIL)}, 0, False),  # a 5xx is an answer
+    ({"a": _res(421, Phase.DATA, ambiguous=True)}, 0, False),  # after the dot: unknown
+    ({}, 0, False),
+])
+def test_refused_mail(results: dict, delivered: int, failing: bool) -> None:
+    assert refused_mail(results, delivered) is failing
+
+
+# --- the retry clock (issue: recipients sharing a job expired against the wrong clock) ----
+
+
+def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -> None:
+    p = tmp_path / "relay.yaml"
+    p.write_text(yaml.safe_dump({"spool": {"path": "spool"},
+                                 "retry": {"schedule": ["1m"], "max_age": "1h"}}))
+    cfg = load_config(str(p))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
+    now = 100_000.0
+
+    async def main() -> dict[str, str]:
+        e = Engine(cfg, w, clock=lambda: now)
+        msg = ops.NewMessage("M1", "1@x", "a@x.test", 1, now - 7200, "c", "p",
+                             "transactional", 0, "x.test", b"x", None,
+                             (ops.NewRecipient("fresh@x.test", "x.test", "k1"),
+                              ops.NewRecipient("old@x.test", "x.test", "k2")))
+        await w.run(lambda c: ops.accept(c, msg, 3600))
+        ids = {c.address: c.rcpt_id for c in await w.run(lambda c: ops.claim_due(c, now, 10))}
+        # `queue retry` restarted fresh@'s clock ten seconds ago; old@ keeps the arrival's
+        fresh = ops.Claim(ids["fresh@x.test"], "M1", "fresh@x.test", "x.test", 3, now - 10,
+                          "transactional", "x.test")
+        old = ops.Claim(ids["old@x.test"], "M1", "old@x.test", "x.test", 3, now - 7200,
+                        "transactional", "x.test")
+        env = ops.Envelope("M1", "<1@x>", "a@x.test", 1, b"x", None)
+        job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", fresh.created_at,
+                  [fresh, old], env)
+        st = e.dest("smarthost")
+        e._inflight = 2
+        busy = {a: _res(451, Phase.RCPT) for a in ("fresh@x.test", "old@x.test")}
+        await e._apply(st, job, busy, host=None, duration=0.0)
+        rows = await w.run(lambda c: c.execute(
+            "SELECT address, state FROM recipients").fetchall())
+        return dict(rows)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        w.close()
+    assert got == {"fresh@x.test": "deferred", "old@x.test": "failed"}
