@@ -350,6 +350,17 @@ def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(
     assert any(e["reason"] == "operator reset" for e in closed)
     assert events(r, "destination_reset")
 
+    # and `destination resume` sends the next attempt at once too
+    up.mail_reply = lambda s: "421 4.7.0 closing"  # (the open connection is reused)
+    assert send(r.port, SENDER, ["c@example.org"], make_message(3)) == {}
+    r.wait_until(lambda: len(events(r, "circuit_open")) == 3, what="circuit open, third")
+    up.mail_reply = lambda s: None
+    t0 = time.monotonic()
+    assert r.cli("destination", "resume", "smarthost").returncode == 0
+    r.wait_until(lambda: states(r).get("c@example.org") == "delivered", timeout=10,
+                 what="delivered after resume")
+    assert time.monotonic() - t0 < 8
+
 
 # --- relay status with no daemon -----------------------------------------------------------
 
