@@ -19,9 +19,9 @@ Rules:
   latency, the database file still the one we opened), free disk, each destination, the
   queue (oldest waiting, stall; every 5 s), dead letters per hour. A transition is logged
   and raised as an alert (relay/alerts.py); the model is served at /health and /healthz
-  and written to `<spool>/health.json` for `relay status`. While the spool is broken
-  inbound answers `451 4.3.0`, while the disk is critically full `452 4.3.1` (at MAIL,
-  before anything is accepted that could not be kept).
+  and written to `<spool>/health.json` for `relay status`. Inbound answers `451 4.3.0`
+  once the spool database was deleted or replaced under us, and `452 4.3.1` while the disk
+  is critically full (at MAIL, before anything is accepted that could not be kept).
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Daemon:
         self.alerts = alerts.Dispatcher(self.writer, lambda: self.config.alerts,
                                         lambda: self.config.hostname, faults.now)
         self._spool_id: tuple[int, int] | None = None
+        self._spool_gone = False
         self._commit_max = 0.0
         self._queue_checked = -QUEUE_HEALTH_EVERY
         self._queue_results: list[tuple[str, health.Status, str]] = []
@@ -348,7 +349,9 @@ class Daemon:
             if t is not None:
                 await self._transition(t)
         checks = self.health.checks
-        if checks["spool"].status == "critical":
+        # a failed commit is the commit's own 451; a database deleted or replaced under us
+        # would take every later message into a file nobody will read: refuse them all
+        if self._spool_gone:
             self.refusal = "451 4.3.0 Spool unavailable; message not accepted, try again later"
         elif checks["disk"].status == "critical":
             self.refusal = "452 4.3.1 Insufficient system storage; try again later"
@@ -367,12 +370,14 @@ class Daemon:
         try:
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
+            self._spool_gone = True
             return "critical", (f"the spool database {path} was deleted under the running"
                                 " daemon: new mail is refused (451 4.3.0); restore it, or"
                                 " restart relay to start a new spool")
         except OSError as e:
             return "critical", f"cannot stat the spool database {path}: {e}"
         if (st.st_dev, st.st_ino) != self._spool_id:
+            self._spool_gone = True
             return "critical", (f"the spool database {path} was replaced under the running"
                                 " daemon: new mail is refused (451 4.3.0); restart relay")
         t0 = time.monotonic()
@@ -381,7 +386,7 @@ class Daemon:
                 self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
         except Exception as e:
             return "critical", (f"the spool cannot commit ({e or type(e).__name__}): new mail"
-                                " gets 451 4.3.0 until it can")
+                                " gets 451 4.3.0 while it cannot")
         if not self.writer.healthy:
             return "critical", "the last spool commit failed: new mail gets 4xx until one works"
         latency = max(self._commit_max, time.monotonic() - t0)

@@ -258,7 +258,8 @@ def _res(code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT,
 
 @pytest.mark.parametrize(("results", "delivered", "failing"), [
     ({"a": _res(451, Phase.MAIL), "b": _res(451, Phase.MAIL)}, 0, True),  # 4xx to MAIL
-    ({"a": _res(421, Phase.RCPT)}, 0, True),  # 421: the server is going away
+    ({"a": _res(421, Phase.MAIL)}, 0, True),
+    ({"a": _res(421, Phase.DATA)}, 0, False),  # throttling: AIMD's, not the breaker's
     ({"a": _res(451, Phase.RCPT)}, 0, False),  # one mailbox busy: the host works
     ({"a": _res(451, Phase.MAIL), "b": _res(250, Phase.DATA, Outcome.DELIVERED)}, 1, False),
     ({"a": _res(550, Phase.MAIL, Outcome.FAIL)}, 0, False),  # a 5xx is an answer

@@ -1081,14 +1081,13 @@ def _iso(ts: float) -> str:
 
 
 def refused_mail(results: dict[str, RcptResult], delivered: int) -> bool:
-    """An upstream that answered but refused the transaction at MAIL with a 4xx (or a 421
-    anywhere): it takes no mail, so for the breaker it is failing like a refused
-    connection."""
+    """An upstream that answered but refused the transaction at MAIL with a 4xx: it takes
+    no mail, so for the breaker it is failing like a refused connection. (A 4xx later in
+    the transaction, e.g. a 421 to DATA, is throttling: the AIMD slow-down handles it.)"""
     if delivered or not results:
         return False
     return all(r.verdict.outcome is Outcome.TRANSIENT and not r.ambiguous
-               and (r.phase is Phase.MAIL or r.reply.code == 421)
-               for r in results.values())
+               and r.phase is Phase.MAIL for r in results.values())
 
 
 def _first_reply(results: dict[str, RcptResult]) -> str:
