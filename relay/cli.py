@@ -224,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log.level, "text", config.log.unmask)
     # in smarthost mode every recipient goes to the one destination "smarthost"
     args.smarthost_mode = config.upstream.mode == "smarthost"
+    args.routing = config.routing
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
     if args.cmd == "check-config":
@@ -266,11 +267,17 @@ def _act(conn: sqlite3.Connection, action: str, detail: dict[str, Any],
 
 def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, Any]]) -> None:
     """The destination a recipient goes through, as logs, stats and `destination list` name
-    it: in smarthost mode every recipient goes to "smarthost" (its domain is in its address)."""
-    if getattr(args, "smarthost_mode", False):
-        for m in msgs:
-            for r in m["recipients"]:
-                r["destination"] = "smarthost"
+    it: the first upstream of its route (`smarthost` for the classic single one), or its
+    domain when the route is MX."""
+    routing = getattr(args, "routing", None)
+    if routing is None or not routing.routes:
+        return
+    for m in msgs:
+        for r in m["recipients"]:
+            route = routing.match(sender=m.get("sender") or "", recipient=r["address"],
+                                  client=m.get("client") or "", listener=m.get("listener"))
+            if not route.mx:
+                r["destination"] = route.via[0]
 
 
 def _bulk_options(p: argparse.ArgumentParser) -> None:

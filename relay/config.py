@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from relay.delivery import routes as routing
+
 EX_CONFIG = 78
 DEFAULT_PATH = "/etc/relay/relay.yaml"
 
@@ -158,6 +160,16 @@ def parse_percent(value: object, key: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 100:
         raise ConfigError(f"{key}: {value!r} is not a percentage (use 10% or 10)")
     return float(v)
+
+
+def _read_secret(path: Path, key: str) -> str:
+    try:
+        value = path.read_text(encoding="utf-8").strip("\r\n")
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+    if not value:
+        raise ConfigError(f"{key}: {path} is empty")
+    return value
 
 
 def _webhook(item: object, base: Path) -> Webhook | None:
@@ -644,6 +656,7 @@ class Config:
     local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
     health: Health = field(default_factory=Health)
+    routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -792,6 +805,17 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     au.finish()
 
     upstream = _upstream(top.get("upstream"), base_dir, hostname)
+    smart = upstream.smarthost
+    try:
+        route_table = routing.parse(
+            top.get("upstreams"), top.get("routes"), mode=upstream.mode,
+            smarthost=routing.UpstreamHost(
+                name="smarthost", host=smart.host, port=smart.port, tls=smart.tls,
+                verify=smart.verify, ca_file=smart.ca_file, username=smart.username,
+                password=smart.password),
+            base=base_dir, read_secret=_read_secret)
+    except routing.RouteConfigError as e:
+        raise ConfigError(str(e)) from None
 
     rt = _Reader(top.get("retry"), "retry")
     sched = rt.get("schedule")
@@ -964,6 +988,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
         admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
         auth=auth_limits, local=local, retention=retention, health=health,
+        routing=route_table,
     )
 
 

@@ -249,11 +249,12 @@ class Daemon:
             keep["spool_path"] = old.spool_path
         if new.upstream.mode != old.upstream.mode:
             keep["upstream"] = dataclasses.replace(new.upstream, mode=old.upstream.mode)
+            keep["routing"] = old.routing  # the routes that mode implies
         if keep:
             names = {"listen": "listen", "spool_path": "spool.path", "upstream": "upstream.mode"}
             log_event(log, logging.WARNING, "config_reloaded",
                       "these changes need a restart; the running values are kept",
-                      keys=[names[k] for k in keep])
+                      keys=[names[k] for k in keep if k in names])
             new = dataclasses.replace(new, **keep)
         return new
 

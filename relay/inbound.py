@@ -704,7 +704,7 @@ class InboundHandler(AuthMechanisms):
                 sender=sender, size=size, created_at=now, client=namespace,
                 peer=peer_ip, lane=lane, lane_prio=LANE_PRIORITY.get(lane, 0),
                 identity=identity, body=inline,
-                body_path=body_path, recipients=new_rcpts,
+                body_path=body_path, recipients=new_rcpts, listener=self.listener.name,
             )
             window = cfg.dedup_window
             refusal = self.gate()

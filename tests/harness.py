@@ -13,6 +13,7 @@ Usage (see tests/conftest.py for the fixtures):
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import json
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +86,9 @@ class Upstream:
     require_starttls: bool = False
     implicit_tls: bool = False
     auth: dict[str, str] | None = None  # username -> password
+    # XOAUTH2 / OAUTHBEARER: username -> the access tokens accepted now (a test may change it)
+    oauth: dict[str, set[str]] | None = None
+    auth_seen: list[tuple[str, str, str]] = field(default_factory=list)  # (mech, user, token)
     connect_reply: str | None = None
     mail_reply: Callable[[str], Reply] = lambda s: None
     rcpt_reply: Callable[[str], Reply] = lambda a: None
@@ -159,7 +164,14 @@ class Upstream:
         else:
             kwargs["auth_require_tls"] = False
         self.connections += 1
-        return _ScriptedSMTP(self, _Handler(self), **kwargs)
+        handler = _OAuthHandler(self) if self.oauth is not None else _Handler(self)
+        if self.oauth is not None:
+            kwargs["authenticator"] = self._authenticate
+            kwargs["auth_required"] = True
+            kwargs["auth_require_tls"] = self.tls_context is not None
+        with warnings.catch_warnings():  # AUTH without TLS: on loopback, on purpose
+            warnings.filterwarnings("ignore", "Requiring AUTH while not requiring TLS")
+            return _ScriptedSMTP(self, handler, **kwargs)
 
     def _authenticate(self, server: SMTP, session: Session, envelope: Envelope,
                       mechanism: str, auth_data: Any) -> AuthResult:
@@ -257,6 +269,37 @@ class _Handler:
                                 bytes(envelope.original_content or b""), session.peer,
                                 session.ssl is not None, auth, time.time()))
         return "250 2.0.0 OK queued"
+
+
+class _OAuthHandler(_Handler):
+    """XOAUTH2 (Google/Microsoft) and OAUTHBEARER (RFC 7628) against `Upstream.oauth`."""
+
+    async def _check(self, server: SMTP, mech: str, user: str, token: str) -> AuthResult:
+        self.up.auth_seen.append((mech, user, token))
+        assert self.up.oauth is not None
+        if token in self.up.oauth.get(user, set()):
+            return AuthResult(success=True, auth_data=user)
+        err = base64.b64encode(json.dumps(
+            {"status": "401", "schemes": "bearer", "scope": "https://mail.test/"}).encode())
+        await server.push(b"334 " + err)  # the error challenge; the client answers %x01/empty
+        await server._reader.readline()
+        return AuthResult(success=False, handled=False,
+                          message="535 5.7.8 Username and Password not accepted")
+
+    async def auth_XOAUTH2(self, server: SMTP, args: list[str]) -> AuthResult:
+        raw = base64.b64decode(args[1]).decode() if len(args) > 1 else ""
+        parts = dict(p.split("=", 1) for p in raw.split("\x01") if "=" in p)
+        token = parts.get("auth", "").removeprefix("Bearer ")
+        return await self._check(server, "XOAUTH2", parts.get("user", ""), token)
+
+    async def auth_OAUTHBEARER(self, server: SMTP, args: list[str]) -> AuthResult:
+        raw = base64.b64decode(args[1]).decode() if len(args) > 1 else ""
+        gs2, _sep, kvs = raw.partition("\x01")
+        user = next((p[2:] for p in gs2.split(",") if p.startswith("a=")), "")
+        user = user.replace("=2C", ",").replace("=3D", "=")
+        parts = dict(p.split("=", 1) for p in kvs.split("\x01") if "=" in p)
+        token = parts.get("auth", "").removeprefix("Bearer ")
+        return await self._check(server, "OAUTHBEARER", user, token)
 
 
 # --- the daemon ---------------------------------------------------------------------------

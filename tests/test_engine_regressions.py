@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from relay.config import load_config
+from relay.delivery import attempt
 from relay.delivery.engine import Engine, Job
 from relay.model import RcptState
 from relay.spool import ops
@@ -75,7 +76,8 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
 
     async def main() -> tuple[object, dict[str, int]]:
         e = Engine(cfg, w, clock=lambda: now["t"])
-        await e._load_counts()
+        day = e.ledger.day_of(now["t"])
+        e.ledger.load(day, await w.run(lambda c: ops.daily_counts(c, day)))
         for i in (1, 2):
             m = ops.NewMessage(f"M{i}", f"{i}@x", "a@x.test", 1, now["t"], "c", "p",
                                "transactional", 0, "x.test", b"x", None,
@@ -88,19 +90,23 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
             cl = ops.Claim(ids[f"M{i}"], f"M{i}", f"u{i}@x.test", "x.test", 0, now["t"],
                            "transactional", "x.test")
             env = ops.Envelope(f"M{i}", f"<{i}@x>", "a@x.test", 1, b"x", None)
-            return Job(f"M{i}", "smarthost", "transactional", "x.test", "a@x.test",
-                       now["t"], [cl], env)
+            return Job(f"M{i}", "smarthost", "transactional", "x.test", "a@x.test", [cl], env)
+
+        def room(j: Job) -> object:
+            limits = e.ledger.limits("smarthost", 1, j.identity, None, now["t"])
+            return e.ledger.room(limits, now["t"])
 
         j1 = job(1)
-        room = e._ceiling_room(j1, e.dest("smarthost"), now["t"])
-        assert room is not None and room[0] == 1
-        e._reserve(j1, 1)
-        e._inflight += 1
+        r1 = room(j1)
+        assert r1 is not None and r1[0] == 1
+        j1.reserved = ("dest:smarthost",)
+        e.ledger.reserve(j1.reserved, 1)
+        e.dest("smarthost")
         now["t"] = 1101.0  # the next window starts; j1's delivery lands in it
-        await e._finish(j1, [ops.Outcome(ids["M1"], "M1", RcptState.DELIVERED, True, None,
-                                         "250")], delivered=1)
-        room2 = e._ceiling_room(job(2), e.dest("smarthost"), now["t"])
-        db = await w.run(lambda c: ops.daily_counts(c, e._day(now["t"])))
+        await attempt.finish(e, j1, [ops.Outcome(ids["M1"], "M1", RcptState.DELIVERED, True,
+                                                 None, "250")], delivered=1)
+        room2 = room(job(2))
+        db = await w.run(lambda c: ops.daily_counts(c, e.ledger.day_of(now["t"])))
         return room2, db
 
     try:

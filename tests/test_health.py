@@ -16,7 +16,9 @@ import yaml
 
 from relay import alerts, health, shaping
 from relay.config import ConfigError, load_config
-from relay.delivery.engine import Engine, Job, refused_mail
+from relay.delivery import attempt
+from relay.delivery.decide import refused_mail
+from relay.delivery.engine import Engine, Job
 from relay.delivery.transport import RcptResult
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import db, ops
@@ -296,12 +298,10 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
         old = ops.Claim(ids["old@x.test"], "M1", "old@x.test", "x.test", 3, now - 7200,
                         "transactional", "x.test")
         env = ops.Envelope("M1", "<1@x>", "a@x.test", 1, b"x", None)
-        job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", fresh.created_at,
-                  [fresh, old], env)
+        job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", [fresh, old], env)
         st = e.dest("smarthost")
-        e._inflight = 2
         busy = {a: _res(451, Phase.RCPT) for a in ("fresh@x.test", "old@x.test")}
-        await e._apply(st, job, busy, host=None, duration=0.0)
+        await attempt.apply(e, st, job, busy, host=None, duration=0.0)
         rows = await w.run(lambda c: c.execute(
             "SELECT address, state FROM recipients").fetchall())
         return dict(rows)

@@ -24,6 +24,12 @@ class Post:
     status: int  # what we answered
 
     @property
+    def form(self) -> dict[str, str]:
+        from urllib.parse import parse_qsl
+
+        return dict(parse_qsl(self.body.decode()))
+
+    @property
     def doc(self) -> dict[str, Any]:
         return dict(json.loads(self.body))
 
@@ -36,6 +42,8 @@ class Post:
 class Receiver:
     port: int = field(default_factory=free_port)
     status: int = 200
+    # a JSON endpoint instead (an OAuth2 token endpoint): post -> (status, document)
+    answer: Callable[[Post], tuple[int, dict[str, Any]]] | None = None
     posts: list[Post] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -51,14 +59,20 @@ class Receiver:
             def do_POST(self) -> None:
                 n = int(self.headers.get("Content-Length", "0"))
                 body = self.rfile.read(n)
-                status = rec.status
+                post = Post({k.lower(): v for k, v in self.headers.items()}, body, rec.status)
+                out = b""
+                if rec.answer is not None:
+                    post.status, doc = rec.answer(post)
+                    out = json.dumps(doc).encode()
                 with rec._cond:
-                    rec.posts.append(Post({k.lower(): v for k, v in self.headers.items()},
-                                          body, status))
+                    rec.posts.append(post)
                     rec._cond.notify_all()
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
+                self.send_response(post.status)
+                self.send_header("Content-Length", str(len(out)))
+                if out:
+                    self.send_header("Content-Type", "application/json")
                 self.end_headers()
+                self.wfile.write(out)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -29,7 +29,8 @@ from aiosmtplib.protocol import PERIOD_REGEX
 from relay import faults
 from relay.delivery import smtpclient_adapter
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
-from relay.replies import Outcome, Phase, Reply, Verdict, classify
+from relay.delivery.oauth import OAuthError, TokenSource, oauthbearer
+from relay.replies import Outcome, Phase, Reply, Scope, Verdict, classify
 from relay.spool.bodies import StoredBody
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class Connection:
 
     def __init__(self, *, host: str, address: str, port: int, helo: str, tls: TlsPolicy,
                  timeouts: Timeouts, username: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, auth: str = "auto",
+                 tokens: TokenSource | None = None) -> None:
         self.host = host
         self.address = address
         self.port = port
@@ -99,6 +101,8 @@ class Connection:
         self.timeouts = timeouts
         self.username = username
         self.password = password
+        self.auth = auth  # auto | plain | login | xoauth2 | oauthbearer
+        self.tokens = tokens  # OAuth2 access tokens for xoauth2 / oauthbearer
         self.smtp: aiosmtplib.SMTP | None = None
         self.messages = 0
         self.tls_active = False
@@ -161,8 +165,7 @@ class Connection:
                 self.tls_active = True
             if self.username:
                 phase = Phase.AUTH
-                await smtp.login(self.username, self.password or "",
-                                 timeout=self.timeouts.command)
+                await self._authenticate(smtp)
         except ConnectFailed:
             self.close()
             raise
@@ -172,6 +175,44 @@ class Connection:
             fault = is_operator_fault(e) or (phase == Phase.AUTH) or (
                 phase == Phase.STARTTLS and self.tls.verify)
             raise ConnectFailed(verdict, _with_host(reply, self.label), phase, fault) from e
+
+    async def _authenticate(self, smtp: aiosmtplib.SMTP) -> None:
+        user, t = self.username or "", self.timeouts.command
+        if self.auth not in ("xoauth2", "oauthbearer"):
+            if self.auth == "plain":
+                await smtp.auth_plain(user, self.password or "", timeout=t)
+            elif self.auth == "login":
+                await smtp.auth_login(user, self.password or "", timeout=t)
+            else:
+                await smtp.login(user, self.password or "", timeout=t)
+            return
+        assert self.tokens is not None
+        for last in (False, True):
+            try:
+                token = await self.tokens.token()
+            except OAuthError as e:
+                reply = Reply(454, "4.7.0", f"no OAuth2 token: {e}")
+                raise ConnectFailed(Verdict(Outcome.TRANSIENT, True, False,
+                                            Scope.TRANSACTION), reply, Phase.AUTH,
+                                    not e.transient) from e
+            try:
+                if self.auth == "xoauth2":
+                    await smtp.auth_xoauth2(user, token, timeout=t)
+                else:
+                    resp = await smtp.execute_command(
+                        b"AUTH", b"OAUTHBEARER",
+                        oauthbearer(user, token, self.host, self.port).encode(), timeout=t)
+                    if resp.code == 334:  # RFC 7628 §3.2.3: the error; answer %x01
+                        resp = await smtp.execute_command(b"AQ==", timeout=t)
+                    if resp.code != 235:
+                        raise aiosmtplib.SMTPAuthenticationError(resp.code, resp.message)
+                return
+            except aiosmtplib.SMTPAuthenticationError:
+                # the token may have been revoked or expired early: one fresh one, then
+                # the refusal stands (an operator's fault: critical in /health)
+                self.tokens.invalidate(token)
+                if last:
+                    raise
 
     async def send(self, sender: str, recipients: list[str],
                    body: bytes | StoredBody) -> TransactionResult:

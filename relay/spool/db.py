@@ -135,6 +135,10 @@ MIGRATIONS: list[str] = [
     );
     ALTER TABLE messages ADD COLUMN delay_warned_at REAL;
     """,
+    # 3 -> 4: the listener a message came in on (routes match on it).
+    """
+    ALTER TABLE messages ADD COLUMN listener TEXT;
+    """,
 ]
 
 

@@ -55,6 +55,7 @@ class NewMessage:
     body: bytes | None
     body_path: str | None
     recipients: tuple[NewRecipient, ...]
+    listener: str | None = None  # the listener's name, for routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,9 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
         return AcceptResult(None, (), tuple(dupes))
     conn.execute(
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
-        " identity, body, body_path) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        " identity, body, body_path, listener) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (msg.queue_id, msg.message_id, msg.sender, msg.size, msg.created_at, msg.client,
-         msg.peer, msg.lane, msg.identity, msg.body, msg.body_path),
+         msg.peer, msg.lane, msg.identity, msg.body, msg.body_path, msg.listener),
     )
     conn.executemany(
         "INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
@@ -161,6 +162,8 @@ class Envelope:
     body: bytes | None
     body_path: str | None
     delay_warned_at: float | None = None  # the once-per-message delay warning went out
+    client: str = ""  # the dedup namespace: listener:NAME or user:LOGIN
+    listener: str | None = None
 
 
 def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str, Envelope]:
@@ -170,8 +173,8 @@ def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str
         chunk = ids[i : i + 500]
         q = ",".join("?" * len(chunk))
         for row in conn.execute(
-            f"SELECT id, message_id, sender, size, body, body_path, delay_warned_at"
-            f" FROM messages"
+            f"SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
+            f" listener FROM messages"
             f" WHERE id IN ({q})", chunk,
         ):
             out[row[0]] = Envelope(*row)
@@ -317,10 +320,10 @@ def suspend_destination(conn: sqlite3.Connection, name: str, until: float, reaso
 def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     name = name.lower()
     conn.execute("DELETE FROM destinations WHERE name = ?", (name,))
-    # in smarthost mode every recipient goes to the destination "smarthost"
+    # an upstream (a name without a dot: smarthost, primary...) may carry any recipient
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
-        " WHERE (destination = ? OR ? = 'smarthost') AND state = 'deferred'"
+        " WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = 'deferred'"
         " AND reason IS NOT NULL", (now, now, name, name)).rowcount
 
 
@@ -338,7 +341,7 @@ def reset_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     engine_command(conn, "reset", name, now)
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
-        " WHERE (destination = ? OR ? = 'smarthost') AND state = 'deferred'"
+        " WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = 'deferred'"
         " AND reason LIKE 'circuit open%'", (now, now, name, name)).rowcount
 
 
@@ -552,7 +555,8 @@ def list_messages(
     if older_than is not None:
         where.append("m.created_at <= ?")
         params.append(now - older_than)
-    sql = ("SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane FROM messages m"
+    sql = ("SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane, m.client,"
+           " m.listener FROM messages m"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY m.created_at, m.id")
     msgs = conn.execute(sql, params).fetchall()
     out = []
@@ -580,6 +584,8 @@ def list_messages(
             "size": m[3],
             "created_at": _iso(m[4]),
             "lane": m[5],
+            "client": m[6],
+            "listener": m[7],
             "attempts": max((r[3] for r in rc), default=0),
             "next_attempt_at": _iso(min(waiting)) if waiting else None,
             "recipients": [

@@ -1,0 +1,157 @@
+"""Opening a connection for a job: the route's upstreams in order (failover), or the
+recipient domain's MX hosts.
+
+Rules:
+- An upstream whose circuit is open or that is suspended is skipped (the next one in `via`
+  is tried); one that fails at connection level (refused, timeout, 421 greeting, TLS, AUTH)
+  is charged to its own breaker, logged (`failover`), and the next one is tried, all within
+  the same attempt. The last failure is the attempt's result.
+- A refusal of our configuration (AUTH, certificate, STARTTLS missing) marks the upstream's
+  `config_error` (critical in /health) and logs `upstream_config_error`; a connection that
+  works clears it.
+- MX: hosts in preference order, every address of each; a permanent greeting/EHLO refusal
+  ends the attempt (siblings would say the same).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from relay.delivery.errors import DnsPermanentError, DnsTransientError
+from relay.delivery.jobs import DestState, Job
+from relay.delivery.mx import MxHost
+from relay.delivery.transport import ConnectFailed, Connection, RcptResult, Timeouts, TlsPolicy
+from relay.logs import log_event
+from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+
+if TYPE_CHECKING:
+    from relay.delivery.engine import Engine
+
+log = logging.getLogger("relay.delivery.engine")
+
+Failure = dict[str, RcptResult]
+
+
+async def open_for(e: Engine, st: DestState, job: Job, *, first_allowed: bool = True
+                   ) -> tuple[Connection | None, DestState, Failure | None, bool]:
+    """(connection, the destination it belongs to, failure results, whether any upstream
+    was tried at all)."""
+    rcpts = [c.address for c in job.claims]
+    if st.upstream is None:
+        conn, failure = await _open_mx(e, st, job)
+        return conn, st, failure, True
+    chain = [st]
+    if job.route is not None and st.name in job.route.via:
+        chain += [e.dest(n) for n in job.route.via[job.route.via.index(st.name) + 1:]]
+    last: tuple[DestState, ConnectFailed] | None = None
+    for i, d in enumerate(chain):
+        now = e.clock()
+        if i > 0 or not first_allowed:
+            before = d.breaker.state(now)
+            if d.suspended_until > now or not d.breaker.allow(now):
+                log_event(log, logging.INFO, "failover", "upstream skipped: circuit open or"
+                          " suspended", destination=d.name, queue_id=job.msg_id)
+                continue
+            if before == "half-open":
+                log_event(log, logging.INFO, "circuit_half_open",
+                          "cooldown over: this connection is the trial", destination=d.name)
+        c = _connection(e, d)
+        try:
+            await c.open()
+        except ConnectFailed as ex:
+            _config_error(d, c, ex)
+            if ex.verdict.outcome is not Outcome.TRANSIENT:
+                return None, d, {r: RcptResult(ex.verdict, ex.reply, ex.phase)
+                                 for r in rcpts}, True
+            if last is not None:  # the previous one's failure is final now: charge it
+                _charge(e, *last)
+            last = (d, ex)
+            if i + 1 < len(chain):
+                log_event(log, logging.WARNING, "failover", "upstream failed; trying the"
+                          " next one", destination=d.name, host=c.label, reply=str(ex.reply),
+                          queue_id=job.msg_id, next=chain[i + 1].name)
+            continue
+        if d.config_error is not None:
+            log_event(log, logging.INFO, "upstream_config_ok",
+                      "upstream accepts our configuration again", destination=d.name,
+                      host=c.label)
+        d.config_error = None
+        if last is not None:
+            _charge(e, *last)
+        if i > 0:
+            log_event(log, logging.INFO, "failover", "transaction goes to a later upstream",
+                      destination=d.name, host=c.label, queue_id=job.msg_id)
+        return c, d, None, True
+    if last is None:  # every upstream skipped
+        names = ", ".join(d.name for d in chain)
+        reply = Reply(451, "4.4.1", f"no upstream available now ({names}: circuit open or"
+                      " suspended)")
+        v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+        return None, st, {r: RcptResult(v, reply, Phase.CONNECT) for r in rcpts}, False
+    d, failed = last
+    return None, d, {r: RcptResult(failed.verdict, failed.reply, failed.phase)
+                     for r in rcpts}, True
+
+
+def _charge(e: Engine, d: DestState, ex: ConnectFailed) -> None:
+    """An upstream failed and another carried the attempt: its breaker learns it here."""
+    now = e.clock()
+    before = d.breaker.state(now)
+    d.breaker.on_failure(now)
+    e.breaker_changed(d, before, now, str(ex.reply))
+
+
+def _config_error(d: DestState, c: Connection, ex: ConnectFailed) -> None:
+    if ex.operator_fault:
+        d.config_error = f"{c.label}: {ex.reply}"
+        log_event(log, logging.ERROR, "upstream_config_error",
+                  "upstream refused our configuration (credentials, TLS); mail is kept and"
+                  " retried, fix the config", destination=d.name, host=c.label,
+                  reply=str(ex.reply))
+
+
+def _timeouts(d: DestState) -> Timeouts:
+    return Timeouts(connect=d.conf.connect_timeout, command=d.conf.command_timeout,
+                    data=d.conf.data_timeout)
+
+
+def _connection(e: Engine, d: DestState) -> Connection:
+    up = d.upstream
+    assert up is not None
+    return Connection(host=up.host, address=up.host, port=up.port,
+                      helo=e.config.upstream.helo, tls=TlsPolicy(up.tls, up.verify, up.ca_file),
+                      timeouts=_timeouts(d), username=up.username, password=up.password,
+                      auth=up.auth, tokens=e.token_source(up))
+
+
+async def _open_mx(e: Engine, st: DestState, job: Job
+                   ) -> tuple[Connection | None, Failure | None]:
+    mx = e.config.upstream.mx
+    rcpts = [c.address for c in job.claims]
+    assert e.resolver is not None
+    try:
+        hosts: list[MxHost] = await e.resolver.resolve(job.destination)
+    except (DnsPermanentError, DnsTransientError) as ex:
+        permanent = isinstance(ex, DnsPermanentError)
+        v = Verdict(Outcome.BOUNCE if permanent else Outcome.TRANSIENT, True, False,
+                    Scope.TRANSACTION)
+        return None, {r: RcptResult(v, ex.reply, Phase.CONNECT) for r in rcpts}
+    last: ConnectFailed | None = None
+    for h in hosts:
+        for addr in h.addresses:
+            c = Connection(host=h.name, address=addr, port=mx.port, helo=e.config.upstream.helo,
+                           tls=TlsPolicy(mx.tls, mx.verify, None), timeouts=_timeouts(st))
+            try:
+                await c.open()
+                st.config_error = None
+                return c, None
+            except ConnectFailed as ex:
+                last = ex
+                _config_error(st, c, ex)
+                if ex.verdict.outcome is not Outcome.TRANSIENT:
+                    # a permanent greeting/EHLO refusal: no point trying siblings
+                    return None, {r: RcptResult(ex.verdict, ex.reply, ex.phase) for r in rcpts}
+    assert last is not None
+    # every host failed transiently: connection-level transient for all
+    return None, {r: RcptResult(last.verdict, last.reply, last.phase) for r in rcpts}

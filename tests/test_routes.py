@@ -1,0 +1,269 @@
+"""Table tests of the delivery core's pure decisions: routes (parse, match), header
+rewriting, what happens to a claim given a result (decide), whether a job may go now
+(admit), what an attempt tells the breaker, waiting without burning attempts, and the
+daily ledger."""
+
+from __future__ import annotations
+
+import random
+import zoneinfo
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from relay.config import ConfigError, load_config
+from relay.delivery import decide
+from relay.delivery.jobs import Job
+from relay.delivery.ledger import Ledger
+from relay.delivery.rewrite import rewrite_headers
+from relay.delivery.transport import RcptResult
+from relay.model import RcptState
+from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.spool import ops
+
+# --- routes ----------------------------------------------------------------------------------
+
+
+def load(tmp_path: Path, extra: dict[str, Any]) -> Any:
+    p = tmp_path / "relay.yaml"
+    p.write_text(yaml.safe_dump({"spool": {"path": "spool"}, **extra}))
+    return load_config(str(p))
+
+
+UPS = {"a": {"host": "a.test"}, "b": {"host": "b.test", "port": 465, "tls": "implicit"}}
+
+
+def test_without_routes_the_classic_single_route(tmp_path: Path) -> None:
+    cfg = load(tmp_path, {})
+    r = cfg.routing.match(sender="x@y.test", recipient="u@z.test", client="listener:l",
+                          listener="l")
+    assert r.via == ("smarthost",) and cfg.routing.upstreams["smarthost"].port == 587
+    cfg = load(tmp_path, {"upstream": {"mode": "mx"}})
+    assert cfg.routing.match(sender="", recipient="u@z.test", client="", listener=None).mx
+
+
+@pytest.mark.parametrize(("sender", "rcpt", "client", "listener", "want"), [
+    ("a@billing.example.com", "u@x.test", "listener:main", "main", 0),
+    ("A@BILLING.example.com", "u@x.test", "listener:main", "main", 0),  # case-insensitive
+    ("boss@corp.test", "u@x.test", "listener:main", "main", 1),  # exact sender
+    ("x@corp.test", "u@partner.test", "listener:main", "main", 2),  # recipient domain
+    ("x@corp.test", "u@x.test", "listener:cron", "cron", 3),  # listener
+    ("x@corp.test", "u@x.test", "user:crm", "main", 4),  # AUTH user
+    ("x@corp.test", "u@x.test", "user:other", "main", 5),  # the catch-all
+    ("", "u@x.test", "listener:main", "main", 5),  # a null sender matches no sender rule
+])
+def test_first_matching_route_wins(tmp_path: Path, sender: str, rcpt: str, client: str,
+                                   listener: str, want: int) -> None:
+    cfg = load(tmp_path, {"upstreams": UPS, "routes": [
+        {"sender_domain": "billing.example.com", "via": ["b"]},
+        {"sender": ["boss@corp.test"], "via": ["b"]},
+        {"recipient_domain": ["partner.test", "other.test"], "via": ["b", "a"]},
+        {"listener": "cron", "via": "mx"},
+        {"auth_user": "crm", "via": ["a"]},
+        {"via": ["a", "b"]},
+    ]})
+    assert cfg.routing.match(sender=sender, recipient=rcpt, client=client,
+                             listener=listener).index == want
+
+
+@pytest.mark.parametrize(("extra", "msg"), [
+    ({"routes": [{"via": ["nope"]}]}, "routes[0].via: no upstream named 'nope'"),
+    ({"upstreams": UPS, "routes": [{"sender": "a@b.c", "via": ["a"]}]},
+     "routes[0]: the last route must match every message"),
+    ({"upstreams": UPS, "routes": [{"via": ["a", "a"]}]}, "named twice"),
+    ({"upstreams": UPS, "routes": [{"via": "a"}]}, "routes[0].via: expected a list"),
+    ({"upstreams": UPS, "routes": [{"sender_domian": "x", "via": ["a"]}]},
+     "routes[0].sender_domian: unknown key"),
+    ({"upstreams": {"Bad.Name": {"host": "x"}}}, "upstreams.Bad.Name"),
+    ({"upstreams": {"a": {"host": "x", "password": "p"}}}, "password_file"),
+    ({"upstreams": {"a": {"host": "x", "username": "u"}}},
+     "upstreams.a.password_file: required"),
+    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u"}}},
+     "upstreams.a.oauth: required"),
+    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u",
+                          "oauth": {"token_url": "https://t", "client_id": "i",
+                                    "client_secret": "inline"}}}},
+     "secrets go in *_file keys"),
+    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u",
+                          "oauth": {"token_url": "https://t", "client_id": "i",
+                                    "client_secret_file": "missing"}}}},
+     "client_secret_file: cannot read"),
+    ({"upstreams": UPS, "routes": [{"via": ["a"], "rewrite": {"from": "not an address"}}]},
+     "routes[0].rewrite.from"),
+])
+def test_bad_routes_are_config_errors_naming_the_key(tmp_path: Path, extra: dict,
+                                                      msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("*", r"\*")):
+        load(tmp_path, extra)
+
+
+def test_oauth_upstream_reads_its_secrets(tmp_path: Path) -> None:
+    (tmp_path / "cs").write_text("client-secret\n")
+    (tmp_path / "rt").write_text("refresh-token\n")
+    cfg = load(tmp_path, {"upstreams": {"m365": {
+        "host": "smtp.office365.com", "username": "a@b.test", "auth": "xoauth2",
+        "oauth": {"token_url": "https://login.test/token", "client_id": "id",
+                  "client_secret_file": "cs", "refresh_token_file": "rt",
+                  "scope": "s"}}}, "routes": [{"via": ["m365"]}]})
+    up = cfg.routing.upstreams["m365"]
+    assert up.tls == "starttls" and up.port == 587 and up.auth == "xoauth2"
+    assert up.oauth is not None
+    assert (up.oauth.client_secret, up.oauth.refresh_token) == ("client-secret",
+                                                                "refresh-token")
+    assert "client-secret" not in repr(up)
+
+
+# --- rewriting ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("head", "from_addr", "rto", "want"), [
+    (b"From: App <a@old.test>\r\nSubject: x\r\n", "n@new.test", False,
+     b"From: App <n@new.test>\r\nX-Original-From: App <a@old.test>\r\nSubject: x\r\n"),
+    (b"From: a@old.test\r\n", "n@new.test", True,
+     b"From: <n@new.test>\r\nX-Original-From: a@old.test\r\nReply-To: a@old.test\r\n"),
+    (b"From: a@old.test\r\nReply-To: r@old.test\r\n", None, True,  # has one: kept
+     b"From: a@old.test\r\nReply-To: r@old.test\r\n"),
+    (b"From: \"Doe, J\"\r\n <a@old.test>\r\n", "n@new.test", False,  # folded, quoted
+     b"From: \"Doe, J\" <n@new.test>\r\nX-Original-From: \"Doe, J\"\r\n <a@old.test>\r\n"),
+    (b"Subject: no from\r\n", "n@new.test", True, b"Subject: no from\r\n"),
+])
+def test_rewrite_headers(head: bytes, from_addr: str | None, rto: bool, want: bytes) -> None:
+    body = b"\r\nbody\r\nFrom: not a header\r\n"
+    assert rewrite_headers(head + body, from_addr, rto) == want + body
+
+
+# --- decide ------------------------------------------------------------------------------------
+
+NOW = 100_000.0
+POLICY = decide.Policy(schedule=(60.0, 300.0), max_age=3600.0, min_delay=1.0,
+                       ambiguous="retry", warn_after=600.0)
+
+
+def claim(attempts: int = 0, age: float = 10.0) -> ops.Claim:
+    return ops.Claim(1, "M", "u@x.test", "x.test", attempts, NOW - age, "transactional",
+                     "id", "key")
+
+
+def job(warned: float | None = None) -> Job:
+    env = ops.Envelope("M", "<m@x>", "s@y.test", 1, b"x", None, warned)
+    return Job("M", "smarthost", "transactional", "id", "s@y.test", [claim()], env)
+
+
+def res(code: int, outcome: Outcome, phase: Phase = Phase.RCPT, ambiguous: bool = False
+        ) -> RcptResult:
+    return RcptResult(Verdict(outcome, False, False, Scope.RECIPIENT),
+                      Reply(code, f"{code // 100}.1.1", "text"), phase, ambiguous)
+
+
+@pytest.mark.parametrize(("result", "cl", "policy", "kind", "state", "dead", "warn"), [
+    (res(250, Outcome.DELIVERED), claim(), POLICY, "delivered", RcptState.DELIVERED, None,
+     False),
+    (res(451, Outcome.TRANSIENT), claim(), POLICY, "deferred", RcptState.DEFERRED, None,
+     False),
+    (res(451, Outcome.TRANSIENT), claim(age=700), POLICY, "deferred", RcptState.DEFERRED,
+     None, True),  # past warn_after: the delay warning is due
+    (res(451, Outcome.TRANSIENT), claim(age=3600), POLICY, "expired", RcptState.FAILED,
+     "expired", False),  # past max_age: the last attempt failed
+    (res(550, Outcome.BOUNCE), claim(), POLICY, "bounced", RcptState.BOUNCED, "bounced",
+     False),
+    (res(554, Outcome.FAIL), claim(), POLICY, "failed", RcptState.FAILED, "failed", False),
+    (None, claim(), POLICY, "deferred", RcptState.DEFERRED, None, False),  # no reply
+    (res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True), claim(), POLICY, "deferred",
+     RcptState.DEFERRED, None, False),  # ambiguous, policy retry
+    (res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True), claim(),
+     decide.Policy((60.0,), 3600.0, 1.0, "assume-delivered", 0.0), "delivered",
+     RcptState.DELIVERED, None, False),
+])
+def test_decide(result: RcptResult | None, cl: ops.Claim, policy: decide.Policy, kind: str,
+                state: RcptState, dead: str | None, warn: bool) -> None:
+    d = decide.decide(job(), cl, result, now=NOW, policy=policy, rng=random.Random(1),
+                      dest="smarthost", host="h", duration=0.5)
+    assert (d.kind, d.outcome.state, d.warn_delay) == (kind, state, warn)
+    assert (d.dead.state if d.dead else None) == dead
+    assert d.outcome.count_attempt
+    if kind == "deferred":
+        nxt = d.outcome.next_attempt_at
+        assert nxt is not None and NOW + 1.0 <= nxt <= cl.created_at + policy.max_age
+    if kind == "bounced":
+        assert d.outcome.suppress == ("u@x.test", str(result.reply) if result else "")
+    assert (d.logged == "ambiguous") == bool(result and result.ambiguous)
+
+
+def test_decide_warns_once_per_message() -> None:
+    d = decide.decide(job(warned=NOW - 5), claim(age=700), res(451, Outcome.TRANSIENT),
+                      now=NOW, policy=POLICY, rng=random.Random(1), dest="d", host=None,
+                      duration=0.0)
+    assert d.kind == "deferred" and not d.warn_delay
+
+
+def test_wait_burns_no_attempt_and_expires_at_max_age() -> None:
+    fresh, old = claim(age=10), claim(age=4000)
+    outs, dead = decide.wait(job(), [fresh, old], NOW + 7200, "circuit open", now=NOW,
+                             max_age=3600.0)
+    assert [o.state for o in outs] == [RcptState.DEFERRED, RcptState.FAILED]
+    assert not any(o.count_attempt for o in outs)
+    assert outs[0].next_attempt_at == fresh.created_at + 3600  # never past max_age
+    assert outs[0].reason == "circuit open"
+    assert [d.state for d in dead] == ["expired"]
+    assert "still waiting: circuit open" in dead[0].reply
+
+
+@pytest.mark.parametrize(("kw", "want"), [
+    ({}, decide.Go()),
+    ({"suspended_until": NOW + 60, "suspend_reason": "operator: x"}, decide.Wait),
+    ({"circuit_until": NOW + 30}, decide.Wait),
+    ({"room": (5, NOW + 100, "r")}, decide.Go()),  # everything fits
+    ({"room": (2, NOW + 100, "daily limit")}, decide.Split(2, NOW + 100, "daily limit")),
+    ({"room": (0, NOW + 100, "daily limit")}, decide.Split(0, NOW + 100, "daily limit")),
+    ({"suspended_until": NOW - 1, "circuit_until": NOW + 30}, decide.Wait),  # expired susp.
+])
+def test_admit(kw: dict, want: Any) -> None:
+    args: dict[str, Any] = {"suspended_until": 0.0, "suspend_reason": "",
+                            "circuit_until": None, "room": None, **kw}
+    got = decide.admit(5, name="d", now=NOW, **args)
+    if isinstance(want, type):
+        assert isinstance(got, want)
+        assert "d" in got.reason
+    else:
+        assert got == want
+
+
+def tr(code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT) -> RcptResult:
+    return RcptResult(Verdict(outcome, False, False, Scope.TRANSACTION),
+                      Reply(code, None, "x"), phase)
+
+
+@pytest.mark.parametrize(("results", "delivered", "seen", "conn_failed", "want"), [
+    ({"a": tr(250, Phase.DATA, Outcome.DELIVERED)}, 1, True, False, "success"),
+    ({"a": tr(550, Phase.RCPT, Outcome.BOUNCE)}, 0, True, False, "success"),  # an answer
+    ({"a": tr(421, Phase.CONNECT)}, 0, True, True, "failure"),
+    ({"a": tr(451, Phase.MAIL)}, 0, True, False, "failure"),  # takes no mail
+    ({"a": tr(451, Phase.RCPT)}, 0, True, False, "success"),
+    ({"a": tr(451, Phase.CONNECT)}, 0, False, True, "release"),  # never reached it
+])
+def test_breaker_action(results: dict, delivered: int, seen: bool, conn_failed: bool,
+                        want: str) -> None:
+    assert decide.breaker_action(results, delivered, upstream_seen=seen,
+                                 connection_failed=conn_failed) == want
+
+
+# --- the ledger --------------------------------------------------------------------------------
+
+
+def test_ledger_reserves_counts_and_rolls_over() -> None:
+    led = Ledger(zoneinfo.ZoneInfo("UTC"), 100.0)
+    led.load(led.day_of(1000.0), {"dest:d": 1})
+    limits = led.limits("d", 3, "id", None, 1000.0)
+    assert limits == [("dest:d", "d", 3)]
+    assert led.room(limits, 1000.0)[0] == 2
+    led.reserve(("dest:d",), 2)
+    assert led.room(limits, 1000.0)[0] == 0  # reserved counts until released
+    bump = led.release(("dest:d",), 2, 1, 1001.0, "d", True)
+    assert bump == ("dest:d",) and led.today("dest:d") == 2
+    assert led.room(limits, 1001.0)[0] == 1
+    led.reserve(("dest:d",), 1)
+    assert led.room(limits, 1100.0)[0] == 2  # a new window: counts reset, the job in flight
+    assert led.release((), 0, 4, 1100.0, "e", False) == ("dest:e",)  # counted for stats
+    assert led.today("dest:e") == 4
