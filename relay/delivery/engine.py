@@ -39,24 +39,20 @@ from typing import Any
 
 from relay import alerts, shaping
 from relay.config import Config
-from relay.delivery import attempt, decide
+from relay.delivery import attempt, decide, dispatch, operator, views, workers
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
 from relay.delivery.routes import UpstreamHost
-from relay.delivery.transport import Connection, RcptResult
 from relay.lanes import LANE_PRIORITY
 from relay.logs import log_event
 from relay.metrics import Metrics
 from relay.model import RcptState
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import ops
 from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)
-
-IDLE_CLOSE = 5.0  # seconds an idle connection stays open waiting for more work
 
 DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -290,7 +286,7 @@ class Engine:
         # transaction, and the kick must be seen before those recipients are dispatched
         for cid, action, name in await self.writer.run(commands):
             self._cmd_seen = max(self._cmd_seen or 0, cid)
-            self._command(action, name, now)
+            operator.command(self, action, name, now)
         claims, envs, susp, stored = await self.writer.run(claim)
         for name, (until, reason) in susp.items():
             st = self.dest(name)
@@ -306,7 +302,7 @@ class Engine:
                 continue
             route = self.config.routing.match(sender=env.sender, recipient=cl.address,
                                               client=env.client, listener=env.listener)
-            dname = cl.destination if route.mx else self._first_open(route.via, now)
+            dname = cl.destination if route.mx else dispatch.first_open(self, route.via, now)
             job = jobs.get((cl.msg_id, dname))
             if job is None:
                 job = jobs[(cl.msg_id, dname)] = Job(
@@ -316,7 +312,7 @@ class Engine:
         immediate: list[ops.Outcome] = []
         for job in jobs.values():
             try:
-                immediate.extend(self._dispatch(job, now, stored))
+                immediate.extend(dispatch.dispatch(self, job, now, stored))
             except Exception as e:  # never strand a claim: wait a minute and try again
                 log_event(log, logging.ERROR, "engine_error", "dispatch failed",
                           queue_id=job.msg_id, exc=e)
@@ -328,165 +324,12 @@ class Engine:
             await attempt.record(self, immediate)
         return len(claims)
 
-    def _first_open(self, via: tuple[str, ...], now: float) -> str:
-        """The first upstream of a route that is not waiting (circuit, suspension); the
-        first one when all are (the job then waits on it)."""
-        for name in via:
-            st = self.dest(name)
-            if st.suspended_until <= now and st.breaker.state(now) != "open":
-                return name
-        return via[0]
-
-    def _dispatch(self, job: Job, now: float,
-                  stored: dict[str, tuple[str, float] | None] | None = None
-                  ) -> list[ops.Outcome]:
-        """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
-        open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
-        suppression entries for addresses the in-memory list calls suppressed."""
-        out: list[ops.Outcome] = []
-        keep: list[ops.Claim] = []
-        for cl in job.claims:
-            supp = self.is_suppressed(cl.address)
-            if supp is not None and stored is not None and cl.address in stored:
-                supp = stored[cl.address]
-            if supp is None:
-                keep.append(cl)
-                continue
-            self.metrics.suppressed.labels(job.destination).inc()
-            log_event(log, logging.WARNING, "suppressed", "recipient is suppressed",
-                      queue_id=job.msg_id, rcpt=cl.address, reason=supp[0])
-            out.append(ops.Outcome(
-                rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.SUPPRESSED,
-                count_attempt=False, next_attempt_at=None, last_reply=f"suppressed: {supp[0]}",
-                log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None)))
-        job.claims = keep
-        if not keep:
-            return out
-        st = self.dest(job.destination)
-        limits = self.ledger.limits(st.name, st.conf.daily_limit, job.identity,
-                                    self.config.identity(job.identity), now)
-        # state(), not allow(): allow() hands out the one half-open trial, which belongs to
-        # the worker that will actually connect, not to this check
-        circuit = None
-        if st.breaker.state(now) == "open":
-            circuit = (st.breaker.opened_at or now) + st.breaker.cooldown
-        verdict = decide.admit(len(keep), name=st.name, now=now,
-                               suspended_until=st.suspended_until,
-                               suspend_reason=st.suspend_reason, circuit_until=circuit,
-                               room=self.ledger.room(limits, now) if limits else None)
-        if isinstance(verdict, decide.Wait):
-            outs, dead = decide.wait(job, keep, verdict.until, verdict.reason, now=now,
-                                     max_age=self.config.retry.max_age)
-            self.emit_dead(dead)
-            return out + outs
-        if isinstance(verdict, decide.Split):
-            # what fits goes now; the rest of the recipients waits for the next window
-            rest, job.claims = keep[verdict.fit:], keep[:verdict.fit]
-            self.metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
-            log_event(log, logging.INFO, "deferred", verdict.reason, queue_id=job.msg_id,
-                      destination=st.name, rcpts=[c.address for c in rest])
-            outs, dead = decide.wait(job, rest, verdict.until, verdict.reason, now=now,
-                                     max_age=self.config.retry.max_age)
-            self.emit_dead(dead)
-            out.extend(outs)
-            if not job.claims:
-                return out
-        n = len(job.claims)
-        st.reserved += n
-        job.reserved = tuple(scope for scope, _name, _limit in limits)
-        self.ledger.reserve(job.reserved, n)
-        st.queues.get(job.lane, st.queues["transactional"]).append(job)
+    def job_queued(self, n: int) -> None:
         self._inflight += n
-        self.spawn_workers(st)
-        st.wake.set()
-        return out
 
     def job_done(self, n: int) -> None:
         self._inflight = max(0, self._inflight - n)
         self.wake()
-
-    # --- workers --------------------------------------------------------------------------
-
-    def spawn_workers(self, st: DestState) -> None:
-        want = min(st.adaptive.effective_connections(), st.queued())
-        total = sum(len(d.workers) for d in self.dests.values())
-        while len(st.workers) < want and total < self.config.delivery.workers:
-            total += 1
-            task = asyncio.get_running_loop().create_task(self._worker(st))
-            st.workers.add(task)
-            task.add_done_callback(st.workers.discard)
-
-    def _next_job(self, st: DestState) -> Job | None:
-        if st.queues["transactional"]:
-            return st.queues["transactional"].popleft()
-        if st.queues["bulk"]:
-            share = self.config.lanes.shares.get("bulk", 0.5)
-            cap = max(1, math.floor(st.adaptive.effective_connections() * share))
-            if st.active["bulk"] < cap:
-                return st.queues["bulk"].popleft()
-        return None
-
-    async def _worker(self, st: DestState) -> None:
-        conn: Connection | None = None
-        try:
-            while not self.stopping:
-                job = self._next_job(st)
-                if job is None:
-                    st.wake.clear()
-                    try:
-                        await asyncio.wait_for(st.wake.wait(), IDLE_CLOSE)
-                    except TimeoutError:
-                        return
-                    continue
-                if len(st.workers) > st.adaptive.effective_connections():
-                    # slowed down: this worker bows out after putting the job back
-                    st.queues[job.lane].appendleft(job)
-                    return
-                st.active[job.lane] += 1
-                try:
-                    conn = await attempt.deliver(self, st, job, conn)
-                except Exception as e:
-                    # a bug or an unforeseen error must not strand the claim in memory
-                    # (`sending` until restart): record it as a transient failure
-                    log_event(log, logging.ERROR, "engine_error", "delivery attempt failed",
-                              queue_id=job.msg_id, destination=st.name, exc=e)
-                    if conn is not None:
-                        conn.close()
-                        conn = None
-                    if not job.done:
-                        reply = Reply(451, "4.3.0", f"internal error: {type(e).__name__}")
-                        v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
-                        await attempt.apply(self, st, job, {
-                            c.address: RcptResult(v, reply, Phase.CONNECT) for c in job.claims},
-                            host=None, duration=0.0, upstream_seen=False)
-                finally:
-                    st.active[job.lane] -= 1
-                if self._other_destination_starved(st):
-                    return  # hand this connection slot to a destination that has none
-        finally:
-            if conn is not None:
-                await conn.quit()
-            if not self.stopping:
-                # this connection slot is free now: give it to whoever waits for one
-                st.workers.discard(asyncio.current_task())
-                # destinations with work and no connection at all come first
-                for d in sorted((d for d in self.dests.values() if d.queued()),
-                                key=lambda d: (bool(d.workers), d is not st)):
-                    self.spawn_workers(d)
-
-    def _other_destination_starved(self, st: DestState) -> bool:
-        """With every connection slot (`delivery.workers`) taken, a destination with work
-        and no worker at all gets the slot of a busy one after its current transaction."""
-        if sum(len(d.workers) for d in self.dests.values()) < self.config.delivery.workers:
-            return False
-        return any(d is not st and d.queued() and not d.workers for d in self.dests.values())
-
-    async def wait_token(self, st: DestState) -> None:
-        while st.bucket is not None:
-            now = self.clock()
-            if st.bucket.try_take(now):
-                return
-            await asyncio.sleep(max(0.001, st.bucket.wait_time(now)))
 
     # --- dead letters, hooks, alerts --------------------------------------------------------
 
@@ -526,91 +369,22 @@ class Engine:
         evs, self._alert_backlog = self._alert_backlog, []
         return evs
 
-    # --- the breaker and the operator ----------------------------------------------------------
-
-    def _command(self, action: str, name: str, now: float) -> None:
-        for st in list(self.dests.values()) if name == "*" else [self.dest(name)]:
-            before = st.breaker.state(now)
-            if action == "reset":
-                st.breaker.on_success(now)
-                st.adaptive.reset()
-                st.config_error = None
-                self.retune(st)
-                self.spawn_workers(st)
-            elif action == "kick":
-                st.breaker.kick(now)
-            self.breaker_changed(st, before, now, f"operator {action}")
-            if action == "reset":
-                log_event(log, logging.INFO, "destination_reset",
-                          "circuit closed and slow-down cleared by the operator",
-                          destination=st.name)
-
     def breaker_changed(self, st: DestState, before: str, now: float, why: str) -> None:
-        """A log line for every change of a destination's circuit."""
-        after = st.breaker.state(now)
-        self.metrics.circuit_open.labels(st.name).set(0 if after == "closed" else 1)
-        if after == before:
-            return
-        if after == "open":
-            until = (st.breaker.opened_at or now) + st.breaker.cooldown
-            log_event(log, logging.WARNING, "circuit_open",
-                      "destination failing: no new connections until the cooldown ends",
-                      destination=st.name, reason=why, failures=st.breaker.failures,
-                      retry_at=ops.iso_utc(until))
-        elif after == "closed":
-            log_event(log, logging.INFO, "circuit_closed", "destination working again",
-                      destination=st.name, reason=why)
-        else:
-            log_event(log, logging.INFO, "circuit_half_open",
-                      "cooldown over: one trial connection allowed", destination=st.name,
-                      reason=why)
+        operator.breaker_changed(self, st, before, now, why)
 
-    # --- views ----------------------------------------------------------------------------
+    # --- delegated: workers (relay/delivery/workers.py), views (relay/delivery/views.py) --
+
+    def spawn_workers(self, st: DestState) -> None:
+        workers.spawn_workers(self, st)
+
+    async def wait_token(self, st: DestState) -> None:
+        await workers.wait_token(self, st)
 
     def health(self) -> list[tuple[str, str, int, str | None, str | None]]:
-        """(destination, circuit, consecutive failures, config error, reopen time)."""
-        now = self.clock()
-        out: list[tuple[str, str, int, str | None, str | None]] = []
-        for st in self.dests.values():
-            circuit = st.breaker.state(now)
-            reopen = None
-            if circuit == "open":
-                reopen = ops.iso_utc((st.breaker.opened_at or now) + st.breaker.cooldown)
-            out.append((st.name, circuit, st.breaker.failures, st.config_error, reopen))
-        return out
+        return views.health(self)
 
     def dead_letters_last_hour(self) -> int:
-        cutoff = self.clock() - 3600
-        while self.dead_times and self.dead_times[0] < cutoff:
-            self.dead_times.popleft()
-        return len(self.dead_times)
+        return views.dead_letters_last_hour(self)
 
     def snapshot(self) -> dict[str, Any]:
-        now = self.clock()
-        out: dict[str, Any] = {}
-        for name, st in self.dests.items():
-            up = st.upstream
-            out[name] = {
-                "effective_rate": st.adaptive.effective_rate() or None,
-                "configured_rate": st.conf.rate,
-                "effective_connections": st.adaptive.effective_connections(),
-                "max_connections": st.conf.max_connections,
-                "active_connections": len(st.workers),
-                "queued_in_memory": st.queued(),
-                "circuit": st.breaker.state(now),
-                "suspended_until": ops.iso_utc(st.suspended_until)
-                if st.suspended_until > now else None,
-                "suspend_reason": st.suspend_reason if st.suspended_until > now else None,
-                "delivered_today": self.ledger.today(f"dest:{name}"),
-                "daily_limit": st.conf.daily_limit,
-                "upstream": None if up is None else f"{up.host}:{up.port}",
-                "config_error": st.config_error,
-            }
-        idents = {}
-        for key, ident in self.config.identities.items():
-            warm = self.ledger.warmup_limit(ident, now)
-            idents[key] = {"today": self.ledger.today(f"id:{key}"),
-                           "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
-                           "warmup_limit": warm}
-        return {"destinations": out, "identities": idents, "day": self.ledger.day,
-                "inflight": self._inflight, "updated_at": ops.iso_utc(now)}
+        return views.snapshot(self)

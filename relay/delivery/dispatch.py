@@ -1,0 +1,101 @@
+"""Dispatch: a claimed job goes on its destination's queue, or is answered at once
+(suppressed, suspended, circuit open, over a daily ceiling: none of these burns an attempt).
+
+Rules:
+- The in-memory suppression list lags the spool by up to one refresh: the spool's entry,
+  read in the claim's transaction, has the last word.
+- A route with several upstreams is dispatched to the first whose circuit is not open and
+  that is not suspended; when all are, the job waits on the first.
+- What fits under the daily ceilings goes now; the rest waits for the next window. What
+  goes reserves its room (relay/delivery/ledger.py) until the attempt ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from relay.delivery import decide
+from relay.delivery.jobs import Job
+from relay.logs import log_event
+from relay.model import RcptState
+from relay.spool import ops
+
+if TYPE_CHECKING:
+    from relay.delivery.engine import Engine
+
+log = logging.getLogger("relay.delivery.engine")
+
+
+def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
+    """The first upstream of a route that is not waiting (circuit, suspension); the
+    first one when all are (the job then waits on it)."""
+    for name in via:
+        st = e.dest(name)
+        if st.suspended_until <= now and st.breaker.state(now) != "open":
+            return name
+    return via[0]
+
+def dispatch(e: Engine, job: Job, now: float,
+              stored: dict[str, tuple[str, float] | None] | None = None
+              ) -> list[ops.Outcome]:
+    """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
+    open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
+    suppression entries for addresses the in-memory list calls suppressed."""
+    out: list[ops.Outcome] = []
+    keep: list[ops.Claim] = []
+    for cl in job.claims:
+        supp = e.is_suppressed(cl.address)
+        if supp is not None and stored is not None and cl.address in stored:
+            supp = stored[cl.address]
+        if supp is None:
+            keep.append(cl)
+            continue
+        e.metrics.suppressed.labels(job.destination).inc()
+        log_event(log, logging.WARNING, "suppressed", "recipient is suppressed",
+                  queue_id=job.msg_id, rcpt=cl.address, reason=supp[0])
+        out.append(ops.Outcome(
+            rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.SUPPRESSED,
+            count_attempt=False, next_attempt_at=None, last_reply=f"suppressed: {supp[0]}",
+            log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None)))
+    job.claims = keep
+    if not keep:
+        return out
+    st = e.dest(job.destination)
+    limits = e.ledger.limits(st.name, st.conf.daily_limit, job.identity,
+                                e.config.identity(job.identity), now)
+    # state(), not allow(): allow() hands out the one half-open trial, which belongs to
+    # the worker that will actually connect, not to this check
+    circuit = None
+    if st.breaker.state(now) == "open":
+        circuit = (st.breaker.opened_at or now) + st.breaker.cooldown
+    verdict = decide.admit(len(keep), name=st.name, now=now,
+                           suspended_until=st.suspended_until,
+                           suspend_reason=st.suspend_reason, circuit_until=circuit,
+                           room=e.ledger.room(limits, now) if limits else None)
+    if isinstance(verdict, decide.Wait):
+        outs, dead = decide.wait(job, keep, verdict.until, verdict.reason, now=now,
+                                 max_age=e.config.retry.max_age)
+        e.emit_dead(dead)
+        return out + outs
+    if isinstance(verdict, decide.Split):
+        # what fits goes now; the rest of the recipients waits for the next window
+        rest, job.claims = keep[verdict.fit:], keep[:verdict.fit]
+        e.metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
+        log_event(log, logging.INFO, "deferred", verdict.reason, queue_id=job.msg_id,
+                  destination=st.name, rcpts=[c.address for c in rest])
+        outs, dead = decide.wait(job, rest, verdict.until, verdict.reason, now=now,
+                                 max_age=e.config.retry.max_age)
+        e.emit_dead(dead)
+        out.extend(outs)
+        if not job.claims:
+            return out
+    n = len(job.claims)
+    st.reserved += n
+    job.reserved = tuple(scope for scope, _name, _limit in limits)
+    e.ledger.reserve(job.reserved, n)
+    st.queues.get(job.lane, st.queues["transactional"]).append(job)
+    e.job_queued(n)
+    e.spawn_workers(st)
+    st.wake.set()
+    return out

@@ -1,0 +1,62 @@
+"""What the engine shows: per-destination health for the daemon's health model, the
+dead-letter rate, and the runtime snapshot `relay stats` and `relay destination list`
+read."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from relay import shaping
+from relay.spool import ops
+
+if TYPE_CHECKING:
+    from relay.delivery.engine import Engine
+
+
+def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
+    """(destination, circuit, consecutive failures, config error, reopen time)."""
+    now = e.clock()
+    out: list[tuple[str, str, int, str | None, str | None]] = []
+    for st in e.dests.values():
+        circuit = st.breaker.state(now)
+        reopen = None
+        if circuit == "open":
+            reopen = ops.iso_utc((st.breaker.opened_at or now) + st.breaker.cooldown)
+        out.append((st.name, circuit, st.breaker.failures, st.config_error, reopen))
+    return out
+
+def dead_letters_last_hour(e: Engine) -> int:
+    cutoff = e.clock() - 3600
+    while e.dead_times and e.dead_times[0] < cutoff:
+        e.dead_times.popleft()
+    return len(e.dead_times)
+
+def snapshot(e: Engine) -> dict[str, Any]:
+    now = e.clock()
+    out: dict[str, Any] = {}
+    for name, st in e.dests.items():
+        up = st.upstream
+        out[name] = {
+            "effective_rate": st.adaptive.effective_rate() or None,
+            "configured_rate": st.conf.rate,
+            "effective_connections": st.adaptive.effective_connections(),
+            "max_connections": st.conf.max_connections,
+            "active_connections": len(st.workers),
+            "queued_in_memory": st.queued(),
+            "circuit": st.breaker.state(now),
+            "suspended_until": ops.iso_utc(st.suspended_until)
+            if st.suspended_until > now else None,
+            "suspend_reason": st.suspend_reason if st.suspended_until > now else None,
+            "delivered_today": e.ledger.today(f"dest:{name}"),
+            "daily_limit": st.conf.daily_limit,
+            "upstream": None if up is None else f"{up.host}:{up.port}",
+            "config_error": st.config_error,
+        }
+    idents = {}
+    for key, ident in e.config.identities.items():
+        warm = e.ledger.warmup_limit(ident, now)
+        idents[key] = {"today": e.ledger.today(f"id:{key}"),
+                       "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
+                       "warmup_limit": warm}
+    return {"destinations": out, "identities": idents, "day": e.ledger.day,
+            "inflight": e._inflight, "updated_at": ops.iso_utc(now)}
