@@ -222,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 3
         return EX_CONFIG
     setup_logging(config.log.level, "text", config.log.unmask)
-    # in smarthost mode every recipient goes to the one destination "smarthost"
-    args.smarthost_mode = config.upstream.mode == "smarthost"
+    # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
@@ -278,6 +277,21 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
                                   client=m.get("client") or "", listener=m.get("listener"))
             if not route.mx:
                 r["destination"] = route.via[0]
+
+
+def _waiting_by_destination(args: argparse.Namespace, conn: sqlite3.Connection
+                            ) -> list[tuple[str, float]]:
+    """(destination as delivery names it, message arrival) of every unfinished recipient."""
+    routing = getattr(args, "routing", None)
+    out = []
+    for dest, address, sender, client, listener, created in ops.waiting_recipients(conn):
+        if routing is not None and routing.routes:
+            route = routing.match(sender=sender, recipient=address, client=client,
+                                  listener=listener)
+            if not route.mx:
+                dest = route.via[0]
+        out.append((dest, created))
+    return out
 
 
 def _bulk_options(p: argparse.ArgumentParser) -> None:
@@ -457,11 +471,9 @@ AGE_BUCKETS = [(300, "5m"), (3600, "1h"), (4 * 3600, "4h"), (86400, "1d"),
 
 
 def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
-    rows = conn.execute(
-        "SELECT r.destination, m.created_at FROM recipients r JOIN messages m ON"
-        " m.id = r.msg_id WHERE r.state IN ('pending','deferred','sending','held')").fetchall()
     table: dict[str, list[int]] = {}
-    for dest, created in rows:
+    # by recipient domain, like qshape (`destination list` counts by upstream)
+    for dest, _a, _s, _c, _l, created in ops.waiting_recipients(conn):
         age = now - created
         idx = next(i for i, (lim, _l) in enumerate(AGE_BUCKETS) if age < lim)
         table.setdefault(dest, [0] * len(AGE_BUCKETS))[idx] += 1
@@ -526,13 +538,10 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
         runtime = ops.get_runtime(conn, "daemon")
         live = runtime[0].get("destinations", {}) if runtime else {}
         susp = ops.suspensions(conn, now)
-        counts = conn.execute(
-            "SELECT destination, count(*) FROM recipients WHERE state IN"
-            " ('pending','deferred','sending','held') GROUP BY destination").fetchall()
-        if getattr(args, "smarthost_mode", False) and counts:
-            counts = [("smarthost", sum(r[1] for r in counts))]
-        names = set(live) | set(susp) | {r[0] for r in counts}
-        queued = {r[0]: r[1] for r in counts}
+        queued: dict[str, int] = {}
+        for dest, _created in _waiting_by_destination(args, conn):
+            queued[dest] = queued.get(dest, 0) + 1
+        names = set(live) | set(susp) | set(queued)
         out = []
         for n in sorted(names):
             info = dict(live.get(n, {}))

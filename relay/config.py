@@ -13,6 +13,7 @@ Rules:
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import difflib
 import ipaddress
 import os
@@ -27,6 +28,8 @@ from typing import Any
 import yaml
 
 from relay.delivery import routes as routing
+from relay.lanes import LaneRule
+from relay.shaping import ShapingRule
 
 EX_CONFIG = 78
 DEFAULT_PATH = "/etc/relay/relay.yaml"
@@ -481,7 +484,7 @@ class Destination:
 
 @dataclass(frozen=True, slots=True)
 class WarmupConf:
-    start: str  # ISO date
+    start: dt.date
     schedule: tuple[int, ...] | None
     initial: int
     factor: float
@@ -500,12 +503,12 @@ class ShapingConf:
     window_tz: str
     window_length: float | None
     identity_by: str  # "sender_domain" | "sender"
-    rules: tuple[Mapping[str, Any], ...] | None  # raw; parsed by relay.shaping
+    rules: tuple[ShapingRule, ...]  # the operator's, parsed (relay.shaping)
 
 
 @dataclass(frozen=True, slots=True)
 class LanesConf:
-    rules: tuple[Mapping[str, Any], ...]
+    rules: tuple[LaneRule, ...]  # parsed (relay.lanes)
     shares: Mapping[str, float]
 
 
@@ -860,11 +863,10 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     rules_raw = sh.get("rules")
     if rules_raw is not None and not isinstance(rules_raw, list):
         raise ConfigError("shaping.rules: expected a list of rules")
-    rules: list[dict[str, Any]] | None = None
+    rules: list[ShapingRule] = []
     if rules_raw is not None:
         from relay.shaping import parse_rule
 
-        rules = []
         for i, rule_raw in enumerate(rules_raw):
             rkey = f"shaping.rules[{i}]"
             if not isinstance(rule_raw, Mapping):
@@ -873,15 +875,14 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
             if rule.get("for") is not None:  # a duration: 30s, 2h, or seconds
                 rule["for"] = parse_duration(rule["for"], f"{rkey}.for")
             try:
-                parse_rule(rule)
+                rules.append(parse_rule(rule))
             except ValueError as e:
                 raise ConfigError(f"{rkey}: {e}") from None
-            rules.append(rule)
     shaping = ShapingConf(
         window_tz=tzname,
         window_length=sh.opt_duration("window_length"),
         identity_by=sh.string("identity_by", ("sender_domain", "sender")),
-        rules=None if rules is None else tuple(rules),
+        rules=tuple(rules),
     )
     sh.finish()
 
@@ -891,8 +892,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError("lanes.rules: expected a list")
     from relay.lanes import parse_lane_rules
 
-    try:  # checked here so that a bad rule is a config error, not a crash at start
-        parse_lane_rules(lane_rules)
+    try:  # parsed here so that a bad rule is a config error, not a crash at start
+        parsed_lanes = parse_lane_rules(lane_rules)
     except ValueError as e:
         raise ConfigError(re.sub(r"^lane rule (\d+)", r"lanes.rules[\1]", str(e))) from None
     shares = {}
@@ -900,7 +901,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         lr = _Reader(ln.get(lane), f"lanes.{lane}")
         shares[lane] = lr.number("share", 0.0, 1.0)
         lr.finish()
-    lanes = LanesConf(rules=tuple(lane_rules), shares=shares)
+    lanes = LanesConf(rules=parsed_lanes, shares=shares)
     ln.finish()
 
     dl = _Reader(top.get("delivery"), "delivery")
@@ -1185,13 +1186,10 @@ def _identity(name: str, data: object) -> Identity:
         wr = _Reader({"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
                      if isinstance(w, Mapping) else w, f"{key}.warmup")
         start = wr.get("start")
-        start_s = str(start) if start is not None else None
         try:
-            import datetime as _dt
-
-            if start_s is None:
+            if start is None:
                 raise ValueError
-            _dt.date.fromisoformat(start_s)
+            start_date = dt.date.fromisoformat(str(start))
         except ValueError:
             raise ConfigError(f"{key}.warmup.start: {start!r} is not a date (YYYY-MM-DD)") from None
         sched = wr.get("schedule")
@@ -1201,7 +1199,7 @@ def _identity(name: str, data: object) -> Identity:
         ):
             raise ConfigError(f"{key}.warmup.schedule: expected a list of whole numbers")
         warm = WarmupConf(
-            start=start_s,
+            start=start_date,
             schedule=None if sched is None else tuple(sched),
             initial=wr.integer("initial", 1),
             factor=wr.number("factor", 1.0, 100.0),

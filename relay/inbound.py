@@ -60,7 +60,7 @@ from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
 from relay.guard import InboundGuard, is_allowed
-from relay.lanes import LANE_PRIORITY, classify_lane, parse_lane_rules
+from relay.lanes import LANE_PRIORITY, classify_lane
 from relay.logs import log_event
 from relay.message import (
     date_header,
@@ -495,10 +495,10 @@ class InboundHandler(AuthMechanisms):
         self.guard = guard or InboundGuard(config, self.stats.metrics)
         self.closing = False
         self.in_flight = 0
-        self._lane_rules = parse_lane_rules(list(config.lanes.rules))
+        self._lane_rules = config.lanes.rules
 
     def reconfigure(self, config: Config) -> None:
-        self._lane_rules = parse_lane_rules(list(config.lanes.rules))
+        self._lane_rules = config.lanes.rules
         self.config = config
 
     def protocol(self) -> RelaySMTP:

@@ -73,23 +73,6 @@ from typing import Final, TextIO, TypeAlias
 
 __all__ = [
     "EVENTS",
-    "EVENT_ACCEPTED",
-    "EVENT_AMBIGUOUS",
-    "EVENT_ATTEMPT",
-    "EVENT_BOUNCED",
-    "EVENT_CONFIG_RELOADED",
-    "EVENT_DEAD_LETTER",
-    "EVENT_DEDUPLICATED",
-    "EVENT_DEFERRED",
-    "EVENT_DELIVERED",
-    "EVENT_EXPIRED",
-    "EVENT_FAILED",
-    "EVENT_LOG",
-    "EVENT_OPERATOR_ACTION",
-    "EVENT_REJECTED",
-    "EVENT_SHUTDOWN",
-    "EVENT_STARTUP",
-    "EVENT_SUPPRESSED",
     "REDACTED",
     "JSONFormatter",
     "LogfmtFormatter",
@@ -101,43 +84,25 @@ __all__ = [
     "setup_logging",
 ]
 
-EVENT_ACCEPTED: Final = "accepted"
-EVENT_DEDUPLICATED: Final = "deduplicated"
-EVENT_REJECTED: Final = "rejected"
-EVENT_ATTEMPT: Final = "attempt"
-EVENT_DELIVERED: Final = "delivered"
-EVENT_DEFERRED: Final = "deferred"
-EVENT_BOUNCED: Final = "bounced"
-EVENT_FAILED: Final = "failed"
-EVENT_EXPIRED: Final = "expired"
-EVENT_SUPPRESSED: Final = "suppressed"
-EVENT_DEAD_LETTER: Final = "dead_letter"
-EVENT_OPERATOR_ACTION: Final = "operator_action"
-EVENT_CONFIG_RELOADED: Final = "config_reloaded"
-EVENT_STARTUP: Final = "startup"
-EVENT_SHUTDOWN: Final = "shutdown"
-EVENT_AMBIGUOUS: Final = "ambiguous"
-#: Event name given to records that were not emitted through :func:`log_event`.
-EVENT_LOG: Final = "log"
 
 EVENTS: Final[frozenset[str]] = frozenset(
     {
-        EVENT_ACCEPTED,
-        EVENT_DEDUPLICATED,
-        EVENT_REJECTED,
-        EVENT_ATTEMPT,
-        EVENT_DELIVERED,
-        EVENT_DEFERRED,
-        EVENT_BOUNCED,
-        EVENT_FAILED,
-        EVENT_EXPIRED,
-        EVENT_SUPPRESSED,
-        EVENT_DEAD_LETTER,
-        EVENT_OPERATOR_ACTION,
-        EVENT_CONFIG_RELOADED,
-        EVENT_STARTUP,
-        EVENT_SHUTDOWN,
-        EVENT_AMBIGUOUS,
+        "accepted",
+        "deduplicated",
+        "rejected",
+        "attempt",
+        "delivered",
+        "deferred",
+        "bounced",
+        "failed",
+        "expired",
+        "suppressed",
+        "dead_letter",
+        "operator_action",
+        "config_reloaded",
+        "startup",
+        "shutdown",
+        "ambiguous",
     }
 )
 
@@ -336,7 +301,7 @@ class _StructuredFormatter(logging.Formatter):
             "ts": _iso_ts(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": event if isinstance(event, str) and event else EVENT_LOG,
+            "event": event if isinstance(event, str) and event else "log",
             "msg": self._text(record.getMessage()),
         }
         fields = getattr(record, "fields", None)

@@ -43,7 +43,14 @@ class MsgState(StrEnum):
 FINAL = frozenset({RcptState.DELIVERED, RcptState.BOUNCED, RcptState.FAILED,
                    RcptState.SUPPRESSED})
 DEAD = frozenset({RcptState.BOUNCED, RcptState.FAILED})
-WAITING = frozenset({RcptState.PENDING, RcptState.DEFERRED})
+WAITING = frozenset({RcptState.PENDING, RcptState.DEFERRED})  # due at next_attempt_at
+UNFINISHED = frozenset({RcptState.PENDING, RcptState.DEFERRED, RcptState.SENDING,
+                        RcptState.HELD})
+
+
+def sql_in(states: Iterable[RcptState]) -> str:
+    """`('deferred', 'pending')`: a state set for SQL, spelled from this module only."""
+    return "(" + ", ".join(f"'{s.value}'" for s in sorted(states)) + ")"
 
 # from-state -> the states it may move to. Anything else is a bug (or an operator race that
 # the spool refuses with a conditional UPDATE).

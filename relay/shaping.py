@@ -2,10 +2,9 @@
 
 Rules:
 
-* Rates are tokens per second.  ``parse_rate`` turns ``"50/s"``, ``"100/m"``, ``"3600/h"`` or
-  ``"10/d"`` into tokens per second; ``"unlimited"`` (or ``None``) gives ``UNLIMITED`` (0.0).
-  A rate of 0 / ``None`` means *unlimited* and is handled by the caller, which simply does
-  not create a ``TokenBucket``; the bucket itself requires a positive rate.
+* Rates are tokens per second (relay/config.py's ``parse_rate`` reads ``"50/s"``). A rate
+  of 0 / ``None`` means *unlimited* and is handled by the caller, which simply does not
+  create a ``TokenBucket``; the bucket itself requires a positive rate.
 * ``TokenBucket`` starts full (``tokens = burst``), never holds more than ``burst`` nor less
   than 0, and a clock that goes backwards adds no tokens.
 * Daily windows start at local midnight in the configured time zone (default UTC).  DST days
@@ -49,14 +48,12 @@ __all__ = [
     "ShapingRule",
     "TokenBucket",
     "Warmup",
-    "ceiling_check",
     "ceiling_reason",
     "day_key",
     "effective_daily_limit",
     "is_unlimited",
     "match_rules",
     "next_window",
-    "parse_rate",
     "parse_rule",
     "warmup_limit",
     "window_start",
@@ -142,57 +139,6 @@ def _check_rate(rate: float) -> None:
             f"token bucket rate must be a positive number of tokens per second, got {rate!r} "
             "(an unlimited rate is handled by not using a bucket)"
         )
-
-
-_RATE_UNITS: Final[Mapping[str, float]] = {
-    "s": 1.0,
-    "sec": 1.0,
-    "second": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "minute": 60.0,
-    "h": 3600.0,
-    "hr": 3600.0,
-    "hour": 3600.0,
-    "d": 86400.0,
-    "day": 86400.0,
-}
-
-_RATE_RE: Final = re.compile(
-    r"\s*(?P<count>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*/\s*(?P<unit>[a-z]+)\s*"
-)
-
-
-def parse_rate(text: str | None) -> float:
-    """Parse ``"<count>/<unit>"`` into tokens per second.
-
-    Units: ``s``/``sec``/``second``, ``m``/``min``/``minute``, ``h``/``hr``/``hour``,
-    ``d``/``day`` (case-insensitive).  ``"unlimited"`` or ``None`` returns ``UNLIMITED``
-    (0.0).  A zero count is rejected (use ``"unlimited"``; to stop sending, suspend).
-    Raises ``ValueError`` on anything else.
-    """
-    if text is None:
-        return UNLIMITED
-    if not isinstance(text, str):
-        raise ValueError(f"rate must be a string like '50/s', got {text!r}")
-    if text.strip().lower() == "unlimited":
-        return UNLIMITED
-    m = _RATE_RE.fullmatch(text.lower())
-    if m is None:
-        raise ValueError(
-            f"invalid rate {text!r}: expected '<count>/<unit>' with unit s, m, h or d "
-            "(e.g. '50/s', '100/m', '3600/h'), or 'unlimited'"
-        )
-    unit = m.group("unit")
-    seconds = _RATE_UNITS.get(unit)
-    if seconds is None:
-        raise ValueError(f"invalid rate {text!r}: unknown unit {unit!r} (use s, m, h or d)")
-    count = float(m.group("count"))
-    if count <= 0:
-        raise ValueError(
-            f"invalid rate {text!r}: the count must be positive (use 'unlimited' for no limit)"
-        )
-    return count / seconds
 
 
 # ---------------------------------------------------------------------------
@@ -304,14 +250,6 @@ def effective_daily_limit(daily_limit: int | None, warmup_limit: int | None) -> 
     """The smaller of the configured daily limit and the warm-up limit (``None`` = none)."""
     limits = [v for v in (daily_limit, warmup_limit) if v is not None]
     return min(limits) if limits else None
-
-
-def ceiling_check(count_today: int, limit: int | None) -> bool:
-    """True when one more message may be sent today (``count_today < limit``).
-
-    ``limit`` ``None`` means no daily limit, so this is always True.
-    """
-    return limit is None or count_today < limit
 
 
 def ceiling_reason(limit: int, scope: str, next_window_at: float) -> str:

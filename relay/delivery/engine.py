@@ -92,7 +92,7 @@ class Engine:
     def apply_config(self, config: Config) -> None:
         # everything that can fail first, into locals: a bad reload changes nothing
         tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
-        operator_rules = [shaping.parse_rule(r) for r in (config.shaping.rules or [])]
+        operator_rules = list(config.shaping.rules)
         resolver = self.resolver
         ns = config.upstream.mx.nameservers
         if resolver is None or ns != self._ns:

@@ -62,7 +62,7 @@ class Ledger:
             return None
         today = dt.datetime.fromtimestamp(now, self.tz).date()
         return shaping.warmup_limit(shaping.Warmup(
-            start=dt.date.fromisoformat(w.start), schedule=w.schedule, initial=w.initial,
+            start=w.start, schedule=w.schedule, initial=w.initial,
             factor=w.factor, ceiling=w.ceiling), today)
 
     def room(self, limits: list[tuple[str, str, int]], now: float

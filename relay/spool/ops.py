@@ -19,7 +19,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.model import FINAL, RcptState, message_state, sources_for
+from relay.model import (
+    FINAL,
+    UNFINISHED,
+    WAITING,
+    RcptState,
+    can_move,
+    message_state,
+    sources_for,
+    sql_in,
+)
+
+_DUE = sql_in(WAITING)
+_IN_QUEUE = sql_in(WAITING | {RcptState.SENDING})
+_UNFINISHED = sql_in(UNFINISHED)
 
 
 def new_queue_id(now: float | None = None) -> str:
@@ -140,14 +153,14 @@ def claim_due(conn: sqlite3.Connection, now: float, limit: int,
         "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
         " coalesce(r.retry_base, m.created_at), m.lane,"
         " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
-        " WHERE r.state IN ('pending', 'deferred') AND r.next_attempt_at <= ?" + where +
+        f" WHERE r.state IN {_DUE} AND r.next_attempt_at <= ?" + where +
         " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
         params,
     ).fetchall()
     if not rows:
         return []
     conn.executemany(
-        "UPDATE recipients SET state = 'sending', updated_at = ? WHERE id = ?",
+        f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ? WHERE id = ?",
         [(now, r[0]) for r in rows],
     )
     return [Claim(*r) for r in rows]
@@ -211,10 +224,12 @@ def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
     """Apply outcomes of claimed recipients; returns how many rows changed."""
     changed = 0
     for o in outcomes:
+        if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
+            raise ValueError(f"an attempt cannot make a recipient {o.state}")
         cur = conn.execute(
             "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
             " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?"
-            " WHERE id = ? AND state = 'sending'",
+            f" WHERE id = ? AND state = '{RcptState.SENDING}'",
             (o.state.value, 1 if o.count_attempt else 0, o.next_attempt_at, o.last_reply,
              o.reason, now, o.rcpt_id),
         )
@@ -246,8 +261,9 @@ def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
 def recover(conn: sqlite3.Connection, now: float) -> int:
     """After a crash: every claim that never recorded an outcome is due again."""
     return conn.execute(
-        "UPDATE recipients SET state = 'deferred', next_attempt_at = ?, updated_at = ?,"
-        " reason = 'recovered after restart' WHERE state = 'sending'",
+        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        f" updated_at = ?, reason = 'recovered after restart'"
+        f" WHERE state = '{RcptState.SENDING}'",
         (now, now),
     ).rowcount
 
@@ -323,7 +339,7 @@ def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     # an upstream (a name without a dot: smarthost, primary...) may carry any recipient
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
-        " WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = 'deferred'"
+        f" WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = '{RcptState.DEFERRED}'"
         " AND reason IS NOT NULL", (now, now, name, name)).rowcount
 
 
@@ -341,7 +357,7 @@ def reset_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     engine_command(conn, "reset", name, now)
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
-        " WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = 'deferred'"
+        f" WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = '{RcptState.DEFERRED}'"
         " AND reason LIKE 'circuit open%'", (now, now, name, name)).rowcount
 
 
@@ -367,15 +383,25 @@ def queue_health(conn: sqlite3.Connection, now: float, stall_after: float
     due and not taken, or taken and not finished). Held recipients are the operator's."""
     oldest = conn.execute(
         "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
-        " WHERE r.state IN ('pending', 'deferred', 'sending')").fetchone()[0]
+        f" WHERE r.state IN {_IN_QUEUE}").fetchone()[0]
     cutoff = now - stall_after
     due = conn.execute(
-        "SELECT count(*) FROM recipients WHERE state IN ('pending', 'deferred')"
+        f"SELECT count(*) FROM recipients WHERE state IN {_DUE}"
         " AND next_attempt_at <= ?", (cutoff,)).fetchone()[0]
     stuck = conn.execute(
-        "SELECT count(*) FROM recipients WHERE state = 'sending' AND updated_at <= ?",
+        f"SELECT count(*) FROM recipients WHERE state = '{RcptState.SENDING}' AND updated_at <= ?",
         (cutoff,)).fetchone()[0]
     return (None if oldest is None else max(0.0, now - oldest)), int(due) + int(stuck)
+
+
+def waiting_recipients(conn: sqlite3.Connection) -> list[tuple[str, str, str, str, str | None,
+                                                               float]]:
+    """(destination, address, sender, client, listener, message created_at) of every
+    unfinished recipient: for `queue summary` and `destination list`."""
+    return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in conn.execute(
+        "SELECT r.destination, r.address, m.sender, m.client, m.listener, m.created_at"
+        f" FROM recipients r JOIN messages m ON m.id = r.msg_id WHERE r.state IN"
+        f" {_UNFINISHED}")]
 
 
 def put_runtime(conn: sqlite3.Connection, name: str, value: Any, now: float) -> None:
@@ -476,10 +502,10 @@ def suppressed_recipients(conn: sqlite3.Connection, ids: Sequence[str] | None,
     """(queue id, address, reason) of the recipients of these messages (or of every dead
     letter) whose address is on the suppression list: what `queue retry` leaves alone."""
     sql = ("SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN suppression s"
-           " ON s.address = lower(r.address) WHERE r.state NOT IN ('delivered')")
+           f" ON s.address = lower(r.address) WHERE r.state != '{RcptState.DELIVERED}'")
     params: list[Any] = []
     if failed_only or ids is None:
-        sql += " AND r.state IN ('bounced', 'failed', 'suppressed')"
+        sql += f" AND r.state IN {sql_in(FINAL - {RcptState.DELIVERED})}"
     if ids is not None:
         if not ids:
             return []
@@ -501,7 +527,7 @@ def release(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
 def flush(conn: sqlite3.Connection, now: float) -> int:
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, updated_at = ?"
-        " WHERE state IN ('deferred', 'pending') AND next_attempt_at > ?",
+        f" WHERE state IN {_DUE} AND next_attempt_at > ?",
         (now, now, now)).rowcount
 
 
@@ -636,7 +662,7 @@ def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
         by_state[r[0]] = r[1]
     oldest = conn.execute(
         "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
-        " WHERE r.state IN ('pending', 'deferred', 'sending', 'held')").fetchone()[0]
+        f" WHERE r.state IN {_UNFINISHED}").fetchone()[0]
     msgs = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
     supp = conn.execute("SELECT count(*) FROM suppression").fetchone()[0]
     dedup = conn.execute("SELECT count(*) FROM dedup").fetchone()[0]
