@@ -1,8 +1,10 @@
 """The admin endpoint: `GET /metrics` (Prometheus text format), `GET /healthz` (readiness)
 and `GET /health` (the whole health model, relay/health.py).
 
-Rules: a tiny HTTP/1.0-style server on asyncio streams (two read-only routes do not justify
-a web framework). Each request is bounded in size and time; anything else gets 404/405.
+Rules: it is handed what it serves (metrics, the spool writer, two callables for health),
+never the daemon. A tiny HTTP/1.0-style server on asyncio streams (a few read-only routes
+do not justify a web framework). Each request is bounded in size and time; anything
+else gets 404/405.
 `/healthz` answers 200 when every listener is open, the spool's last commit worked and
 neither the disk nor the spool database is critical; 503 otherwise, with a JSON body
 saying why. `/health` answers 200 for ok and warning, 503 for critical.
@@ -14,22 +16,27 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from relay.health import READINESS
+from relay.metrics import Metrics
 from relay.spool import ops
-
-if TYPE_CHECKING:
-    from relay.daemon import Daemon
+from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)
 
 
 class AdminServer:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, metrics: Metrics, writer: SpoolWriter,
+                 problems: Callable[[], Awaitable[list[str]]],
+                 health_doc: Callable[[], dict[str, Any]]) -> None:
+        self.metrics = metrics
+        self.writer = writer
+        self.problems = problems  # readiness: why mail cannot be taken now
+        self.health_doc = health_doc  # the whole health model
+        self.started_at = time.time()
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -57,20 +64,23 @@ class AdminServer:
                 await self._send(writer, 400, "text/plain", b"bad request\n")
                 return
             method, path = parts[0], parts[1].split("?", 1)[0]
+            head_only = method == "HEAD"
             if method not in ("GET", "HEAD"):
                 await self._send(writer, 405, "text/plain", b"method not allowed\n")
             elif path == "/metrics":
                 body = await self.metrics_text()
-                await self._send(writer, 200, CONTENT_TYPE_LATEST, body, method == "HEAD")
+                await self._send(writer, 200, CONTENT_TYPE_LATEST, body, head_only)
             elif path == "/health":
-                hdoc = d_health(self.daemon)
+                hdoc = self.health_doc()
                 await self._send(writer, 503 if hdoc["status"] == "critical" else 200,
                                  "application/json", json.dumps(hdoc).encode() + b"\n",
-                                 method == "HEAD")
+                                 head_only)
             elif path == "/healthz":
-                ok, doc = await self.health()
-                await self._send(writer, 200 if ok else 503, "application/json",
-                                 json.dumps(doc).encode() + b"\n", method == "HEAD")
+                problems = await self.problems()
+                doc = {"status": "ok" if not problems else "unhealthy", "problems": problems,
+                       "uptime_seconds": round(time.time() - self.started_at, 1)}
+                await self._send(writer, 200 if not problems else 503, "application/json",
+                                 json.dumps(doc).encode() + b"\n", head_only)
             else:
                 await self._send(writer, 404, "text/plain", b"not found\n")
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
@@ -93,41 +103,9 @@ class AdminServer:
         await writer.drain()
 
     async def metrics_text(self) -> bytes:
-        d = self.daemon
-        m = d.metrics
-        st = await d.writer.run(lambda c: ops.stats(c))
+        m = self.metrics
+        st = await self.writer.run(lambda c: ops.stats(c))
         for state, n in st["recipients"].items():
             m.queue_depth.labels(state).set(n)
         m.oldest_age.set(st["oldest_queued_age"] or 0)
         return bytes(generate_latest(m.registry))
-
-    async def health(self) -> tuple[bool, dict[str, object]]:
-        d = self.daemon
-        problems = []
-        for s in d.servers:
-            if not s.is_serving():
-                problems.append("a listener is not serving")
-        if not d.writer.healthy:
-            problems.append("the last spool commit failed")
-        try:
-            await asyncio.wait_for(d.writer.run(lambda c: c.execute("SELECT 1").fetchone()),
-                                   2.0)
-        except Exception as e:
-            problems.append(f"spool not answering: {e}")
-        if any(h.closing for h in d.handlers):
-            problems.append("shutting down")
-        for c in d.health.checks.values():  # the disk, a replaced spool database
-            if c.name in READINESS and c.status == "critical" and c.detail not in problems:
-                problems.append(c.detail)
-        doc: dict[str, object] = {
-            "status": "ok" if not problems else "unhealthy",
-            "problems": problems,
-            "uptime_seconds": round(time.time() - d.started_at, 1),
-        }
-        return not problems, doc
-
-
-def d_health(daemon: Daemon) -> dict[str, object]:
-    doc = daemon.health_doc()
-    doc["uptime_seconds"] = round(time.time() - daemon.started_at, 1)
-    return doc

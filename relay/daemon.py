@@ -122,7 +122,8 @@ class Daemon:
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
-            self.admin = AdminServer(self)
+            self.admin = AdminServer(self.metrics, self.writer, self.readiness_problems,
+                                     self.health_doc)
             await self.admin.start(*self.config.admin_listen)
         for sig, fn in ((signal.SIGTERM, self._stop.set), (signal.SIGINT, self._stop.set),
                         (signal.SIGHUP, self._reload.set)):
@@ -364,7 +365,30 @@ class Daemon:
                                 json.dumps(doc, sort_keys=True).encode())
 
     def health_doc(self) -> dict[str, Any]:
-        return self.health.as_dict(ops.iso_utc)
+        doc = self.health.as_dict(ops.iso_utc)
+        doc["uptime_seconds"] = round(time.time() - self.started_at, 1)
+        return doc
+
+    async def readiness_problems(self) -> list[str]:
+        """Why the relay cannot take mail now (empty: it can): /healthz."""
+        problems = []
+        for s in self.servers:
+            if not s.is_serving():
+                problems.append("a listener is not serving")
+        if not self.writer.healthy:
+            problems.append("the last spool commit failed")
+        try:
+            await asyncio.wait_for(
+                self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+        except Exception as e:
+            problems.append(f"spool not answering: {e}")
+        if any(h.closing for h in self.handlers):
+            problems.append("shutting down")
+        for c in self.health.checks.values():  # the disk, a replaced spool database
+            if c.name in health.READINESS and c.status == "critical" \
+                    and c.detail not in problems:
+                problems.append(c.detail)
+        return problems
 
     async def _spool_check(self) -> tuple[health.Status, str]:
         path = db.db_path(self.config.spool_path)
@@ -432,7 +456,8 @@ class Daemon:
         cfg = self.config
         if cfg.dsn.enabled and doc.get("sender"):
             try:
-                await queue_dsn(self, doc)
+                await queue_dsn(cfg, self.writer, doc,
+                                self.engine.wake if self.engine is not None else lambda: None)
             except Exception as e:
                 log_event(log, logging.ERROR, "dsn_failed", "could not queue a DSN", exc=e,
                           queue_id=doc.get("queue_id"))

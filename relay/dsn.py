@@ -19,6 +19,7 @@ import datetime as dt
 import re
 import time
 import uuid
+from collections.abc import Callable
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,8 @@ from relay.message import split_message
 from relay.spool import bodies, ops
 
 if TYPE_CHECKING:
-    from relay.daemon import Daemon
+    from relay.config import Config
+    from relay.spool.writer import SpoolWriter
 
 _ENHANCED = re.compile(r"(?<![\d.])[45]\.\d{1,3}\.\d{1,3}(?![\d.])")
 
@@ -95,13 +97,13 @@ def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, rec
     return mid, text
 
 
-async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
-    cfg = daemon.config
+async def queue_dsn(cfg: Config, writer: SpoolWriter, doc: dict[str, Any],
+                    wake: Callable[[], None] = lambda: None) -> str | None:
     sender = str(doc.get("sender") or "")
     if not sender or sender == "<>":
         return None
     queue_id = str(doc["queue_id"])
-    body, path = await daemon.writer.run(lambda c: ops.message_body(c, queue_id))
+    body, path = await writer.run(lambda c: ops.message_body(c, queue_id))
     if path:
         body = await asyncio.to_thread(bodies.load, cfg.spool_path, body, path)
     headers, _ = split_message(body or b"")
@@ -134,7 +136,6 @@ async def queue_dsn(daemon: Daemon, doc: dict[str, Any]) -> str | None:
         lane_prio=LANE_PRIORITY["transactional"], identity="<>", body=data, body_path=None,
         recipients=(ops.NewRecipient(sender, sender.rpartition("@")[2].lower(), key),))
     window = cfg.dedup_window
-    res = await daemon.writer.run(lambda c: ops.accept(c, msg, window))
-    if daemon.engine is not None:
-        daemon.engine.wake()
+    res = await writer.run(lambda c: ops.accept(c, msg, window))
+    wake()
     return res.queue_id
