@@ -87,8 +87,9 @@ def _check_literal(text: str) -> None:
             raise AddressError("malformed IPv6 address literal")
         return
     parts = inner.split(".")
-    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and len(p) <= 3
-                                  and int(p) <= 255 for p in parts):
+    if len(parts) != 4 or not all(
+        p.isascii() and p.isdigit() and len(p) <= 3 and int(p) <= 255 for p in parts
+    ):
         raise AddressError("malformed IPv4 address literal")
 
 
@@ -129,8 +130,10 @@ def _local_part_end(text: str) -> int:
         elif ch in _ATEXT or _non_ascii_ok(ch):
             prev_dot = False
         else:
-            raise AddressError(f"character {_show(ch)} not allowed in a local part"
-                               + (" (quote it)" if ch in ' "(),:;<>[\\]' else ""))
+            raise AddressError(
+                f"character {_show(ch)} not allowed in a local part"
+                + (" (quote it)" if ch in ' "(),:;<>[\\]' else "")
+            )
         i += 1
     if i == 0:
         raise AddressError("empty local part")
@@ -146,7 +149,7 @@ def check_mailbox(address: str) -> None:
     at = _local_part_end(address)
     if len(address[:at].encode("utf-8", "surrogatepass")) > MAX_LOCAL:
         raise AddressError("local part longer than 64 octets")
-    check_domain(address[at + 1:])
+    check_domain(address[at + 1 :])
 
 
 def check_local_part(local: str) -> None:
@@ -171,7 +174,7 @@ def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
     if not s.startswith("<"):
         raise AddressError("the address must be enclosed in <>")
     close = _closing_bracket(s)
-    inner, rest = s[1:close], s[close + 1:]
+    inner, rest = s[1:close], s[close + 1 :]
     if rest and rest[0] != " ":
         raise AddressError("text after '>' must be separated by a space")
     if inner == "":
@@ -186,7 +189,7 @@ def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
             if not hop.startswith("@"):
                 raise AddressError("malformed source route")
             check_domain(hop[1:])
-        inner = inner[colon + 1:]
+        inner = inner[colon + 1 :]
     if len(inner.encode("utf-8", "surrogatepass")) > MAX_PATH - 2:
         raise AddressError("path longer than 256 octets")
     if bare_ok and "@" not in inner.rpartition('"')[2]:

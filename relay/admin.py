@@ -29,9 +29,13 @@ log = logging.getLogger(__name__)
 
 
 class AdminServer:
-    def __init__(self, metrics: Metrics, writer: SpoolWriter,
-                 problems: Callable[[], Awaitable[list[str]]],
-                 health_doc: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        writer: SpoolWriter,
+        problems: Callable[[], Awaitable[list[str]]],
+        health_doc: Callable[[], dict[str, Any]],
+    ) -> None:
         self.metrics = metrics
         self.writer = writer
         self.problems = problems  # readiness: why mail cannot be taken now
@@ -72,32 +76,60 @@ class AdminServer:
                 await self._send(writer, 200, CONTENT_TYPE_LATEST, body, head_only)
             elif path == "/health":
                 hdoc = self.health_doc()
-                await self._send(writer, 503 if hdoc["status"] == "critical" else 200,
-                                 "application/json", json.dumps(hdoc).encode() + b"\n",
-                                 head_only)
+                await self._send(
+                    writer,
+                    503 if hdoc["status"] == "critical" else 200,
+                    "application/json",
+                    json.dumps(hdoc).encode() + b"\n",
+                    head_only,
+                )
             elif path == "/healthz":
                 problems = await self.problems()
-                doc = {"status": "ok" if not problems else "unhealthy", "problems": problems,
-                       "uptime_seconds": round(time.time() - self.started_at, 1)}
-                await self._send(writer, 200 if not problems else 503, "application/json",
-                                 json.dumps(doc).encode() + b"\n", head_only)
+                doc = {
+                    "status": "ok" if not problems else "unhealthy",
+                    "problems": problems,
+                    "uptime_seconds": round(time.time() - self.started_at, 1),
+                }
+                await self._send(
+                    writer,
+                    200 if not problems else 503,
+                    "application/json",
+                    json.dumps(doc).encode() + b"\n",
+                    head_only,
+                )
             else:
                 await self._send(writer, 404, "text/plain", b"not found\n")
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError):
+        except (
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+        ):
             pass
         except Exception:
             log.exception("admin request failed")
         finally:
             writer.close()
 
-    async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes,
-                    head_only: bool = False) -> None:
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  503: "Service Unavailable"}[status]
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        ctype: str,
+        body: bytes,
+        head_only: bool = False,
+    ) -> None:
+        reason = {
+            200: "OK",
+            400: "Bad Request",
+            404: "Not Found",
+            405: "Method Not Allowed",
+            503: "Service Unavailable",
+        }[status]
         writer.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        )
         if not head_only:
             writer.write(body)
         await writer.drain()

@@ -46,8 +46,9 @@ GIVE_UP_AFTER = 86400.0
 BACKOFF_CAP = 60.0
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 # events that are single state changes: sent at once, not held for the coalescing window
-IMMEDIATE = frozenset({"health", "resolved", "upstream_config_error", "circuit_open",
-                       "circuit_closed"})
+IMMEDIATE = frozenset(
+    {"health", "resolved", "upstream_config_error", "circuit_open", "circuit_closed"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +76,17 @@ def sinks_of(conf: AlertsConf) -> list[str]:
 # --- the outbox (SQL; run on the spool writer) ----------------------------------------------
 
 
-def record(conn: sqlite3.Connection, ev: Event, now: float, coalesce: float,
-           sinks: Sequence[str]) -> int:
+def record(
+    conn: sqlite3.Connection, ev: Event, now: float, coalesce: float, sinks: Sequence[str]
+) -> int:
     """Add one event: to the open alert of its (event, key) if its window is still open,
     else as a new alert. Returns the alert's id."""
     if ev.event not in IMMEDIATE:
         row = conn.execute(
             "SELECT id, count, samples, severity FROM alerts WHERE event = ? AND key = ?"
             " AND sent_at IS NULL AND attempts = 0 AND send_at > ? ORDER BY id DESC LIMIT 1",
-            (ev.event, ev.key, now)).fetchone()
+            (ev.event, ev.key, now),
+        ).fetchone()
         if row is not None:
             samples = json.loads(row[2])
             if ev.sample is not None and len(samples) < MAX_SAMPLES:
@@ -92,15 +95,27 @@ def record(conn: sqlite3.Connection, ev: Event, now: float, coalesce: float,
             conn.execute(
                 "UPDATE alerts SET count = count + 1, last_at = ?, samples = ?, severity = ?,"
                 " summary = ? WHERE id = ?",
-                (now, json.dumps(samples), sev, ev.summary, row[0]))
+                (now, json.dumps(samples), sev, ev.summary, row[0]),
+            )
             return int(row[0])
     send_at = now if ev.event in IMMEDIATE else now + coalesce
     cur = conn.execute(
         "INSERT INTO alerts (event, severity, key, count, first_at, last_at, send_at, summary,"
         " samples, sinks, next_try_at, sent_at) VALUES (?,?,?,1,?,?,?,?,?,?,?,?)",
-        (ev.event, ev.severity, ev.key, now, now, send_at, ev.summary,
-         json.dumps([ev.sample] if ev.sample is not None else []), json.dumps(list(sinks)),
-         send_at, None if sinks else now))
+        (
+            ev.event,
+            ev.severity,
+            ev.key,
+            now,
+            now,
+            send_at,
+            ev.summary,
+            json.dumps([ev.sample] if ev.sample is not None else []),
+            json.dumps(list(sinks)),
+            send_at,
+            None if sinks else now,
+        ),
+    )
     return int(cur.lastrowid or 0)
 
 
@@ -108,10 +123,24 @@ def due(conn: sqlite3.Connection, now: float, limit: int = 50) -> list[dict[str,
     rows = conn.execute(
         "SELECT id, event, severity, key, count, first_at, last_at, summary, samples, sinks,"
         " attempts FROM alerts WHERE sent_at IS NULL AND next_try_at <= ? ORDER BY id LIMIT ?",
-        (now, limit)).fetchall()
-    return [{"id": r[0], "event": r[1], "severity": r[2], "key": r[3], "count": r[4],
-             "first_at": r[5], "last_at": r[6], "summary": r[7], "samples": json.loads(r[8]),
-             "sinks": json.loads(r[9]), "attempts": r[10]} for r in rows]
+        (now, limit),
+    ).fetchall()
+    return [
+        {
+            "id": r[0],
+            "event": r[1],
+            "severity": r[2],
+            "key": r[3],
+            "count": r[4],
+            "first_at": r[5],
+            "last_at": r[6],
+            "summary": r[7],
+            "samples": json.loads(r[8]),
+            "sinks": json.loads(r[9]),
+            "attempts": r[10],
+        }
+        for r in rows
+    ]
 
 
 def next_due_at(conn: sqlite3.Connection) -> float | None:
@@ -119,39 +148,73 @@ def next_due_at(conn: sqlite3.Connection) -> float | None:
     return None if row is None or row[0] is None else float(row[0])
 
 
-def mark(conn: sqlite3.Connection, alert_id: int, remaining: Sequence[str], now: float,
-         error: str | None, next_try_at: float) -> None:
+def mark(
+    conn: sqlite3.Connection,
+    alert_id: int,
+    remaining: Sequence[str],
+    now: float,
+    error: str | None,
+    next_try_at: float,
+) -> None:
     if not remaining:
-        conn.execute("UPDATE alerts SET sinks = '[]', sent_at = ?, last_error = NULL"
-                     " WHERE id = ?", (now, alert_id))
+        conn.execute(
+            "UPDATE alerts SET sinks = '[]', sent_at = ?, last_error = NULL WHERE id = ?",
+            (now, alert_id),
+        )
     else:
         conn.execute(
             "UPDATE alerts SET sinks = ?, attempts = attempts + 1, next_try_at = ?,"
             " last_error = ? WHERE id = ?",
-            (json.dumps(list(remaining)), next_try_at, error, alert_id))
+            (json.dumps(list(remaining)), next_try_at, error, alert_id),
+        )
 
 
 def recent(conn: sqlite3.Connection, limit: int = 50) -> list[dict[str, Any]]:
     """The newest alerts, for `relay alerts`."""
     rows = conn.execute(
         "SELECT id, event, severity, key, count, first_at, last_at, summary, sinks, attempts,"
-        " last_error, sent_at FROM alerts ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
-    return [{"id": r[0], "event": r[1], "severity": r[2], "key": r[3], "count": r[4],
-             "first_at": ops.iso_utc(r[5]), "last_at": ops.iso_utc(r[6]), "summary": r[7],
-             "pending_sinks": json.loads(r[8]), "attempts": r[9], "last_error": r[10],
-             "sent_at": None if r[11] is None else ops.iso_utc(r[11])} for r in rows]
+        " last_error, sent_at FROM alerts ORDER BY id DESC LIMIT ?",
+        (limit,),
+    ).fetchall()
+    return [
+        {
+            "id": r[0],
+            "event": r[1],
+            "severity": r[2],
+            "key": r[3],
+            "count": r[4],
+            "first_at": ops.iso_utc(r[5]),
+            "last_at": ops.iso_utc(r[6]),
+            "summary": r[7],
+            "pending_sinks": json.loads(r[8]),
+            "attempts": r[9],
+            "last_error": r[10],
+            "sent_at": None if r[11] is None else ops.iso_utc(r[11]),
+        }
+        for r in rows
+    ]
 
 
 def document(row: dict[str, Any], hostname: str) -> dict[str, Any]:
     """The versioned JSON every sink receives."""
     n = int(row["count"])
-    summary = row["summary"] if n == 1 else \
-        f"{n} {row['event']} events for {row['key']}; latest: {row['summary']}"
+    summary = (
+        row["summary"]
+        if n == 1
+        else f"{n} {row['event']} events for {row['key']}; latest: {row['summary']}"
+    )
     return {
-        "version": VERSION, "id": f"{hostname}/{row['id']}", "host": hostname,
-        "event": row["event"], "severity": row["severity"], "key": row["key"], "count": n,
-        "first_at": ops.iso_utc(row["first_at"]), "last_at": ops.iso_utc(row["last_at"]),
-        "summary": summary, "samples": row["samples"],
+        "version": VERSION,
+        "id": f"{hostname}/{row['id']}",
+        "host": hostname,
+        "event": row["event"],
+        "severity": row["severity"],
+        "key": row["key"],
+        "count": n,
+        "first_at": ops.iso_utc(row["first_at"]),
+        "last_at": ops.iso_utc(row["last_at"]),
+        "summary": summary,
+        "samples": row["samples"],
     }
 
 
@@ -167,8 +230,12 @@ async def run_command(command: str, doc: dict[str, Any], timeout: float) -> str 
     payload = json.dumps(doc, sort_keys=True).encode() + b"\n"
     try:
         proc = await asyncio.create_subprocess_shell(
-            command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
     except OSError as e:
         return f"alert command did not start: {e}"
     try:
@@ -183,12 +250,17 @@ async def run_command(command: str, doc: dict[str, Any], timeout: float) -> str 
     return None
 
 
-async def post_webhook(client: httpx.AsyncClient, url: str, secret: bytes | None,
-                       doc: dict[str, Any], timeout: float) -> str | None:
+async def post_webhook(
+    client: httpx.AsyncClient, url: str, secret: bytes | None, doc: dict[str, Any], timeout: float
+) -> str | None:
     """POST the alert; None when the receiver answered 2xx, else what went wrong."""
     body = json.dumps(doc, sort_keys=True).encode()
-    headers = {"Content-Type": "application/json", "User-Agent": "relay-alerts/1",
-               "X-Relay-Event": str(doc["event"]), "X-Relay-Delivery": str(doc["id"])}
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "relay-alerts/1",
+        "X-Relay-Event": str(doc["event"]),
+        "X-Relay-Delivery": str(doc["id"]),
+    }
     if secret is not None:
         headers["X-Relay-Signature"] = sign(secret, body)
     try:
@@ -203,8 +275,13 @@ async def post_webhook(client: httpx.AsyncClient, url: str, secret: bytes | None
 class Dispatcher:
     """Hands due alerts to the sinks; one background task of the daemon."""
 
-    def __init__(self, writer: Any, conf: Callable[[], AlertsConf],
-                 hostname: Callable[[], str], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        writer: Any,
+        conf: Callable[[], AlertsConf],
+        hostname: Callable[[], str],
+        clock: Callable[[], float],
+    ) -> None:
         self.writer = writer
         self.conf = conf
         self.hostname = hostname
@@ -234,8 +311,7 @@ class Dispatcher:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    log_event(log, logging.ERROR, "alert_failed", "alert dispatch failed",
-                              exc=e)
+                    log_event(log, logging.ERROR, "alert_failed", "alert dispatch failed", exc=e)
                     nxt = None
                 wait = 1.0 if nxt is None else min(1.0, max(0.05, nxt - self.clock()))
                 self._wake.clear()
@@ -269,9 +345,14 @@ class Dispatcher:
                 wh = conf.webhook
                 err = await post_webhook(self._client, wh.url, wh.secret, doc, wh.timeout)
             else:
-                log_event(log, logging.WARNING, "alert_failed",
-                          "alert sink no longer configured; skipped", sink=sink,
-                          alert_id=row["id"])
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "alert_failed",
+                    "alert sink no longer configured; skipped",
+                    sink=sink,
+                    alert_id=row["id"],
+                )
                 continue
             if err is not None:
                 remaining.append(sink)
@@ -279,20 +360,42 @@ class Dispatcher:
         now = self.clock()
         error = "; ".join(errors) or None
         if remaining and now - float(row["first_at"]) > GIVE_UP_AFTER:
-            log_event(log, logging.ERROR, "alert_dropped",
-                      "no sink took this alert for a day; giving up", alert_id=row["id"],
-                      alert_event=row["event"], key=row["key"], error=error)
+            log_event(
+                log,
+                logging.ERROR,
+                "alert_dropped",
+                "no sink took this alert for a day; giving up",
+                alert_id=row["id"],
+                alert_event=row["event"],
+                key=row["key"],
+                error=error,
+            )
             remaining = []
         delay = min(BACKOFF_CAP, 2.0 ** int(row["attempts"]))
         delay = delay / 2 + self.rng.uniform(0, delay / 2)
         alert_id = int(row["id"])
         await self.writer.run(lambda c: mark(c, alert_id, remaining, now, error, now + delay))
         if error is not None:
-            log_event(log, logging.ERROR, "alert_failed", "alert sink failed; will retry"
-                      if remaining else "alert sink failed", alert_id=alert_id,
-                      alert_event=row["event"], key=row["key"], error=error,
-                      retry_in=round(delay, 1) if remaining else None)
+            log_event(
+                log,
+                logging.ERROR,
+                "alert_failed",
+                "alert sink failed; will retry" if remaining else "alert sink failed",
+                alert_id=alert_id,
+                alert_event=row["event"],
+                key=row["key"],
+                error=error,
+                retry_in=round(delay, 1) if remaining else None,
+            )
         else:
-            log_event(log, logging.INFO, "alert_sent", doc["summary"], alert_id=alert_id,
-                      alert_event=row["event"], key=row["key"], count=row["count"],
-                      sinks=row["sinks"])
+            log_event(
+                log,
+                logging.INFO,
+                "alert_sent",
+                doc["summary"],
+                alert_id=alert_id,
+                alert_event=row["event"],
+                key=row["key"],
+                count=row["count"],
+                sinks=row["sinks"],
+            )

@@ -58,8 +58,9 @@ class ConnectionLimits:
     allowed_reserve: int
 
 
-def refuse_connection(limits: ConnectionLimits, total: int, from_ip: int, allowed: bool,
-                      banned: bool) -> str | None:
+def refuse_connection(
+    limits: ConnectionLimits, total: int, from_ip: int, allowed: bool, banned: bool
+) -> str | None:
     """Why a new connection must be refused (`total`, `per_ip`, `auth_ban`), or None.
     `total` and `from_ip` are the connections open before this one."""
     if total >= limits.max_connections:

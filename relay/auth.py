@@ -40,8 +40,9 @@ class UsersFileError(ValueError):
 
 
 def _scrypt(password: bytes, salt: bytes, dklen: int) -> bytes:
-    return hashlib.scrypt(password, salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
-                          maxmem=_MAXMEM, dklen=dklen)
+    return hashlib.scrypt(
+        password, salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, maxmem=_MAXMEM, dklen=dklen
+    )
 
 
 def hash_password(password: str | bytes, salt: bytes | None = None) -> str:
@@ -49,8 +50,10 @@ def hash_password(password: str | bytes, salt: bytes | None = None) -> str:
     pw = password.encode("utf-8") if isinstance(password, str) else password
     salt = os.urandom(SALT_BYTES) if salt is None else salt
     digest = _scrypt(pw, salt, HASH_BYTES)
-    return (f"{PREFIX}${base64.b64encode(salt).decode('ascii')}"
-            f"${base64.b64encode(digest).decode('ascii')}")
+    return (
+        f"{PREFIX}${base64.b64encode(salt).decode('ascii')}"
+        f"${base64.b64encode(digest).decode('ascii')}"
+    )
 
 
 def parse_hash(stored: str) -> tuple[bytes, bytes]:

@@ -92,11 +92,11 @@ class AuthMechanisms:
         password = await server.challenge_auth(server.AuthLoginPasswordChallenge)
         if password is MISSING:
             return AuthResult(success=False, handled=True)
-        return await self._verify(cast("RelaySMTP", server), "LOGIN", login,
-                                  password)
+        return await self._verify(cast("RelaySMTP", server), "LOGIN", login, password)
 
-    async def _verify(self, proto: RelaySMTP, mechanism: str, login: bytes,
-                      password: bytes) -> AuthResult:
+    async def _verify(
+        self, proto: RelaySMTP, mechanism: str, login: bytes, password: bytes
+    ) -> AuthResult:
         lst = proto.relay_listener
         users = lst.auth.users if lst.auth is not None else {}
         session = cast(Session, proto.session)
@@ -111,9 +111,17 @@ class AuthMechanisms:
         text = login.decode("utf-8", errors="replace")
         shown = text if self.config.log.unmask else auth_.mask_user(text)
         if name is not None:
-            log_event(log, logging.INFO, "auth_ok", "client authenticated", user=shown,
-                      mechanism=mechanism, peer=peer, listener=lst.name,
-                      tls=session.ssl is not None)
+            log_event(
+                log,
+                logging.INFO,
+                "auth_ok",
+                "client authenticated",
+                user=shown,
+                mechanism=mechanism,
+                peer=peer,
+                listener=lst.name,
+                tls=session.ssl is not None,
+            )
             # aiosmtpd stores this as session.auth_data: _namespace makes it `user:<name>`
             return AuthResult(success=True, auth_data=name)
         proto.relay_auth_failures += 1
@@ -121,9 +129,18 @@ class AuthMechanisms:
         if self.stats.metrics is not None:
             self.stats.metrics.auth_failures.inc()
         verdict = self.guard.auth_failed(peer, lst.name)
-        log_event(log, logging.WARNING, "auth_failed", "authentication failed", user=shown,
-                  mechanism=mechanism, peer=peer, listener=lst.name,
-                  failures=proto.relay_auth_failures, failures_from_peer=verdict.failures)
+        log_event(
+            log,
+            logging.WARNING,
+            "auth_failed",
+            "authentication failed",
+            user=shown,
+            mechanism=mechanism,
+            peer=peer,
+            listener=lst.name,
+            failures=proto.relay_auth_failures,
+            failures_from_peer=verdict.failures,
+        )
         if verdict.banned_until is not None:
             return AuthResult(success=False, handled=False, message=BANNED)
         if proto.relay_auth_failures >= auth_.MAX_FAILURES:

@@ -37,31 +37,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"relay {__version__}")
     # -c and --json work before the verb (`relay -c FILE queue list`) and after it: the
     # verb's copies default to SUPPRESS so they never overwrite what was given before it
-    p.add_argument("-c", "--config", help="config file (else $RELAY_CONFIG, else "
-                   "/etc/relay/relay.yaml)")
+    p.add_argument(
+        "-c", "--config", help="config file (else $RELAY_CONFIG, else /etc/relay/relay.yaml)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", default=argparse.SUPPRESS,
-                        help="config file (else $RELAY_CONFIG, else /etc/relay/relay.yaml)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output")
+    common.add_argument(
+        "-c",
+        "--config",
+        default=argparse.SUPPRESS,
+        help="config file (else $RELAY_CONFIG, else /etc/relay/relay.yaml)",
+    )
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
-    sub.add_parser("check-config", parents=[common],
-                   help="validate the config and print it, secrets redacted")
+    sub.add_parser(
+        "check-config", parents=[common], help="validate the config and print it, secrets redacted"
+    )
     sub.add_parser("stats", parents=[common], help="queue counts and destination state")
-    sub.add_parser("status", parents=[common],
-                   help="health, as a monitoring plugin: exit 0 OK, 1 WARNING, 2 CRITICAL,"
-                   " 3 UNKNOWN")
+    sub.add_parser(
+        "status",
+        parents=[common],
+        help="health, as a monitoring plugin: exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN",
+    )
     al = sub.add_parser("alerts", parents=[common], help="the newest alerts and their sinks")
     al.add_argument("--limit", type=int, default=20)
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
-        dest="qcmd", required=True)
+        dest="qcmd", required=True
+    )
     ql = q.add_parser("list", parents=[common], help="list messages (default: unfinished)")
-    ql.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent",
-                                        "failed"])
+    ql.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent", "failed"])
     ql.add_argument("--all", action="store_true", help="include finished messages")
     ql.add_argument("--recipient", help="only messages to this address")
     ql.add_argument("--domain", help="only messages with a recipient at this domain")
@@ -69,28 +78,37 @@ def _parser() -> argparse.ArgumentParser:
     qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
     qs.add_argument("id")
     qs.add_argument("--body", action="store_true", help="also print the message itself")
-    qr = q.add_parser("retry", parents=[common],
-                      help="make messages due now, attempts reset")
+    qr = q.add_parser("retry", parents=[common], help="make messages due now, attempts reset")
     qr.add_argument("ids", nargs="*")
-    qr.add_argument("--failed", action="store_true",
-                    help="every dead letter (bounced/failed recipients)")
+    qr.add_argument(
+        "--failed", action="store_true", help="every dead letter (bounced/failed recipients)"
+    )
     _bulk_options(qr)
-    for name, helptext in (("delete", "remove messages from the queue"),
-                           ("hold", "park messages; they are not delivered until released"),
-                           ("release", "release held messages (due now)")):
+    for name, helptext in (
+        ("delete", "remove messages from the queue"),
+        ("hold", "park messages; they are not delivered until released"),
+        ("release", "release held messages (due now)"),
+    ):
         x = q.add_parser(name, parents=[common], help=helptext)
         x.add_argument("ids", nargs="*")
         _bulk_options(x)
     q.add_parser("flush", parents=[common], help="every deferred recipient due now")
-    qp = q.add_parser("purge", parents=[common],
-                      help="delete finished messages (and their bodies) older than a duration")
+    qp = q.add_parser(
+        "purge",
+        parents=[common],
+        help="delete finished messages (and their bodies) older than a duration",
+    )
     qp.add_argument("--older-than", required=True, help="e.g. 1h, 2d; 0 = every finished one")
     qp.add_argument("--dry-run", action="store_true", help="only count them")
-    q.add_parser("summary", parents=[common],
-                 help="unfinished recipients by destination and age (like qshape)")
+    q.add_parser(
+        "summary",
+        parents=[common],
+        help="unfinished recipients by destination and age (like qshape)",
+    )
 
     s = sub.add_parser("suppression", help="the suppression list").add_subparsers(
-        dest="scmd", required=True)
+        dest="scmd", required=True
+    )
     s.add_parser("list", parents=[common])
     sa = s.add_parser("add", parents=[common])
     sa.add_argument("address")
@@ -98,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     sr = s.add_parser("remove", parents=[common])
     sr.add_argument("address")
 
-    d = sub.add_parser("destination", help="per-destination state and controls"
-                       ).add_subparsers(dest="dcmd", required=True)
+    d = sub.add_parser("destination", help="per-destination state and controls").add_subparsers(
+        dest="dcmd", required=True
+    )
     d.add_parser("list", parents=[common])
     ds = d.add_parser("suspend", parents=[common])
     ds.add_argument("name")
@@ -107,15 +126,18 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--reason", default="suspended by operator")
     dr = d.add_parser("resume", parents=[common])
     dr.add_argument("name")
-    dx = d.add_parser("reset", parents=[common],
-                      help="close the circuit and clear any slow-down, now")
+    dx = d.add_parser(
+        "reset", parents=[common], help="close the circuit and clear any slow-down, now"
+    )
     dx.add_argument("name")
 
-    a = sub.add_parser("auth", help="inbound AUTH users").add_subparsers(
-        dest="acmd", required=True)
-    ah = a.add_parser("hash", parents=[common],
-                      help="read a password on stdin (no echo on a terminal) and print its"
-                      " hash for a listen[].auth.users_file line")
+    a = sub.add_parser("auth", help="inbound AUTH users").add_subparsers(dest="acmd", required=True)
+    ah = a.add_parser(
+        "hash",
+        parents=[common],
+        help="read a password on stdin (no echo on a terminal) and print its"
+        " hash for a listen[].auth.users_file line",
+    )
     ah.add_argument("-u", "--user", help="print the whole `USER:hash` line")
     return p
 
@@ -128,10 +150,13 @@ def _auth_hash(args: argparse.Namespace) -> int:
     from relay.auth import hash_password
 
     user = args.user
-    if user is not None and (not user or user != user.strip() or user.startswith("#")
-                             or any(c in user for c in "\r\n\0")):
-        print("relay: --user must be a name without surrounding spaces, line breaks or a"
-              " leading #", file=sys.stderr)
+    if user is not None and (
+        not user or user != user.strip() or user.startswith("#") or any(c in user for c in "\r\n\0")
+    ):
+        print(
+            "relay: --user must be a name without surrounding spaces, line breaks or a leading #",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         if sys.stdin.isatty():
@@ -189,11 +214,15 @@ def _status(args: argparse.Namespace, spool: Any) -> int:
     if doc.get("status") != "unknown":
         age = time.time() - float(doc.get("updated_ts", 0))
         if not _alive(doc.get("pid")):
-            doc = {"status": "unknown",
-                   "detail": f"daemon not running (pid {doc.get('pid')} is gone)"}
+            doc = {
+                "status": "unknown",
+                "detail": f"daemon not running (pid {doc.get('pid')} is gone)",
+            }
         elif age > STALE_AFTER:
-            doc = {"status": "unknown",
-                   "detail": f"daemon not responding (health last updated {age:.0f}s ago)"}
+            doc = {
+                "status": "unknown",
+                "detail": f"daemon not responding (health last updated {age:.0f}s ago)",
+            }
     code, text = plugin_output(doc)
     if args.json:
         doc = {**doc, "exit_code": code}
@@ -252,14 +281,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         conn.close()
 
 
-def _act(conn: sqlite3.Connection, action: str, detail: dict[str, Any],
-         fn: Callable[[sqlite3.Connection], T]) -> T:
+def _act(
+    conn: sqlite3.Connection,
+    action: str,
+    detail: dict[str, Any],
+    fn: Callable[[sqlite3.Connection], T],
+) -> T:
     """One operator change and its audit record, in one transaction; logged to stderr as an
     `operator_action` line for the journal too."""
     with db.transaction(conn):
         res = fn(conn)
-        ops.log_operator(conn, action, {**detail, "result": res if isinstance(res, int | bool)
-                                        else None}, time.time())
+        ops.log_operator(
+            conn,
+            action,
+            {**detail, "result": res if isinstance(res, int | bool) else None},
+            time.time(),
+        )
     log_event(log, logging.INFO, "operator_action", action, **detail)
     return res
 
@@ -273,21 +310,27 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
         return
     for m in msgs:
         for r in m["recipients"]:
-            route = routing.match(sender=m.get("sender") or "", recipient=r["address"],
-                                  client=m.get("client") or "", listener=m.get("listener"))
+            route = routing.match(
+                sender=m.get("sender") or "",
+                recipient=r["address"],
+                client=m.get("client") or "",
+                listener=m.get("listener"),
+            )
             if not route.mx:
                 r["destination"] = route.via[0]
 
 
-def _waiting_by_destination(args: argparse.Namespace, conn: sqlite3.Connection
-                            ) -> list[tuple[str, float]]:
+def _waiting_by_destination(
+    args: argparse.Namespace, conn: sqlite3.Connection
+) -> list[tuple[str, float]]:
     """(destination as delivery names it, message arrival) of every unfinished recipient."""
     routing = getattr(args, "routing", None)
     out = []
     for dest, address, sender, client, listener, created in ops.waiting_recipients(conn):
         if routing is not None and routing.routes:
-            route = routing.match(sender=sender, recipient=address, client=client,
-                                  listener=listener)
+            route = routing.match(
+                sender=sender, recipient=address, client=client, listener=listener
+            )
             if not route.mx:
                 dest = route.via[0]
         out.append((dest, created))
@@ -296,10 +339,12 @@ def _waiting_by_destination(args: argparse.Namespace, conn: sqlite3.Connection
 
 def _bulk_options(p: argparse.ArgumentParser) -> None:
     """postsuper-style bulk selection: `--all` with optional filters, `--dry-run`."""
-    p.add_argument("--all", action="store_true",
-                   help="every message matching the filters (like postsuper -d ALL)")
-    p.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent",
-                                       "failed"])
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every message matching the filters (like postsuper -d ALL)",
+    )
+    p.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent", "failed"])
     p.add_argument("--domain", help="with --all: a recipient at this domain")
     p.add_argument("--recipient", help="with --all: this recipient")
     p.add_argument("--older-than", help="with --all: older than this (e.g. 1h)")
@@ -309,9 +354,15 @@ def _bulk_options(p: argparse.ArgumentParser) -> None:
 def _select(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> list[str]:
     """The message ids a bulk command (`--all` + filters) acts on."""
     older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-    msgs = ops.list_messages(conn, state=args.state, include_finished=args.qcmd == "delete",
-                             recipient=args.recipient, domain=args.domain, older_than=older,
-                             now=now)
+    msgs = ops.list_messages(
+        conn,
+        state=args.state,
+        include_finished=args.qcmd == "delete",
+        recipient=args.recipient,
+        domain=args.domain,
+        older_than=older,
+        now=now,
+    )
     return [m["id"] for m in msgs]
 
 
@@ -327,11 +378,18 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
             _print_json(rows)
         else:
             for a in rows:
-                state = "sent" if a["sent_at"] else (
-                    f"pending {','.join(a['pending_sinks'])}"
-                    + (f" ({a['last_error']})" if a["last_error"] else ""))
-                print(f"{a['last_at']} {a['severity']:<8} {a['event']:<20} x{a['count']:<4}"
-                      f" {a['summary']}  [{state}]")
+                state = (
+                    "sent"
+                    if a["sent_at"]
+                    else (
+                        f"pending {','.join(a['pending_sinks'])}"
+                        + (f" ({a['last_error']})" if a["last_error"] else "")
+                    )
+                )
+                print(
+                    f"{a['last_at']} {a['severity']:<8} {a['event']:<20} x{a['count']:<4}"
+                    f" {a['summary']}  [{state}]"
+                )
         return EXIT_OK
     if args.cmd == "queue":
         return _queue(args, conn, spool, now)
@@ -349,9 +407,15 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     c = args.qcmd
     if c == "list":
         older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-        msgs = ops.list_messages(conn, state=args.state, include_finished=args.all,
-                                 recipient=args.recipient, domain=args.domain,
-                                 older_than=older, now=now)
+        msgs = ops.list_messages(
+            conn,
+            state=args.state,
+            include_finished=args.all,
+            recipient=args.recipient,
+            domain=args.domain,
+            older_than=older,
+            now=now,
+        )
         _destinations_as_delivered(args, msgs)
         if args.json:
             _print_json(msgs)
@@ -377,6 +441,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     if c == "summary":
         return _summary(args, conn, now)
     if c == "flush":
+
         def flush(x: sqlite3.Connection) -> int:
             ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
             return ops.flush(x, now)
@@ -392,8 +457,12 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         # data minimisation: bodies hold reset links and one-time codes
         found = ops.finished_before(conn, now - age)
         if not args.dry_run and found:
-            paths = _act(conn, "purge", {"older_than": args.older_than, "messages": len(found)},
-                         lambda x: ops.delete_messages(x, found))
+            paths = _act(
+                conn,
+                "purge",
+                {"older_than": args.older_than, "messages": len(found)},
+                lambda x: ops.delete_messages(x, found),
+            )
             bodies.delete_bodies(spool, paths)
         if args.json:
             _print_json({"action": "purge", "dry_run": args.dry_run, "messages": len(found)})
@@ -402,12 +471,10 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
         return EXIT_OK
     ids: list[str] = list(getattr(args, "ids", []) or [])
-    filters = [f for f in ("state", "domain", "recipient", "older_than")
-               if getattr(args, f, None)]
+    filters = [f for f in ("state", "domain", "recipient", "older_than") if getattr(args, f, None)]
     if getattr(args, "all", False):
         if ids:
-            print(f"relay: queue {c}: --all selects with filters; give it no IDs",
-                  file=sys.stderr)
+            print(f"relay: queue {c}: --all selects with filters; give it no IDs", file=sys.stderr)
             return EXIT_USAGE
         try:
             ids = _select(args, conn, now)
@@ -437,12 +504,18 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     if c == "retry":
         target = ids or None
         for qid, addr, reason in ops.suppressed_recipients(conn, target, args.failed):
-            print(f"relay: {qid}: {printable(addr)} is on the suppression list"
-                  f" ({printable(reason)}) and is not retried; lift it with"
-                  f" `relay suppression remove {printable(addr)}` and retry again",
-                  file=sys.stderr)
-        n = _act(conn, "retry", {"ids": ids, "failed": args.failed},
-                 lambda x: ops.retry(x, target, now, failed_only=args.failed))
+            print(
+                f"relay: {qid}: {printable(addr)} is on the suppression list"
+                f" ({printable(reason)}) and is not retried; lift it with"
+                f" `relay suppression remove {printable(addr)}` and retry again",
+                file=sys.stderr,
+            )
+        n = _act(
+            conn,
+            "retry",
+            {"ids": ids, "failed": args.failed},
+            lambda x: ops.retry(x, target, now, failed_only=args.failed),
+        )
         return _done(args, "retry", n, ids)
     if c == "delete":
         paths = _act(conn, "delete", {"ids": ids}, lambda x: ops.delete_messages(x, ids))
@@ -466,8 +539,14 @@ def _done(args: argparse.Namespace, action: str, n: int, ids: list[str]) -> int:
     return EXIT_OK
 
 
-AGE_BUCKETS = [(300, "5m"), (3600, "1h"), (4 * 3600, "4h"), (86400, "1d"),
-               (3 * 86400, "3d"), (float("inf"), "older")]
+AGE_BUCKETS = [
+    (300, "5m"),
+    (3600, "1h"),
+    (4 * 3600, "4h"),
+    (86400, "1d"),
+    (3 * 86400, "3d"),
+    (float("inf"), "older"),
+]
 
 
 def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
@@ -478,9 +557,14 @@ def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> 
         idx = next(i for i, (lim, _l) in enumerate(AGE_BUCKETS) if age < lim)
         table.setdefault(dest, [0] * len(AGE_BUCKETS))[idx] += 1
     if args.json:
-        _print_json({"buckets": [label for _l, label in AGE_BUCKETS],
-                     "destinations": {d: {"total": sum(v), "by_age": v}
-                                      for d, v in sorted(table.items())}})
+        _print_json(
+            {
+                "buckets": [label for _l, label in AGE_BUCKETS],
+                "destinations": {
+                    d: {"total": sum(v), "by_age": v} for d, v in sorted(table.items())
+                },
+            }
+        )
         return EXIT_OK
     labels = [label for _l, label in AGE_BUCKETS]
     print(f"{'destination':<32} {'total':>6} " + " ".join(f"{lb:>6}" for lb in labels))
@@ -506,23 +590,29 @@ def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             for r in rows:
                 # printable(): an address or reason spooled before addresses were checked
                 # may hold control characters; never write them raw to a terminal.
-                print(f"{printable(r['address']):<40} {r['created_at']}  "
-                      f"{printable(r['reason'] or '')}")
+                print(
+                    f"{printable(r['address']):<40} {r['created_at']}  "
+                    f"{printable(r['reason'] or '')}"
+                )
             print(f"-- {len(rows)} suppressed address{'es' if len(rows) != 1 else ''}")
         return EXIT_OK
     addr = args.address.strip().strip("<>")
     try:
         check_mailbox(addr)
     except AddressError as e:
-        print(f"relay: '{printable(args.address)}' is not an email address: {e}",
-              file=sys.stderr)
+        print(f"relay: '{printable(args.address)}' is not an email address: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.scmd == "add":
-        ok = _act(conn, "suppression_add", {"address": addr},
-                  lambda x: ops.suppression_add(x, addr, args.reason, now))
+        ok = _act(
+            conn,
+            "suppression_add",
+            {"address": addr},
+            lambda x: ops.suppression_add(x, addr, args.reason, now),
+        )
     else:
-        ok = _act(conn, "suppression_remove", {"address": addr},
-                  lambda x: ops.suppression_remove(x, addr))
+        ok = _act(
+            conn, "suppression_remove", {"address": addr}, lambda x: ops.suppression_remove(x, addr)
+        )
     if args.json:
         _print_json({"action": args.scmd, "address": addr, "changed": ok})
     elif ok:
@@ -557,36 +647,47 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
         if args.json:
             _print_json(out)
         else:
-            print(f"{'destination':<28} {'queued':>7} {'rate/s':>8} {'conns':>6} "
-                  f"{'circuit':<10} {'today':>7} {'limit':>7}  suspended")
+            print(
+                f"{'destination':<28} {'queued':>7} {'rate/s':>8} {'conns':>6} "
+                f"{'circuit':<10} {'today':>7} {'limit':>7}  suspended"
+            )
             for i in out:
                 rate = i.get("effective_rate")
-                print(f"{i['name'][:28]:<28} {i['queued_recipients']:>7} "
-                      f"{'-' if rate is None else f'{rate:.2f}':>8} "
-                      f"{i.get('effective_connections', '-')!s:>6} "
-                      f"{i.get('circuit', '-')!s:<10} {i.get('delivered_today', 0)!s:>7} "
-                      f"{i.get('daily_limit') or '-'!s:>7}  "
-                      f"{i.get('suspended_until') or ''}")
+                print(
+                    f"{i['name'][:28]:<28} {i['queued_recipients']:>7} "
+                    f"{'-' if rate is None else f'{rate:.2f}':>8} "
+                    f"{i.get('effective_connections', '-')!s:>6} "
+                    f"{i.get('circuit', '-')!s:<10} {i.get('delivered_today', 0)!s:>7} "
+                    f"{i.get('daily_limit') or '-'!s:>7}  "
+                    f"{i.get('suspended_until') or ''}"
+                )
         return EXIT_OK
     name = args.name.lower()
     if args.dcmd == "suspend":
         seconds = parse_duration(args.duration, "--for")
         until = now + seconds
-        _act(conn, "destination_suspend", {"name": name, "until": until},
-             lambda x: ops.suspend_destination(x, name, until, args.reason))
+        _act(
+            conn,
+            "destination_suspend",
+            {"name": name, "until": until},
+            lambda x: ops.suspend_destination(x, name, until, args.reason),
+        )
         if args.json:
             _print_json({"action": "suspend", "name": name, "until": _iso(until)})
         else:
             print(f"suspended {name} until {_iso(until)}")
         return EXIT_OK
     if args.dcmd == "reset":
-        n = _act(conn, "destination_reset", {"name": name},
-                 lambda x: ops.reset_destination(x, name, now))
+        n = _act(
+            conn, "destination_reset", {"name": name}, lambda x: ops.reset_destination(x, name, now)
+        )
         if args.json:
             _print_json({"action": "reset", "name": name, "recipients_due_now": n})
         else:
-            print(f"reset {name}: circuit closed and slow-down cleared (the daemon acts within"
-                  f" a second); {n} recipients that waited for the circuit are due now")
+            print(
+                f"reset {name}: circuit closed and slow-down cleared (the daemon acts within"
+                f" a second); {n} recipients that waited for the circuit are due now"
+            )
         return EXIT_OK
 
     def resume(x: sqlite3.Connection) -> int:
@@ -606,8 +707,11 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
     runtime = ops.get_runtime(conn, "daemon")
     if runtime is not None:
         live, updated = runtime
-        st["daemon"] = {**live, "snapshot_age_seconds": round(now - updated, 1),
-                        "running": _alive(live.get("pid")) and now - updated < STALE_AFTER}
+        st["daemon"] = {
+            **live,
+            "snapshot_age_seconds": round(now - updated, 1),
+            "running": _alive(live.get("pid")) and now - updated < STALE_AFTER,
+        }
     else:
         st["daemon"] = None
     if args.json:
@@ -621,22 +725,30 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
     print(f"suppressed addresses: {st['suppressed_addresses']}, dedup keys: {st['dedup_keys']}")
     d = st["daemon"]
     if d and not d["running"]:
-        print(f"daemon: NOT RUNNING (pid {d.get('pid')} gone or silent; the last snapshot"
-              f" is {d['snapshot_age_seconds']:.0f}s old and shown below as it was)")
+        print(
+            f"daemon: NOT RUNNING (pid {d.get('pid')} gone or silent; the last snapshot"
+            f" is {d['snapshot_age_seconds']:.0f}s old and shown below as it was)"
+        )
     if d:
-        print(f"daemon pid {d.get('pid')} (snapshot {d['snapshot_age_seconds']}s old),"
-              f" in flight {d.get('inflight')}")
+        print(
+            f"daemon pid {d.get('pid')} (snapshot {d['snapshot_age_seconds']}s old),"
+            f" in flight {d.get('inflight')}"
+        )
         for name, info in sorted(d.get("destinations", {}).items()):
             lim = info.get("daily_limit")
-            print(f"  {name}: rate {info.get('effective_rate') or 'unlimited'}"
-                  f" (configured {info.get('configured_rate') or 'unlimited'}),"
-                  f" connections {info.get('effective_connections')}/"
-                  f"{info.get('max_connections')}, circuit {info.get('circuit')},"
-                  f" today {info.get('delivered_today')}"
-                  f"{f'/{lim}' if lim is not None else ''}")
+            print(
+                f"  {name}: rate {info.get('effective_rate') or 'unlimited'}"
+                f" (configured {info.get('configured_rate') or 'unlimited'}),"
+                f" connections {info.get('effective_connections')}/"
+                f"{info.get('max_connections')}, circuit {info.get('circuit')},"
+                f" today {info.get('delivered_today')}"
+                f"{f'/{lim}' if lim is not None else ''}"
+            )
         for name, info in sorted(d.get("identities", {}).items()):
-            print(f"  identity {name}: today {info['today']}"
-                  f"/{info['limit'] if info['limit'] is not None else 'unlimited'}")
+            print(
+                f"  identity {name}: today {info['today']}"
+                f"/{info['limit'] if info['limit'] is not None else 'unlimited'}"
+            )
     else:
         print("daemon: no snapshot (not running yet?)")
     return EXIT_OK
@@ -657,13 +769,17 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
     if not msgs:
         print("Mail queue is empty")
         return
-    print(f"{'-Queue ID-':<18} {'-State-':<9} {'--Size--':>8} {'----Arrival Time----':<21}"
-          f" -Sender/Recipient-------")
+    print(
+        f"{'-Queue ID-':<18} {'-State-':<9} {'--Size--':>8} {'----Arrival Time----':<21}"
+        f" -Sender/Recipient-------"
+    )
     total = 0
     for m in msgs:
         total += m["size"]
-        print(f"{m['id']:<18} {m['state']:<9} {m['size']:>8} {m['created_at']:<21}"
-              f" {printable(m['sender'] or '<>')}")
+        print(
+            f"{m['id']:<18} {m['state']:<9} {m['size']:>8} {m['created_at']:<21}"
+            f" {printable(m['sender'] or '<>')}"
+        )
         for r in m["recipients"]:
             if r["last_reply"] and r["state"] not in ("delivered",):
                 print(f"{'':<59}({printable(r['last_reply'][:100])})")
@@ -673,22 +789,37 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
 
 
 def _print_show(msg: dict[str, Any]) -> None:
-    for k in ("id", "state", "message_id", "sender", "size", "created_at", "lane",
-              "identity", "client", "peer", "next_attempt_at"):
+    for k in (
+        "id",
+        "state",
+        "message_id",
+        "sender",
+        "size",
+        "created_at",
+        "lane",
+        "identity",
+        "client",
+        "peer",
+        "next_attempt_at",
+    ):
         value = msg.get(k)
         print(f"{k + ':':<17}{'-' if value is None else printable(str(value))}")
     print("recipients:")
     for r in msg["recipients"]:
-        print(f"  {printable(r['address'])}  {r['state']}  attempts={r['attempts']}"
-              f"  next={r['next_attempt_at'] or '-'}")
+        print(
+            f"  {printable(r['address'])}  {r['state']}  attempts={r['attempts']}"
+            f"  next={r['next_attempt_at'] or '-'}"
+        )
         if r["last_reply"]:
             print(f"      last reply: {printable(r['last_reply'])}")
         if r.get("reason"):
             print(f"      waiting: {r['reason']}")
     print("attempt log:")
     for a in msg["attempt_log"]:
-        print(f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}  {a['host'] or '-'}"
-              f"  {printable(a['reply'] or '')}")
+        print(
+            f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}  {a['host'] or '-'}"
+            f"  {printable(a['reply'] or '')}"
+        )
     print("headers:")
     for line in msg["headers"].splitlines():
         print(f"  {printable(line)}")

@@ -75,16 +75,29 @@ DEFAULTS: dict[str, Any] = {
             "username": None,
             "password_file": None,
         },
-        "mx": {"port": 25, "tls": "opportunistic", "verify": False, "nameservers": None,
-               "dns_timeout": "10s"},
+        "mx": {
+            "port": 25,
+            "tls": "opportunistic",
+            "verify": False,
+            "nameservers": None,
+            "dns_timeout": "10s",
+        },
     },
-    "retry": {"schedule": ["1m", "5m", "30m", "2h"], "max_age": "5d", "min_delay": "1s",
-              "warn_after": "4h"},
+    "retry": {
+        "schedule": ["1m", "5m", "30m", "2h"],
+        "max_age": "5d",
+        "min_delay": "1s",
+        "warn_after": "4h",
+    },
     "timeouts": {"connect": "10s", "command": "30s", "data": "120s"},
     "destinations": {"*": {}},
     "identities": {},
-    "shaping": {"window_tz": "UTC", "window_length": None, "identity_by": "sender_domain",
-                "rules": None},
+    "shaping": {
+        "window_tz": "UTC",
+        "window_length": None,
+        "identity_by": "sender_domain",
+        "rules": None,
+    },
     "lanes": {
         "rules": [],
         "transactional": {"share": 1.0},
@@ -92,9 +105,14 @@ DEFAULTS: dict[str, Any] = {
     },
     "delivery": {"workers": 50, "batch": 200, "poll_interval": "1s"},
     "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
-    "health": {"disk_free_warning": "10%", "disk_free_critical": "5%",
-               "queue_age_warning": "30m", "queue_age_critical": "4h", "stall_after": "10m",
-               "dead_letters_warning": 50},
+    "health": {
+        "disk_free_warning": "10%",
+        "disk_free_critical": "5%",
+        "queue_age_warning": "30m",
+        "queue_age_critical": "4h",
+        "stall_after": "10m",
+        "dead_letters_warning": 50,
+    },
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
     "admin": {"listen": "127.0.0.1:9025"},
@@ -130,12 +148,30 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB|k|K|M|G)?\s*$")
 _SIZE_UNITS = {
-    None: 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "k": 1024, "K": 1024,
-    "KiB": 1024, "M": 1024**2, "MiB": 1024**2, "G": 1024**3, "GiB": 1024**3,
+    None: 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "k": 1024,
+    "K": 1024,
+    "KiB": 1024,
+    "M": 1024**2,
+    "MiB": 1024**2,
+    "G": 1024**3,
+    "GiB": 1024**3,
 }
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|m|min|h|hour|d|day)\s*$")
-_RATE_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400,
-               "day": 86400}
+_RATE_UNITS = {
+    "s": 1,
+    "sec": 1,
+    "m": 60,
+    "min": 60,
+    "h": 3600,
+    "hour": 3600,
+    "d": 86400,
+    "day": 86400,
+}
 
 
 def parse_duration(value: object, key: str) -> float:
@@ -153,7 +189,7 @@ def parse_duration(value: object, key: str) -> float:
 
 
 def parse_percent(value: object, key: str) -> float:
-    """"10%" or 10 (percent, 0 to 100)."""
+    """ "10%" or 10 (percent, 0 to 100)."""
     v: object = value
     if isinstance(v, str) and v.endswith("%"):
         try:
@@ -188,8 +224,9 @@ def _webhook(item: object, base: Path) -> Webhook | None:
         try:
             secret = secret_file.read_bytes().strip()
         except OSError as e:
-            raise ConfigError(f"alerts.webhook.secret_file: cannot read {secret_file}:"
-                              f" {e.strerror or e}") from None
+            raise ConfigError(
+                f"alerts.webhook.secret_file: cannot read {secret_file}: {e.strerror or e}"
+            ) from None
         if not secret:
             raise ConfigError(f"alerts.webhook.secret_file: {secret_file} is empty")
     timeout = 10.0 if r.get("timeout") is None else r.duration("timeout")
@@ -317,8 +354,9 @@ class _Reader:
         others = [str(k) for k in self.data if k not in self.used and k != name]
         close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
         if close:
-            raise ConfigError(f"{self.key(close[0])}: unknown key {close[0]!r}"
-                              f" (did you mean {name!r}?)")
+            raise ConfigError(
+                f"{self.key(close[0])}: unknown key {close[0]!r} (did you mean {name!r}?)"
+            )
 
     def finish(self) -> None:
         unknown = [str(k) for k in self.data if k not in self.used]
@@ -326,8 +364,10 @@ class _Reader:
             return
         name = unknown[0]
         if name == "password" or name.endswith("_password"):
-            raise ConfigError(f"{self.key(name)}: unknown key: secrets are never inline; put"
-                              " it in a file and name the file with 'password_file'")
+            raise ConfigError(
+                f"{self.key(name)}: unknown key: secrets are never inline; put"
+                " it in a file and name the file with 'password_file'"
+            )
         close = difflib.get_close_matches(name, sorted(self.used), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{self.key(name)}: unknown key {name!r}{hint}")
@@ -563,8 +603,9 @@ class Local:
 
         def walk(addr: str, depth: int) -> None:
             local, _at, domain = addr.rpartition("@")
-            targets = (self.aliases.get(local.lower())
-                       if domain.lower() == self.domain.lower() else None)
+            targets = (
+                self.aliases.get(local.lower()) if domain.lower() == self.domain.lower() else None
+            )
             if targets is None or depth >= 8:
                 if addr.lower() not in (a.lower() for a in out):
                     out.append(addr)
@@ -602,8 +643,9 @@ def parse_aliases(text: str, domain: str, key: str) -> dict[str, tuple[str, ...]
             if not t:
                 continue
             if t[0] in "|/" or t.startswith(":include:"):
-                raise ConfigError(f"{key}: line {n}: {t!r}: only addresses (no pipes, files"
-                                  " or :include:)")
+                raise ConfigError(
+                    f"{key}: line {n}: {t!r}: only addresses (no pipes, files or :include:)"
+                )
             try:
                 if "@" in t:
                     check_mailbox(t)
@@ -683,8 +725,10 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     except OSError as e:
         how = ""
         if not path and not os.environ.get("RELAY_CONFIG"):
-            how = (" (no -c FILE given and $RELAY_CONFIG not set: point at a config with"
-                   " `-c FILE` or `RELAY_CONFIG=FILE`; `make run` uses conf/relay.yaml)")
+            how = (
+                " (no -c FILE given and $RELAY_CONFIG not set: point at a config with"
+                " `-c FILE` or `RELAY_CONFIG=FILE`; `make run` uses conf/relay.yaml)"
+            )
         raise ConfigError(f"config: cannot read {p}: {e.strerror or e}{how}") from None
     try:
         data = yaml.safe_load(text)
@@ -755,8 +799,9 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     listen_raw = top.get("listen")
     if not isinstance(listen_raw, list) or not listen_raw:
         raise ConfigError("listen: expected a non-empty list of listeners")
-    listeners = tuple(_listener(item, f"listen[{i}]", base_dir)
-                      for i, item in enumerate(listen_raw))
+    listeners = tuple(
+        _listener(item, f"listen[{i}]", base_dir) for i, item in enumerate(listen_raw)
+    )
 
     spool = _Reader(top.get("spool"), "spool")
     spool_path = spool.path_("path", base_dir)
@@ -787,8 +832,10 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         min_data_rate_window=lim.duration("min_data_rate_window"),
     )
     if limits.allowed_reserve >= limits.max_connections:
-        raise ConfigError(f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
-                          f" limits.max_connections ({limits.max_connections})")
+        raise ConfigError(
+            f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
+            f" limits.max_connections ({limits.max_connections})"
+        )
     if limits.command_timeout <= 0:
         raise ConfigError("limits.command_timeout: must be more than 0")
     if limits.min_data_rate and limits.min_data_rate_window <= 0:
@@ -811,12 +858,22 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     smart = upstream.smarthost
     try:
         route_table = routing.parse(
-            top.get("upstreams"), top.get("routes"), mode=upstream.mode,
+            top.get("upstreams"),
+            top.get("routes"),
+            mode=upstream.mode,
             smarthost=routing.UpstreamHost(
-                name="smarthost", host=smart.host, port=smart.port, tls=smart.tls,
-                verify=smart.verify, ca_file=smart.ca_file, username=smart.username,
-                password=smart.password),
-            base=base_dir, read_secret=_read_secret)
+                name="smarthost",
+                host=smart.host,
+                port=smart.port,
+                tls=smart.tls,
+                verify=smart.verify,
+                ca_file=smart.ca_file,
+                username=smart.username,
+                password=smart.password,
+            ),
+            base=base_dir,
+            read_secret=_read_secret,
+        )
     except routing.RouteConfigError as e:
         raise ConfigError(str(e)) from None
 
@@ -906,34 +963,34 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
 
     dl = _Reader(top.get("delivery"), "delivery")
     delivery = Delivery(
-        workers=dl.integer("workers", 1), batch=dl.integer("batch", 1),
+        workers=dl.integer("workers", 1),
+        batch=dl.integer("batch", 1),
         poll_interval=dl.duration("poll_interval"),
     )
     dl.finish()
 
     al = _Reader(top.get("alerts"), "alerts")
-    alerts = Alerts(command=al.opt_str("command"), timeout=al.duration("timeout"),
-                    coalesce=al.duration("coalesce"),
-                    webhook=_webhook(al.get("webhook"), base_dir))
+    alerts = Alerts(
+        command=al.opt_str("command"),
+        timeout=al.duration("timeout"),
+        coalesce=al.duration("coalesce"),
+        webhook=_webhook(al.get("webhook"), base_dir),
+    )
     al.finish()
 
     he = _Reader(top.get("health"), "health")
     health = Health(
-        disk_free_warning=parse_percent(he.get("disk_free_warning"),
-                                        "health.disk_free_warning"),
-        disk_free_critical=parse_percent(he.get("disk_free_critical"),
-                                         "health.disk_free_critical"),
+        disk_free_warning=parse_percent(he.get("disk_free_warning"), "health.disk_free_warning"),
+        disk_free_critical=parse_percent(he.get("disk_free_critical"), "health.disk_free_critical"),
         queue_age_warning=he.duration("queue_age_warning"),
         queue_age_critical=he.duration("queue_age_critical"),
         stall_after=he.duration("stall_after"),
         dead_letters_warning=he.integer("dead_letters_warning", 1),
     )
     if health.disk_free_critical > health.disk_free_warning:
-        raise ConfigError("health.disk_free_critical: must not be above"
-                          " health.disk_free_warning")
+        raise ConfigError("health.disk_free_critical: must not be above health.disk_free_warning")
     if health.queue_age_critical < health.queue_age_warning:
-        raise ConfigError("health.queue_age_critical: must not be below"
-                          " health.queue_age_warning")
+        raise ConfigError("health.queue_age_critical: must not be below health.queue_age_warning")
     he.finish()
 
     ds = _Reader(top.get("dsn"), "dsn")
@@ -983,12 +1040,31 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     top.finish()
 
     return Config(
-        path=path, hostname=hostname, listen=listeners, spool_path=spool_path,
-        inline_max=inline_max, dedup_window=dedup_window, limits=limits, upstream=upstream,
-        retry=retry, timeouts=timeouts, destinations=destinations, identities=identities,
-        shaping=shaping, lanes=lanes, delivery=delivery, alerts=alerts, dsn=dsn,
-        admin_listen=admin_listen, log=log, shutdown_timeout=shutdown_timeout, raw=merged,
-        auth=auth_limits, local=local, retention=retention, health=health,
+        path=path,
+        hostname=hostname,
+        listen=listeners,
+        spool_path=spool_path,
+        inline_max=inline_max,
+        dedup_window=dedup_window,
+        limits=limits,
+        upstream=upstream,
+        retry=retry,
+        timeouts=timeouts,
+        destinations=destinations,
+        identities=identities,
+        shaping=shaping,
+        lanes=lanes,
+        delivery=delivery,
+        alerts=alerts,
+        dsn=dsn,
+        admin_listen=admin_listen,
+        log=log,
+        shutdown_timeout=shutdown_timeout,
+        raw=merged,
+        auth=auth_limits,
+        local=local,
+        retention=retention,
+        health=health,
         routing=route_table,
     )
 
@@ -1015,14 +1091,23 @@ def _listener(item: object, key: str, base: Path) -> Listener:
     require_tls = False if r.get("require_tls") is None else r.boolean("require_tls")
     if require_tls and tls is None:
         raise ConfigError(f"{key}.require_tls: needs {key}.tls (a certificate to offer)")
-    auth = None if r.get("auth") is None else _listener_auth(r.get("auth"), f"{key}.auth",
-                                                             base)
+    auth = None if r.get("auth") is None else _listener_auth(r.get("auth"), f"{key}.auth", base)
     if auth is not None and tls is None and not auth.allow_plaintext:
-        raise ConfigError(f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
-                          f" or set {key}.auth.allow_plaintext: true (loopback only)")
+        raise ConfigError(
+            f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
+            f" or set {key}.auth.allow_plaintext: true (loopback only)"
+        )
     r.finish()
-    return Listener(name=addr, host=host, port=port, allow=tuple(nets), lane=lane, tls=tls,
-                    require_tls=require_tls, auth=auth)
+    return Listener(
+        name=addr,
+        host=host,
+        port=port,
+        allow=tuple(nets),
+        lane=lane,
+        tls=tls,
+        require_tls=require_tls,
+        auth=auth,
+    )
 
 
 def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
@@ -1042,10 +1127,10 @@ def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
         if name == "cert_file":
             try:  # parses every certificate in the file; a leaf is fine here
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
-                    cadata=text)
+                    cadata=text
+                )
             except (ssl.SSLError, ValueError):
-                raise ConfigError(f"{key}.{name}: {path} holds no valid PEM certificate"
-                                  ) from None
+                raise ConfigError(f"{key}.{name}: {path} holds no valid PEM certificate") from None
         files[name] = path
     r.finish()
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
@@ -1055,9 +1140,11 @@ def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
     except (ssl.SSLError, OSError) as e:
         raise ConfigError(
             f"{key}.key_file: {files['key_file']} is not an unencrypted PEM private key for"
-            f" {key}.cert_file ({getattr(e, 'reason', None) or e})") from None
-    return ListenerTLS(cert_file=files["cert_file"], key_file=files["key_file"], context=ctx,
-                       mode=mode)
+            f" {key}.cert_file ({getattr(e, 'reason', None) or e})"
+        ) from None
+    return ListenerTLS(
+        cert_file=files["cert_file"], key_file=files["key_file"], context=ctx, mode=mode
+    )
 
 
 def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
@@ -1067,8 +1154,7 @@ def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
     path = r.path_("users_file", base)
     if path is None:
         raise ConfigError(f"{key}.users_file: required")
-    allow_plaintext = (False if r.get("allow_plaintext") is None
-                       else r.boolean("allow_plaintext"))
+    allow_plaintext = False if r.get("allow_plaintext") is None else r.boolean("allow_plaintext")
     r.finish()
     try:
         users = load_users(path)
@@ -1183,8 +1269,12 @@ def _identity(name: str, data: object) -> Identity:
     w = r.get("warmup")
     warm = None
     if w is not None:
-        wr = _Reader({"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
-                     if isinstance(w, Mapping) else w, f"{key}.warmup")
+        wr = _Reader(
+            {"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
+            if isinstance(w, Mapping)
+            else w,
+            f"{key}.warmup",
+        )
         start = wr.get("start")
         try:
             if start is None:

@@ -86,8 +86,9 @@ class Daemon:
         self.started_at = time.time()
         self.health = health.Model()
         self.refusal: str | None = None  # what inbound answers while the spool/disk is bad
-        self.alerts = alerts.Dispatcher(self.writer, lambda: self.config.alerts,
-                                        lambda: self.config.hostname, faults.now)
+        self.alerts = alerts.Dispatcher(
+            self.writer, lambda: self.config.alerts, lambda: self.config.hostname, faults.now
+        )
         self._spool_id: tuple[int, int] | None = None
         self._spool_gone = False
         self._commit_max = 0.0
@@ -104,29 +105,51 @@ class Daemon:
         self._spool_id = (st.st_dev, st.st_ino)
         await self.suppressions.refresh(self.writer)
         self.engine = Engine(
-            self.config, self.writer, metrics=self.metrics,
-            on_dead_letter=self._dead_letter, is_suppressed=self.suppressions.get,
-            on_suppressed=self.suppressions.add_local, clock=faults.now,
+            self.config,
+            self.writer,
+            metrics=self.metrics,
+            on_dead_letter=self._dead_letter,
+            is_suppressed=self.suppressions.get,
+            on_suppressed=self.suppressions.add_local,
+            clock=faults.now,
         )
         for lst in self.config.listen:
-            h = InboundHandler(self.config, lst, self.writer, self.suppressions,
-                               on_queued=self.engine.wake, stats=self.stats,
-                               guard=self.guard, gate=self._refusal)
+            h = InboundHandler(
+                self.config,
+                lst,
+                self.writer,
+                self.suppressions,
+                on_queued=self.engine.wake,
+                stats=self.stats,
+                guard=self.guard,
+                gate=self._refusal,
+            )
             tls: dict[str, Any] = {}
             if lst.tls is not None and lst.tls.implicit:  # RFC 8314 §3
-                tls = {"ssl": implicit_context(lst.tls, _current_tls(h)),
-                       "ssl_handshake_timeout": self.config.limits.command_timeout}
-            srv = await loop.create_server(h.protocol, host=lst.host, port=lst.port,
-                                           reuse_address=True, backlog=LISTEN_BACKLOG,
-                                           **tls)
+                tls = {
+                    "ssl": implicit_context(lst.tls, _current_tls(h)),
+                    "ssl_handshake_timeout": self.config.limits.command_timeout,
+                }
+            srv = await loop.create_server(
+                h.protocol,
+                host=lst.host,
+                port=lst.port,
+                reuse_address=True,
+                backlog=LISTEN_BACKLOG,
+                **tls,
+            )
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
-            self.admin = AdminServer(self.metrics, self.writer, self.readiness_problems,
-                                     self.health_doc)
+            self.admin = AdminServer(
+                self.metrics, self.writer, self.readiness_problems, self.health_doc
+            )
             await self.admin.start(*self.config.admin_listen)
-        for sig, fn in ((signal.SIGTERM, self._stop.set), (signal.SIGINT, self._stop.set),
-                        (signal.SIGHUP, self._reload.set)):
+        for sig, fn in (
+            (signal.SIGTERM, self._stop.set),
+            (signal.SIGINT, self._stop.set),
+            (signal.SIGHUP, self._reload.set),
+        ):
             loop.add_signal_handler(sig, fn)
         await self.check_health()
         self._tasks = [
@@ -135,15 +158,25 @@ class Daemon:
             loop.create_task(self.alerts.run(), name="alerts"),
             loop.create_task(self._maintenance(), name="maintenance"),
             loop.create_task(self._reloader(), name="reloader"),
-            loop.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval()),
-                             name="watchdog"),
+            loop.create_task(
+                watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
+            ),
         ]
-        addrs = [f"{lst.host}:{s.sockets[0].getsockname()[1]}"
-                 for lst, s in zip(self.config.listen, self.servers, strict=True)]
-        log_event(log, logging.INFO, "startup", "relay is ready", version=__version__,
-                  listen=addrs, spool=str(self.config.spool_path),
-                  mode=self.config.upstream.mode,
-                  loop=type(loop).__module__.partition(".")[0])  # uvloop | asyncio
+        addrs = [
+            f"{lst.host}:{s.sockets[0].getsockname()[1]}"
+            for lst, s in zip(self.config.listen, self.servers, strict=True)
+        ]
+        log_event(
+            log,
+            logging.INFO,
+            "startup",
+            "relay is ready",
+            version=__version__,
+            listen=addrs,
+            spool=str(self.config.spool_path),
+            mode=self.config.upstream.mode,
+            loop=type(loop).__module__.partition(".")[0],
+        )  # uvloop | asyncio
         self.notifier.ready()
         self.notifier.status(f"accepting on {', '.join(addrs)}")
         await self._stop.wait()
@@ -151,8 +184,12 @@ class Daemon:
         return 0
 
     async def shutdown(self) -> None:
-        log_event(log, logging.INFO, "shutdown", "stopping: refusing new mail, finishing"
-                  " what is in flight")
+        log_event(
+            log,
+            logging.INFO,
+            "shutdown",
+            "stopping: refusing new mail, finishing what is in flight",
+        )
         self.notifier.stopping()
         for h in self.handlers:
             h.closing = True
@@ -192,8 +229,7 @@ class Daemon:
                 await self._write_runtime()
                 # spool.retention 0: a finished message (and its body: reset links, one-time
                 # codes) is gone within one maintenance tick of its last recipient
-                if (time.monotonic() - last_prune > PRUNE_EVERY
-                        or self.config.retention == 0):
+                if time.monotonic() - last_prune > PRUNE_EVERY or self.config.retention == 0:
                     last_prune = time.monotonic()
                     await self._prune()
             except asyncio.CancelledError:
@@ -210,9 +246,12 @@ class Daemon:
         snap = self.engine.snapshot()
         snap["pid"] = os.getpid()
         snap["started_at"] = ops.iso_utc(self.started_at)
-        snap["inbound"] = {"accepted": self.stats.accepted,
-                           "deduplicated": self.stats.deduplicated,
-                           "rejected": self.stats.rejected, "sessions": self.stats.sessions}
+        snap["inbound"] = {
+            "accepted": self.stats.accepted,
+            "deduplicated": self.stats.deduplicated,
+            "rejected": self.stats.rejected,
+            "sessions": self.stats.sessions,
+        }
         now = time.time()
         await self.writer.run(lambda c: ops.put_runtime(c, "daemon", snap, now))
 
@@ -225,8 +264,14 @@ class Daemon:
         await asyncio.to_thread(bodies.delete_bodies, self.config.spool_path, paths)
         removed = await asyncio.to_thread(bodies.sweep, self.config.spool_path, known)
         if paths or removed:
-            log_event(log, logging.INFO, "pruned", "finished messages and orphan bodies removed",
-                      messages=len(paths), orphan_bodies=len(removed))
+            log_event(
+                log,
+                logging.INFO,
+                "pruned",
+                "finished messages and orphan bodies removed",
+                messages=len(paths),
+                orphan_bodies=len(removed),
+            )
 
     async def _reloader(self) -> None:
         while True:
@@ -235,8 +280,13 @@ class Daemon:
             try:
                 self.reload()
             except Exception as e:  # never lose the reloader: later SIGHUPs must work
-                log_event(log, logging.ERROR, "config_rejected",
-                          "reload failed; keeping the running config", exc=e)
+                log_event(
+                    log,
+                    logging.ERROR,
+                    "config_rejected",
+                    "reload failed; keeping the running config",
+                    exc=e,
+                )
 
     def _keep_restart_only(self, new: Config) -> Config:
         """Listener addresses, the spool path and the upstream mode are fixed for the life
@@ -253,9 +303,13 @@ class Daemon:
             keep["routing"] = old.routing  # the routes that mode implies
         if keep:
             names = {"listen": "listen", "spool_path": "spool.path", "upstream": "upstream.mode"}
-            log_event(log, logging.WARNING, "config_reloaded",
-                      "these changes need a restart; the running values are kept",
-                      keys=[names[k] for k in keep if k in names])
+            log_event(
+                log,
+                logging.WARNING,
+                "config_reloaded",
+                "these changes need a restart; the running values are kept",
+                keys=[names[k] for k in keep if k in names],
+            )
             new = dataclasses.replace(new, **keep)
         return new
 
@@ -268,8 +322,13 @@ class Daemon:
                 raise ConfigError(err)
             self.engine.reconfigure(new)  # validates what only the engine builds
         except (ConfigError, ValueError, OSError) as e:
-            log_event(log, logging.ERROR, "config_rejected",
-                      "new config rejected; keeping the running one", error=str(e))
+            log_event(
+                log,
+                logging.ERROR,
+                "config_rejected",
+                "new config rejected; keeping the running one",
+                error=str(e),
+            )
             self.notifier.ready()
             return False
         self.config = new
@@ -313,8 +372,9 @@ class Daemon:
         cfg = self.config
         hc = cfg.health
         results: list[tuple[str, health.Status, str]] = []
-        down = [lst.name for lst, s in zip(cfg.listen, self.servers, strict=False)
-                if not s.is_serving()]
+        down = [
+            lst.name for lst, s in zip(cfg.listen, self.servers, strict=False) if not s.is_serving()
+        ]
         if any(h.closing for h in self.handlers):
             results.append(("listeners", "critical", "shutting down: new mail gets 421"))
         elif down:
@@ -325,8 +385,9 @@ class Daemon:
         try:
             v = await asyncio.to_thread(os.statvfs, cfg.spool_path)
             free = 100.0 * v.f_bavail / v.f_blocks if v.f_blocks else 100.0
-            results.append(("disk", *health.disk(free, hc.disk_free_warning,
-                                                 hc.disk_free_critical)))
+            results.append(
+                ("disk", *health.disk(free, hc.disk_free_warning, hc.disk_free_critical))
+            )
         except OSError as e:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
@@ -337,10 +398,20 @@ class Daemon:
                     # is that domain's problem (its circuit_* lines are logged), not the
                     # relay's; only a configuration error there is the operator's
                     continue
-                results.append((f"destination:{name}",
-                                *health.destination(name, circuit, failures, err, reopen)))
-            results.append(("dead_letters", *health.dead_letters(
-                self.engine.dead_letters_last_hour(), hc.dead_letters_warning)))
+                results.append(
+                    (
+                        f"destination:{name}",
+                        *health.destination(name, circuit, failures, err, reopen),
+                    )
+                )
+            results.append(
+                (
+                    "dead_letters",
+                    *health.dead_letters(
+                        self.engine.dead_letters_last_hour(), hc.dead_letters_warning
+                    ),
+                )
+            )
             if time.monotonic() - self._queue_checked >= QUEUE_HEALTH_EVERY:
                 self._queue_checked = time.monotonic()
                 self._queue_results = await self._queue_check(now)
@@ -361,8 +432,9 @@ class Daemon:
             self.refusal = None
         doc = self.health_doc()
         doc.update(pid=os.getpid(), updated_at=ops.iso_utc(now), updated_ts=now)
-        await asyncio.to_thread(_write_atomic, cfg.spool_path / HEALTH_FILE,
-                                json.dumps(doc, sort_keys=True).encode())
+        await asyncio.to_thread(
+            _write_atomic, cfg.spool_path / HEALTH_FILE, json.dumps(doc, sort_keys=True).encode()
+        )
 
     def health_doc(self) -> dict[str, Any]:
         doc = self.health.as_dict(ops.iso_utc)
@@ -378,15 +450,13 @@ class Daemon:
         if not self.writer.healthy:
             problems.append("the last spool commit failed")
         try:
-            await asyncio.wait_for(
-                self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
         except Exception as e:
             problems.append(f"spool not answering: {e}")
         if any(h.closing for h in self.handlers):
             problems.append("shutting down")
         for c in self.health.checks.values():  # the disk, a replaced spool database
-            if c.name in health.READINESS and c.status == "critical" \
-                    and c.detail not in problems:
+            if c.name in health.READINESS and c.status == "critical" and c.detail not in problems:
                 problems.append(c.detail)
         return problems
 
@@ -396,22 +466,27 @@ class Daemon:
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
             self._spool_gone = True
-            return "critical", (f"the spool database {path} was deleted under the running"
-                                " daemon: new mail is refused (451 4.3.0); restore it, or"
-                                " restart relay to start a new spool")
+            return "critical", (
+                f"the spool database {path} was deleted under the running"
+                " daemon: new mail is refused (451 4.3.0); restore it, or"
+                " restart relay to start a new spool"
+            )
         except OSError as e:
             return "critical", f"cannot stat the spool database {path}: {e}"
         if (st.st_dev, st.st_ino) != self._spool_id:
             self._spool_gone = True
-            return "critical", (f"the spool database {path} was replaced under the running"
-                                " daemon: new mail is refused (451 4.3.0); restart relay")
+            return "critical", (
+                f"the spool database {path} was replaced under the running"
+                " daemon: new mail is refused (451 4.3.0); restart relay"
+            )
         t0 = time.monotonic()
         try:  # a commit of its own: after a failed one, this is what proves it works again
-            await asyncio.wait_for(
-                self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
         except Exception as e:
-            return "critical", (f"the spool cannot commit ({e or type(e).__name__}): new mail"
-                                " gets 451 4.3.0 while it cannot")
+            return "critical", (
+                f"the spool cannot commit ({e or type(e).__name__}): new mail"
+                " gets 451 4.3.0 while it cannot"
+            )
         if not self.writer.healthy:
             return "critical", "the last spool commit failed: new mail gets 4xx until one works"
         latency = max(self._commit_max, time.monotonic() - t0)
@@ -422,24 +497,40 @@ class Daemon:
 
     async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
         hc = self.config.health
-        age, overdue = await self.writer.run(
-            lambda c: ops.queue_health(c, now, hc.stall_after))
+        age, overdue = await self.writer.run(lambda c: ops.queue_health(c, now, hc.stall_after))
         last = None if self.engine is None else self.engine.last_delivery_at
-        since = (now - last) if last is not None else (
-            None if now - self.started_at >= hc.stall_after else 0.0)
-        return [("queue_age", *health.queue_age(age, hc.queue_age_warning,
-                                                hc.queue_age_critical)),
-                ("queue_stall", *health.stall(overdue, since, hc.stall_after))]
+        since = (
+            (now - last)
+            if last is not None
+            else (None if now - self.started_at >= hc.stall_after else 0.0)
+        )
+        return [
+            ("queue_age", *health.queue_age(age, hc.queue_age_warning, hc.queue_age_critical)),
+            ("queue_stall", *health.stall(overdue, since, hc.stall_after)),
+        ]
 
     async def _transition(self, t: health.Transition) -> None:
         if t.new == "ok":
-            log_event(log, logging.INFO, "health_resolved", f"{t.name} is ok again",
-                      check=t.name, was=t.old, detail=t.detail)
+            log_event(
+                log,
+                logging.INFO,
+                "health_resolved",
+                f"{t.name} is ok again",
+                check=t.name,
+                was=t.old,
+                detail=t.detail,
+            )
             ev = alerts.Event("resolved", "info", t.name, f"{t.name} ok again: {t.detail}")
         else:
-            log_event(log, logging.ERROR if t.new == "critical" else logging.WARNING,
-                      "health_changed", f"{t.name} is {t.new}", check=t.name, was=t.old,
-                      detail=t.detail)
+            log_event(
+                log,
+                logging.ERROR if t.new == "critical" else logging.WARNING,
+                "health_changed",
+                f"{t.name} is {t.new}",
+                check=t.name,
+                was=t.old,
+                detail=t.detail,
+            )
             name = "health"
             if t.name.startswith("destination:") and "refused our configuration" in t.detail:
                 name = "upstream_config_error"
@@ -447,8 +538,9 @@ class Daemon:
         try:
             await self.alerts.add(ev)
         except Exception as e:
-            log_event(log, logging.ERROR, "alert_failed", "could not record an alert",
-                      exc=e, check=t.name)
+            log_event(
+                log, logging.ERROR, "alert_failed", "could not record an alert", exc=e, check=t.name
+            )
 
     async def _dead_letter(self, doc: dict[str, Any]) -> None:
         """A dead letter or a delay warning: its alert is in the outbox already (recorded
@@ -456,11 +548,21 @@ class Daemon:
         cfg = self.config
         if cfg.dsn.enabled and doc.get("sender"):
             try:
-                await queue_dsn(cfg, self.writer, doc,
-                                self.engine.wake if self.engine is not None else lambda: None)
+                await queue_dsn(
+                    cfg,
+                    self.writer,
+                    doc,
+                    self.engine.wake if self.engine is not None else lambda: None,
+                )
             except Exception as e:
-                log_event(log, logging.ERROR, "dsn_failed", "could not queue a DSN", exc=e,
-                          queue_id=doc.get("queue_id"))
+                log_event(
+                    log,
+                    logging.ERROR,
+                    "dsn_failed",
+                    "could not queue a DSN",
+                    exc=e,
+                    queue_id=doc.get("queue_id"),
+                )
 
 
 def _write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
@@ -522,5 +624,3 @@ def serve(config_path: str | None) -> int:
         return 71  # EX_OSERR
     except KeyboardInterrupt:
         return 0
-
-

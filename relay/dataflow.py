@@ -78,7 +78,7 @@ class DataParser:
             end = -1 if i < 0 else i + 2
         if end >= 0:
             lines = bytes(buf[:end])
-            rest = bytes(buf[end + 3:])
+            rest = bytes(buf[end + 3 :])
             self._pending = bytearray()
             self._done = True
             return Feed(self._lines(lines), True, rest)

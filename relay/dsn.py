@@ -35,9 +35,20 @@ if TYPE_CHECKING:
 _ENHANCED = re.compile(r"(?<![\d.])[45]\.\d{1,3}\.\d{1,3}(?![\d.])")
 
 
-def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, recipient: str,
-              status: str, reply: str, action: str, original_headers: bytes,
-              now: float, retry_until: float | None = None) -> tuple[str, bytes]:
+def build_dsn(
+    *,
+    hostname: str,
+    from_addr: str,
+    to_addr: str,
+    queue_id: str,
+    recipient: str,
+    status: str,
+    reply: str,
+    action: str,
+    original_headers: bytes,
+    now: float,
+    retry_until: float | None = None,
+) -> tuple[str, bytes]:
     boundary = f"=_{uuid.uuid4().hex}"
     mid = f"<{uuid.uuid4().hex}.dsn@{hostname}>"
     delayed = action == "delayed"
@@ -72,8 +83,12 @@ def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, rec
     parts = [
         f"From: Mail Delivery System <{from_addr}>",
         f"To: <{to_addr}>",
-        "Subject: " + ("Delayed Mail (still being retried)" if delayed
-                       else "Undelivered Mail Returned to Sender"),
+        "Subject: "
+        + (
+            "Delayed Mail (still being retried)"
+            if delayed
+            else "Undelivered Mail Returned to Sender"
+        ),
         f"Date: {formatdate(now, usegmt=True)}",
         f"Message-ID: {mid}",
         "Auto-Submitted: auto-replied",
@@ -97,8 +112,9 @@ def build_dsn(*, hostname: str, from_addr: str, to_addr: str, queue_id: str, rec
     return mid, text
 
 
-async def queue_dsn(cfg: Config, writer: SpoolWriter, doc: dict[str, Any],
-                    wake: Callable[[], None] = lambda: None) -> str | None:
+async def queue_dsn(
+    cfg: Config, writer: SpoolWriter, doc: dict[str, Any], wake: Callable[[], None] = lambda: None
+) -> str | None:
     sender = str(doc.get("sender") or "")
     if not sender or sender == "<>":
         return None
@@ -120,21 +136,40 @@ async def queue_dsn(cfg: Config, writer: SpoolWriter, doc: dict[str, Any],
     retry_until = None
     if delayed and doc.get("retry_until"):
         retry_until = dt.datetime.fromisoformat(
-            str(doc["retry_until"]).replace("Z", "+00:00")).timestamp()
+            str(doc["retry_until"]).replace("Z", "+00:00")
+        ).timestamp()
     from_addr = cfg.dsn.sender or f"MAILER-DAEMON@{cfg.hostname}"
     mid, data = build_dsn(
-        hostname=cfg.hostname, from_addr=from_addr, to_addr=sender, queue_id=queue_id,
-        recipient=str(doc["recipient"]), status=status, reply=str(doc.get("reply", "")),
-        action="delayed" if delayed else "failed", original_headers=headers, now=now,
-        retry_until=retry_until)
+        hostname=cfg.hostname,
+        from_addr=from_addr,
+        to_addr=sender,
+        queue_id=queue_id,
+        recipient=str(doc["recipient"]),
+        status=status,
+        reply=str(doc.get("reply", "")),
+        action="delayed" if delayed else "failed",
+        original_headers=headers,
+        now=now,
+        retry_until=retry_until,
+    )
     new_id = ops.new_queue_id(now)
     what = "delayed" if delayed else doc["recipient"]
     key = dedup.dedup_key("dsn", f"{queue_id}/{what}", sender)
     msg = ops.NewMessage(
-        queue_id=new_id, message_id=dedup.normalize_message_id(mid), sender="", size=len(data),
-        created_at=now, client="dsn", peer="127.0.0.1", lane="transactional",
-        lane_prio=LANE_PRIORITY["transactional"], identity="<>", body=data, body_path=None,
-        recipients=(ops.NewRecipient(sender, sender.rpartition("@")[2].lower(), key),))
+        queue_id=new_id,
+        message_id=dedup.normalize_message_id(mid),
+        sender="",
+        size=len(data),
+        created_at=now,
+        client="dsn",
+        peer="127.0.0.1",
+        lane="transactional",
+        lane_prio=LANE_PRIORITY["transactional"],
+        identity="<>",
+        body=data,
+        body_path=None,
+        recipients=(ops.NewRecipient(sender, sender.rpartition("@")[2].lower(), key),),
+    )
     window = cfg.dedup_window
     res = await writer.run(lambda c: ops.accept(c, msg, window))
     wake()

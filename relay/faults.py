@@ -147,8 +147,11 @@ def hit(seam: str) -> None:
         return
     kind = fault.error
     if seam.startswith("spool."):
-        message = {"enospc": "database or disk is full", "eio": "disk I/O error",
-                   "locked": "database is locked"}.get(kind)
+        message = {
+            "enospc": "database or disk is full",
+            "eio": "disk I/O error",
+            "locked": "database is locked",
+        }.get(kind)
         if message is not None:
             raise sqlite3.OperationalError(message)
     if kind == "reset":

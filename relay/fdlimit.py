@@ -22,8 +22,7 @@ HEADROOM = 100
 
 
 def needed(config: Config) -> int:
-    return (config.limits.max_connections + config.delivery.workers + len(config.listen)
-            + HEADROOM)
+    return config.limits.max_connections + config.delivery.workers + len(config.listen) + HEADROOM
 
 
 def raise_soft_limit() -> int:
@@ -45,8 +44,10 @@ def problem(config: Config, limit: int) -> str | None:
     if limit == resource.RLIM_INFINITY or need <= limit:
         return None
     fits = max(0, limit - need + config.limits.max_connections)
-    return (f"limits.max_connections: {config.limits.max_connections} connections need about"
-            f" {need} open files (with delivery.workers and {HEADROOM} for the spool and"
-            f" admin), but the file-descriptor limit (RLIMIT_NOFILE) is {limit}: raise"
-            f" LimitNOFILE= in the systemd unit (or `ulimit -n`), or lower"
-            f" limits.max_connections to at most {fits}")
+    return (
+        f"limits.max_connections: {config.limits.max_connections} connections need about"
+        f" {need} open files (with delivery.workers and {HEADROOM} for the spool and"
+        f" admin), but the file-descriptor limit (RLIMIT_NOFILE) is {limit}: raise"
+        f" LimitNOFILE= in the systemd unit (or `ulimit -n`), or lower"
+        f" limits.max_connections to at most {fits}"
+    )

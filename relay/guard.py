@@ -43,8 +43,7 @@ class AuthBusy(Exception):
     """Too many password checks waiting: answer 454 4.7.0, run nothing."""
 
 
-def is_allowed(ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-               ) -> bool:
+def is_allowed(ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
     """Inside one of the listener's `allow` networks (loopback is in the default list, not
     trusted by itself: a flood from 127.0.0.2 is still a flood)."""
     try:
@@ -58,22 +57,32 @@ def is_allowed(ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Netwo
 
 def _policy(config: Config) -> anvil.AuthPolicy:
     a = config.auth
-    return anvil.AuthPolicy(failure_delay=a.failure_delay, max_failure_delay=a.max_failure_delay,
-                            max_failures=a.max_failures_per_ip, window=a.failure_window,
-                            ban_time=a.ban_time)
+    return anvil.AuthPolicy(
+        failure_delay=a.failure_delay,
+        max_failure_delay=a.max_failure_delay,
+        max_failures=a.max_failures_per_ip,
+        window=a.failure_window,
+        ban_time=a.ban_time,
+    )
 
 
 def _limits(config: Config) -> anvil.ConnectionLimits:
     lim = config.limits
     return anvil.ConnectionLimits(
-        max_connections=lim.max_connections, per_ip=lim.max_connections_per_ip,
+        max_connections=lim.max_connections,
+        per_ip=lim.max_connections_per_ip,
         per_ip_allowed=lim.max_connections_per_ip_allowed,
-        allowed_reserve=lim.allowed_reserve)
+        allowed_reserve=lim.allowed_reserve,
+    )
 
 
 class InboundGuard:
-    def __init__(self, config: Config, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.metrics = metrics
         self.clock = clock
         self.connections = anvil.ConnectionTable()
@@ -107,8 +116,9 @@ class InboundGuard:
         now = self.clock()
         key = anvil.client_key(ip)
         banned = self.auth_failures.banned_until(key, now) is not None
-        reason = anvil.refuse_connection(self.limits, self.connections.total,
-                                         self.connections.from_ip(key), allowed, banned)
+        reason = anvil.refuse_connection(
+            self.limits, self.connections.total, self.connections.from_ip(key), allowed, banned
+        )
         if reason is None:
             self.connections.opened(key)
             if self.metrics is not None:
@@ -118,11 +128,18 @@ class InboundGuard:
             self.metrics.connections_refused.labels(reason).inc()
         unlogged = self._log_once.check((reason, key), now)
         if unlogged is not None:
-            log_event(log, logging.WARNING, "connection_limit", "connection refused",
-                      reason=reason, peer=ip, listener=listener,
-                      open_total=self.connections.total,
-                      open_from_peer=self.connections.from_ip(key),
-                      refused_unlogged=unlogged)
+            log_event(
+                log,
+                logging.WARNING,
+                "connection_limit",
+                "connection refused",
+                reason=reason,
+                peer=ip,
+                listener=listener,
+                open_total=self.connections.total,
+                open_from_peer=self.connections.from_ip(key),
+                refused_unlogged=unlogged,
+            )
         return f"421 4.7.0 {_TEXT[reason]}"
 
     def release(self, ip: str) -> None:
@@ -137,16 +154,25 @@ class InboundGuard:
             self.metrics.sessions_closed.labels(reason).inc()
         unlogged = self._log_once.check(("closed", reason, anvil.client_key(ip)), self.clock())
         if unlogged is not None:
-            log_event(log, logging.WARNING, "session_closed", "client disconnected with 421",
-                      reason=reason, peer=ip, listener=listener, closed_unlogged=unlogged)
+            log_event(
+                log,
+                logging.WARNING,
+                "session_closed",
+                "client disconnected with 421",
+                reason=reason,
+                peer=ip,
+                listener=listener,
+                closed_unlogged=unlogged,
+            )
 
     # --- AUTH ------------------------------------------------------------------------------
 
     def auth_banned(self, ip: str) -> bool:
         return self.auth_failures.banned_until(anvil.client_key(ip), self.clock()) is not None
 
-    async def check_password(self, users: Mapping[str, str], login: bytes,
-                             password: bytes) -> str | None:
+    async def check_password(
+        self, users: Mapping[str, str], login: bytes, password: bytes
+    ) -> str | None:
         """auth.check in the pool; raises AuthBusy when too many are waiting."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._parallel)
@@ -161,8 +187,7 @@ class InboundGuard:
         loop = asyncio.get_running_loop()
         try:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self._parallel,
-                                                    thread_name_prefix="relay-auth")
+                self._executor = ThreadPoolExecutor(self._parallel, thread_name_prefix="relay-auth")
             job = self._executor.submit(auth_.check, users, login, password)
         except BaseException:
             slots.release()
@@ -183,15 +208,29 @@ class InboundGuard:
             self.metrics.rejected.labels("auth_busy").inc()
         unlogged = self._log_once.check(("auth_busy", anvil.client_key(ip)), self.clock())
         if unlogged is not None:
-            log_event(log, logging.WARNING, "auth_busy", "too many AUTH checks waiting: 454",
-                      peer=ip, listener=listener, busy_unlogged=unlogged)
+            log_event(
+                log,
+                logging.WARNING,
+                "auth_busy",
+                "too many AUTH checks waiting: 454",
+                peer=ip,
+                listener=listener,
+                busy_unlogged=unlogged,
+            )
 
     def auth_failed(self, ip: str, listener: str) -> anvil.AuthVerdict:
         verdict = self.auth_failures.failure(anvil.client_key(ip), self.clock())
         if verdict.banned_until is not None:
             if self.metrics is not None:
                 self.metrics.auth_bans.inc()
-            log_event(log, logging.WARNING, "auth_ban",
-                      "too many AUTH failures: client banned", peer=ip, listener=listener,
-                      failures=verdict.failures, seconds=round(self.config.auth.ban_time))
+            log_event(
+                log,
+                logging.WARNING,
+                "auth_ban",
+                "too many AUTH failures: client banned",
+                peer=ip,
+                listener=listener,
+                failures=verdict.failures,
+                seconds=round(self.config.auth.ban_time),
+            )
         return verdict

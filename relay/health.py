@@ -34,8 +34,12 @@ class Check:
     detail: str
 
     def as_dict(self, iso: Any) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "since": iso(self.since),
-                "detail": self.detail}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "since": iso(self.since),
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,7 @@ class Transition:
 class Model:
     checks: dict[str, Check] = field(default_factory=dict)
 
-    def update(self, name: str, status: Status, detail: str, now: float
-               ) -> Transition | None:
+    def update(self, name: str, status: Status, detail: str, now: float) -> Transition | None:
         cur = self.checks.get(name)
         if cur is None:
             self.checks[name] = Check(name, status, now, detail)
@@ -71,13 +74,13 @@ class Model:
         return worst(c.status for c in self.checks.values())
 
     def ready(self) -> bool:
-        return all(c.status != "critical" for c in self.checks.values()
-                   if c.name in READINESS)
+        return all(c.status != "critical" for c in self.checks.values() if c.name in READINESS)
 
     def as_dict(self, iso: Any) -> dict[str, Any]:
-        return {"status": self.status(),
-                "checks": [c.as_dict(iso) for c in sorted(self.checks.values(),
-                                                          key=lambda c: c.name)]}
+        return {
+            "status": self.status(),
+            "checks": [c.as_dict(iso) for c in sorted(self.checks.values(), key=lambda c: c.name)],
+        }
 
 
 def worst(statuses: Any) -> Status:
@@ -94,8 +97,10 @@ def worst(statuses: Any) -> Status:
 def disk(free_pct: float, warning: float, critical: float) -> tuple[Status, str]:
     detail = f"{free_pct:.1f}% free where the spool lives"
     if free_pct <= critical:
-        return "critical", (f"{detail} (critical at {critical:g}%): new mail is refused with"
-                            " 452 4.3.1 until space is freed")
+        return "critical", (
+            f"{detail} (critical at {critical:g}%): new mail is refused with"
+            " 452 4.3.1 until space is freed"
+        )
     if free_pct <= warning:
         return "warning", f"{detail} (warning at {warning:g}%)"
     return "ok", detail
@@ -112,8 +117,7 @@ def queue_age(age: float | None, warning: float, critical: float) -> tuple[Statu
     return "ok", detail
 
 
-def stall(overdue: int, since_delivery: float | None, stall_after: float
-          ) -> tuple[Status, str]:
+def stall(overdue: int, since_delivery: float | None, stall_after: float) -> tuple[Status, str]:
     """`overdue`: recipients due (or being sent) for longer than `stall_after`;
     `since_delivery`: seconds since the last delivery (None: none since start)."""
     if overdue == 0:
@@ -121,8 +125,10 @@ def stall(overdue: int, since_delivery: float | None, stall_after: float
     if since_delivery is not None and since_delivery < stall_after:
         return "ok", f"{overdue} recipients overdue, but deliveries continue"
     last = "none since start" if since_delivery is None else f"last {human(since_delivery)} ago"
-    return "warning", (f"queue stalled: {overdue} recipients due for over {human(stall_after)}"
-                       f" and no delivery ({last})")
+    return "warning", (
+        f"queue stalled: {overdue} recipients due for over {human(stall_after)}"
+        f" and no delivery ({last})"
+    )
 
 
 def dead_letters(count: int, warning: int) -> tuple[Status, str]:
@@ -132,14 +138,18 @@ def dead_letters(count: int, warning: int) -> tuple[Status, str]:
     return "ok", detail
 
 
-def destination(name: str, circuit: str, failures: int, config_error: str | None,
-                reopen_at: str | None) -> tuple[Status, str]:
+def destination(
+    name: str, circuit: str, failures: int, config_error: str | None, reopen_at: str | None
+) -> tuple[Status, str]:
     if config_error:
-        return "critical", (f"{name}: upstream refused our configuration: {config_error};"
-                            " mail is kept; fix the config and reload")
+        return "critical", (
+            f"{name}: upstream refused our configuration: {config_error};"
+            " mail is kept; fix the config and reload"
+        )
     if circuit == "open":
-        return "warning", (f"{name}: circuit open after {failures} consecutive failures;"
-                           f" next try at {reopen_at}")
+        return "warning", (
+            f"{name}: circuit open after {failures} consecutive failures; next try at {reopen_at}"
+        )
     if circuit == "half-open":
         return "warning", f"{name}: circuit half-open, a trial connection is allowed"
     if failures:
@@ -164,8 +174,11 @@ def plugin_output(doc: dict[str, Any]) -> tuple[int, str]:
     if status not in EXIT:
         return UNKNOWN_EXIT, f"UNKNOWN: {doc.get('detail', 'no health data')}"
     bad = [c for c in doc.get("checks", []) if c.get("status") != "ok"]
-    head = f"{status.upper()}: " + ("; ".join(f"{c['name']}: {c['detail']}" for c in bad)
-                                    if bad else "all checks ok")
-    lines = [head] + [f"{c['status']:<8} {c['name']:<24} since {c['since']}  {c['detail']}"
-                      for c in doc.get("checks", [])]
+    head = f"{status.upper()}: " + (
+        "; ".join(f"{c['name']}: {c['detail']}" for c in bad) if bad else "all checks ok"
+    )
+    lines = [head] + [
+        f"{c['status']:<8} {c['name']:<24} since {c['since']}  {c['detail']}"
+        for c in doc.get("checks", [])
+    ]
     return EXIT[status], "\n".join(lines)

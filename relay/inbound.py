@@ -81,10 +81,25 @@ log = logging.getLogger(__name__)
 # Enhanced status codes (RFC 3463, advertised per RFC 2034) for aiosmtpd's built-in replies,
 # which carry none.
 _ENHANCED_BY_CODE = {
-    "221": "2.0.0", "250": "2.0.0", "251": "2.1.5", "252": "2.0.0",
-    "421": "4.3.2", "450": "4.2.0", "451": "4.3.0", "452": "4.3.1", "454": "4.7.0",
-    "500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4",
-    "530": "5.7.0", "550": "5.0.0", "552": "5.3.4", "553": "5.1.3", "554": "5.0.0",
+    "221": "2.0.0",
+    "250": "2.0.0",
+    "251": "2.1.5",
+    "252": "2.0.0",
+    "421": "4.3.2",
+    "450": "4.2.0",
+    "451": "4.3.0",
+    "452": "4.3.1",
+    "454": "4.7.0",
+    "500": "5.5.2",
+    "501": "5.5.4",
+    "502": "5.5.1",
+    "503": "5.5.1",
+    "504": "5.5.4",
+    "530": "5.7.0",
+    "550": "5.0.0",
+    "552": "5.3.4",
+    "553": "5.1.3",
+    "554": "5.0.0",
     "555": "5.5.4",
 }
 _HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}\b")
@@ -211,8 +226,9 @@ class RelaySMTP(SMTP):
             # TLS from the first byte (RFC 8314 §3): the session is over TLS as after a
             # STARTTLS (Received: ESMTPS, auth_ok tls=true)
             assert self.session is not None
-            self.session.ssl = {k: transport.get_extra_info(k)
-                                for k in ("ssl_object", "peercert", "cipher")}
+            self.session.ssl = {
+                k: transport.get_extra_info(k) for k in ("ssl_object", "peercert", "cipher")
+            }
 
     def connection_lost(self, error: Exception | None) -> None:
         if self.session is None:  # refused in connection_made: no session was begun
@@ -247,8 +263,9 @@ class RelaySMTP(SMTP):
         transport.close()
         if self._handler_coroutine is not None:  # as aiosmtpd's QUIT: read no more commands
             self._handler_coroutine.cancel()
-        self._relay_handler.guard.session_closed(reason, self._relay_peer_ip or "?",
-                                                 self.relay_listener.name)
+        self._relay_handler.guard.session_closed(
+            reason, self._relay_peer_ip or "?", self.relay_listener.name
+        )
 
     @syntax("AUTH <mechanism>")
     async def smtp_AUTH(self, arg: str) -> None:
@@ -261,8 +278,9 @@ class RelaySMTP(SMTP):
         if self.relay_auth_failures >= auth_.MAX_FAILURES and self.transport is not None:
             self.transport.close()  # after its 421 (relay/auth_mechanisms.py); push closed too
 
-    def _cb_client_connected(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
+    def _cb_client_connected(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         super()._cb_client_connected(reader, writer)
         smtpd_adapter.make_strict(reader, self._bare_newline)
 
@@ -271,15 +289,21 @@ class RelaySMTP(SMTP):
         neither this line nor anything pipelined after it is acted on."""
         self._relay_handler.stats.reject("bare_newline")
         peer = self.session.peer if self.session is not None else None
-        log_event(log, logging.WARNING, "bare_newline", "bare CR or LF in a command line;"
-                  " connection closed", peer=peer[0] if isinstance(peer, tuple) else peer,
-                  listener=self.relay_listener.name)
+        log_event(
+            log,
+            logging.WARNING,
+            "bare_newline",
+            "bare CR or LF in a command line; connection closed",
+            peer=peer[0] if isinstance(peer, tuple) else peer,
+            listener=self.relay_listener.name,
+        )
         if self.transport is not None:
             cast(asyncio.Transport, self.transport).write(smtpd_adapter.BARE_NEWLINE_REPLY)
             self.transport.close()
 
-    async def challenge_auth(self, challenge: str | bytes, encode_to_b64: bool = True,
-                             log_client_response: bool = False) -> Any:
+    async def challenge_auth(
+        self, challenge: str | bytes, encode_to_b64: bool = True, log_client_response: bool = False
+    ) -> Any:
         """aiosmtpd's AUTH challenge (RFC 4954 §4), with an over-long answer refused with
         `500 5.5.6` (its own version fails with an internal error on a line over the
         reader's limit)."""
@@ -307,13 +331,19 @@ class RelaySMTP(SMTP):
     # --- MAIL and RCPT: our own path parser (relay/address.py) --------------------------
 
     async def _path_and_params(
-        self, arg: str | None, keyword: str, *, null_ok: bool, bad: str,
+        self,
+        arg: str | None,
+        keyword: str,
+        *,
+        null_ok: bool,
+        bad: str,
     ) -> tuple[address_.Path, list[str], dict[str, str | bool]] | None:
         """`FROM:<path> params` / `TO:<path> params`: the checked path, the parameter words
         and their map; or None once the error reply has been pushed."""
         assert self.session is not None
         syntaxerr = f"501 5.5.4 Syntax: {'MAIL FROM' if null_ok else 'RCPT TO'}:<address>" + (
-            " [SP <mail-parameters>]" if self.session.extended_smtp else "")
+            " [SP <mail-parameters>]" if self.session.extended_smtp else ""
+        )
         rest = _strip_keyword(arg, keyword)
         if rest is None:
             await self.push(syntaxerr)
@@ -345,8 +375,9 @@ class RelaySMTP(SMTP):
         if await self.check_helo_needed() or await self.check_auth_needed("MAIL"):
             return
         assert self.session is not None and self.envelope is not None
-        got = await self._path_and_params(arg, "FROM:", null_ok=True,
-                                          bad="501 5.1.7 Bad sender address syntax")
+        got = await self._path_and_params(
+            arg, "FROM:", null_ok=True, bad="501 5.1.7 Bad sender address syntax"
+        )
         if got is None:
             return
         path, options, params = got
@@ -371,7 +402,8 @@ class RelaySMTP(SMTP):
             await self.push("555 5.5.4 MAIL FROM parameters not recognized or not implemented")
             return
         status = await self._relay_handler.handle_MAIL(
-            self, self.session, self.envelope, path.address, options)
+            self, self.session, self.envelope, path.address, options
+        )
         await self.push(status)
 
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
@@ -382,8 +414,9 @@ class RelaySMTP(SMTP):
         if not self.envelope.mail_from:
             await self.push("503 5.5.1 Error: need MAIL command")
             return
-        got = await self._path_and_params(arg, "TO:", null_ok=False,
-                                          bad="501 5.1.3 Bad recipient address syntax")
+        got = await self._path_and_params(
+            arg, "TO:", null_ok=False, bad="501 5.1.3 Bad recipient address syntax"
+        )
         if got is None:
             return
         path, options, params = got
@@ -391,7 +424,8 @@ class RelaySMTP(SMTP):
             await self.push("555 5.5.4 RCPT TO parameters not recognized or not implemented")
             return
         status = await self._relay_handler.handle_RCPT(
-            self, self.session, self.envelope, path.address, options)
+            self, self.session, self.envelope, path.address, options
+        )
         await self.push(status)
 
     # --- DATA: streamed (relay/dataflow.py, relay/spool/incoming.py) -------------------
@@ -450,9 +484,13 @@ class RelaySMTP(SMTP):
         if store_error is not None:
             await self.push(handler.spool_failed("-", store_error))
             return
-        status = await handler.accept_stream(self.session, envelope, incoming,
-                                             parser.nul_count,
-                                             long_lines=parser.longest > longlines.MAX_LINE)
+        status = await handler.accept_stream(
+            self.session,
+            envelope,
+            incoming,
+            parser.nul_count,
+            long_lines=parser.longest > longlines.MAX_LINE,
+        )
         await self.push(status)
 
     async def push(self, status: Any) -> None:
@@ -520,15 +558,19 @@ class InboundHandler(AuthMechanisms):
             require_starttls=lst.require_tls and not implicit,
             # allow-listed networks still relay without AUTH
             auth_required=False,
-            auth_require_tls=not implicit and not (lst.auth is not None
-                                                   and lst.auth.allow_plaintext),
+            auth_require_tls=not implicit
+            and not (lst.auth is not None and lst.auth.allow_plaintext),
             # AUTH PLAIN/LOGIN are AuthMechanisms.auth_PLAIN/auth_LOGIN (off the event loop)
         )
 
     # --- hooks ------------------------------------------------------------------------
 
     async def handle_EHLO(
-        self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        hostname: str,
         responses: list[str],
     ) -> list[str]:
         session.host_name = hostname
@@ -556,7 +598,11 @@ class InboundHandler(AuthMechanisms):
         return any(ip in net for net in self.listener.allow)
 
     async def handle_RCPT(
-        self, server: SMTP, session: Session, envelope: Envelope, address: str,
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
         rcpt_options: list[str],
     ) -> str:
         if not self._peer_allowed(session):
@@ -577,8 +623,9 @@ class InboundHandler(AuthMechanisms):
             if supp is not None:
                 self.stats.reject("suppressed")
                 since = ops.iso_utc(supp[1])
-                refusal = (f"550 5.1.1 Recipient is suppressed since {since}: "
-                           f"{_printable(supp[0])[:200]}")
+                refusal = (
+                    f"550 5.1.1 Recipient is suppressed since {since}: {_printable(supp[0])[:200]}"
+                )
                 continue
             if target.lower() not in (r.lower() for r in envelope.rcpt_tos):
                 envelope.rcpt_tos.append(target)
@@ -591,7 +638,11 @@ class InboundHandler(AuthMechanisms):
         return "250 2.1.5 OK"
 
     async def handle_MAIL(
-        self, server: SMTP, session: Session, envelope: Envelope, address: str,
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
         mail_options: list[str],
     ) -> str:
         refusal = self.gate()
@@ -606,8 +657,14 @@ class InboundHandler(AuthMechanisms):
         envelope.mail_options.extend(mail_options)
         return "250 2.1.0 OK"
 
-    async def accept_stream(self, session: Session, envelope: Envelope,
-                            incoming: IncomingBody, nuls: int, long_lines: bool = False) -> str:
+    async def accept_stream(
+        self,
+        session: Session,
+        envelope: Envelope,
+        incoming: IncomingBody,
+        nuls: int,
+        long_lines: bool = False,
+    ) -> str:
         """The end of a DATA (RelaySMTP.smtp_DATA): spool it, then the reply. Any failure
         is 451/452 and leaves nothing behind (the client keeps the message)."""
         self.in_flight += 1
@@ -623,17 +680,28 @@ class InboundHandler(AuthMechanisms):
     async def handle_exception(self, error: Exception) -> str:
         if isinstance(error, TLSSetupException):  # a client's failed handshake: its problem
             cause = error.__cause__
-            log_event(log, logging.WARNING, "tls_failed", "STARTTLS handshake failed",
-                      listener=self.listener.name,
-                      error=f"{type(cause).__name__}: {cause}" if cause else "handshake")
+            log_event(
+                log,
+                logging.WARNING,
+                "tls_failed",
+                "STARTTLS handshake failed",
+                listener=self.listener.name,
+                error=f"{type(cause).__name__}: {cause}" if cause else "handshake",
+            )
             return "454 4.7.0 TLS not available due to temporary reason"  # never sent
         log.error("inbound session error: %s: %s", type(error).__name__, error)
         return "451 4.3.0 Internal error; message not accepted, try again later"
 
     # --- accepting --------------------------------------------------------------------
 
-    async def _accept(self, session: Session, envelope: Envelope, incoming: IncomingBody,
-                      nuls: int, long_lines: bool = False) -> str:
+    async def _accept(
+        self,
+        session: Session,
+        envelope: Envelope,
+        incoming: IncomingBody,
+        nuls: int,
+        long_lines: bool = False,
+    ) -> str:
         cfg = self.config
         now = time.time()
         queue_id = ops.new_queue_id(now)
@@ -641,8 +709,11 @@ class InboundHandler(AuthMechanisms):
         try:
             await incoming.finish()
             head_lines = incoming.header_block()[:-2].split(b"\r\n")
-            if (self._peer_allowed(session) and incoming.header_block()
-                    and qualify_headers(head_lines, cfg.local.domain) != head_lines):
+            if (
+                self._peer_allowed(session)
+                and incoming.header_block()
+                and qualify_headers(head_lines, cfg.local.domain) != head_lines
+            ):
                 # `To: root` from an allow-listed app: qualified like the envelope
                 domain = cfg.local.domain
                 await incoming.rewrite(lambda d: qualify_header_block(d, domain))
@@ -650,16 +721,29 @@ class InboundHandler(AuthMechanisms):
                 before = incoming.size
                 await incoming.rewrite(longlines.conform)
                 if incoming.size != before:
-                    log_event(log, logging.INFO, "reencoded", "lines over 998 octets"
-                              " re-encoded", queue_id=queue_id, size=incoming.size)
+                    log_event(
+                        log,
+                        logging.INFO,
+                        "reencoded",
+                        "lines over 998 octets re-encoded",
+                        queue_id=queue_id,
+                        size=incoming.size,
+                    )
         except OSError as e:
             return self.spool_failed(queue_id, e)
         head = incoming.header_block()
         headers = parse_headers(head)
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
         if nuls:
-            log_event(log, logging.WARNING, "nul_stripped", "NUL characters removed from the"
-                      " message (RFC 5322 2.3)", queue_id=queue_id, count=nuls, peer=peer_ip)
+            log_event(
+                log,
+                logging.WARNING,
+                "nul_stripped",
+                "NUL characters removed from the message (RFC 5322 2.3)",
+                queue_id=queue_id,
+                count=nuls,
+                peer=peer_ip,
+            )
 
         added = b""
         mid = header(headers, "Message-ID")
@@ -670,8 +754,11 @@ class InboundHandler(AuthMechanisms):
             added += date_header(now)  # after the content id: a resubmission keeps its id
         rcpts = list(envelope.rcpt_tos)
         trace = received_header(
-            helo=session.host_name or "unknown", peer_ip=peer_ip, hostname=cfg.hostname,
-            queue_id=queue_id, recipient=rcpts[0] if len(rcpts) == 1 else None,
+            helo=session.host_name or "unknown",
+            peer_ip=peer_ip,
+            hostname=cfg.hostname,
+            queue_id=queue_id,
+            recipient=rcpts[0] if len(rcpts) == 1 else None,
             protocol=_with_protocol(session, bool(getattr(envelope, "smtp_utf8", False))),
             now=now,
         )
@@ -683,13 +770,17 @@ class InboundHandler(AuthMechanisms):
         )
         new_rcpts = tuple(
             ops.NewRecipient(
-                address=r, destination=r.rpartition("@")[2].lower(),
+                address=r,
+                destination=r.rpartition("@")[2].lower(),
                 dedup_key=dedup.dedup_key(namespace, mid, r),
             )
             for r in rcpts
         )
-        identity = (sender.rpartition("@")[2].lower() if cfg.shaping.identity_by ==
-                    "sender_domain" else sender.lower()) or "<>"
+        identity = (
+            sender.rpartition("@")[2].lower()
+            if cfg.shaping.identity_by == "sender_domain"
+            else sender.lower()
+        ) or "<>"
         body_path: str | None = None
         try:
             if incoming.on_disk:
@@ -700,11 +791,20 @@ class InboundHandler(AuthMechanisms):
             else:
                 inline = prefix + incoming.inline()
             msg = ops.NewMessage(
-                queue_id=queue_id, message_id=_storable(dedup.normalize_message_id(mid)),
-                sender=sender, size=size, created_at=now, client=namespace,
-                peer=peer_ip, lane=lane, lane_prio=LANE_PRIORITY.get(lane, 0),
-                identity=identity, body=inline,
-                body_path=body_path, recipients=new_rcpts, listener=self.listener.name,
+                queue_id=queue_id,
+                message_id=_storable(dedup.normalize_message_id(mid)),
+                sender=sender,
+                size=size,
+                created_at=now,
+                client=namespace,
+                peer=peer_ip,
+                lane=lane,
+                lane_prio=LANE_PRIORITY.get(lane, 0),
+                identity=identity,
+                body=inline,
+                body_path=body_path,
+                recipients=new_rcpts,
+                listener=self.listener.name,
             )
             window = cfg.dedup_window
             refusal = self.gate()
@@ -722,24 +822,47 @@ class InboundHandler(AuthMechanisms):
             self.stats.deduplicated += 1
             if self.stats.metrics is not None:
                 self.stats.metrics.deduplicated.inc()
-            log_event(log, logging.INFO, "deduplicated", "resubmission not queued again",
-                      message_id=mid, rcpts=list(result.duplicates), client=namespace)
+            log_event(
+                log,
+                logging.INFO,
+                "deduplicated",
+                "resubmission not queued again",
+                message_id=mid,
+                rcpts=list(result.duplicates),
+                client=namespace,
+            )
             return "250 2.0.0 Ok: already queued (duplicate suppressed)"
         self.stats.accepted += 1
         if self.stats.metrics is not None:
             self.stats.metrics.accepted.labels(lane).inc()
-        log_event(log, logging.INFO, "accepted", "message queued", queue_id=queue_id,
-                  message_id=mid, sender=sender or "<>", rcpts=list(result.queued),
-                  duplicates=len(result.duplicates), size=size, lane=lane,
-                  client=namespace)
+        log_event(
+            log,
+            logging.INFO,
+            "accepted",
+            "message queued",
+            queue_id=queue_id,
+            message_id=mid,
+            sender=sender or "<>",
+            rcpts=list(result.queued),
+            duplicates=len(result.duplicates),
+            size=size,
+            lane=lane,
+            client=namespace,
+        )
         self.on_queued()
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
     def spool_failed(self, queue_id: str, e: BaseException) -> str:
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
         full = full or "full" in str(e).lower()
-        log_event(log, logging.ERROR, "spool_error", "message not accepted",
-                  queue_id=queue_id, error=str(e))
+        log_event(
+            log,
+            logging.ERROR,
+            "spool_error",
+            "message not accepted",
+            queue_id=queue_id,
+            error=str(e),
+        )
         self.stats.reject("spool_error")
         if isinstance(e, SpoolError) and str(e)[:4] in ("451 ", "452 "):
             return str(e)  # the daemon's health gate: its own reply
@@ -762,7 +885,7 @@ def _strip_keyword(arg: str | None, keyword: str) -> str | None:
     before the path, but many clients send one)."""
     if arg is None or arg[: len(keyword)].upper() != keyword:
         return None
-    return arg[len(keyword):]
+    return arg[len(keyword) :]
 
 
 async def _discard_line(reader: asyncio.StreamReader, consumed: int) -> None:
@@ -782,8 +905,11 @@ def _with_protocol(session: Session, utf8: bool = False) -> str:
     UTF8SMTPA, UTF8SMTPSA."""
     if not session.extended_smtp:
         return "SMTP"
-    return (("UTF8SMTP" if utf8 else "ESMTP") + ("S" if session.ssl is not None else "")
-            + ("A" if session.authenticated else ""))
+    return (
+        ("UTF8SMTP" if utf8 else "ESMTP")
+        + ("S" if session.ssl is not None else "")
+        + ("A" if session.authenticated else "")
+    )
 
 
 def _valid_domain(domain: str) -> bool:

@@ -67,18 +67,26 @@ def header(headers: list[tuple[str, str]], name: str) -> str | None:
 # Trace and transport headers that differ between two submissions of the same message
 # (RFC 5321 §4.4; RFC 5322 §3.6.7), left out when deriving a content Message-ID. `Date` stays
 # in: a daily cron report with the same text but a new Date is a new message.
-TRACE_HEADERS = frozenset({"received", "return-path", "x-received", "delivered-to",
-                           "x-originating-ip"})
+TRACE_HEADERS = frozenset(
+    {"received", "return-path", "x-received", "delivered-to", "x-originating-ip"}
+)
 
 
 def rfc5322_date(now: float | None = None) -> str:
     """A Date: value with a numeric zone (RFC 5322 §3.3): `Wed, 02 Dec 2026 19:00:00 +0000`."""
-    return format_datetime(datetime.fromtimestamp(time.time() if now is None else now,
-                                                  UTC))
+    return format_datetime(datetime.fromtimestamp(time.time() if now is None else now, UTC))
 
 
-def received_header(*, helo: str, peer_ip: str, hostname: str, queue_id: str,
-                    recipient: str | None, protocol: str, now: float | None = None) -> bytes:
+def received_header(
+    *,
+    helo: str,
+    peer_ip: str,
+    hostname: str,
+    queue_id: str,
+    recipient: str | None,
+    protocol: str,
+    now: float | None = None,
+) -> bytes:
     """The Received: trace header (RFC 5321 §4.4), folded below 78 columns. A UTF-8
     recipient stays UTF-8 (RFC 6532 §3.7 allows it in a message sent with SMTPUTF8); our
     own parts are ASCII."""
@@ -116,8 +124,12 @@ def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
             value = text.split(":", 1)[1] if line[:1] not in (b" ", b"\t") else text
             for _name, addr in email.utils.getaddresses([value]):
                 if addr and "@" not in addr and re.fullmatch(r"[\w.!#$%&'*+/=?^`{|}~-]+", addr):
-                    text = re.sub(rf"(?<![\w.@-]){re.escape(addr)}(?![\w.@-])",
-                                  f"{addr}@{domain}", text, count=1)
+                    text = re.sub(
+                        rf"(?<![\w.@-]){re.escape(addr)}(?![\w.@-])",
+                        f"{addr}@{domain}",
+                        text,
+                        count=1,
+                    )
             line = text.encode("utf-8", errors="surrogateescape")
         out.append(line)
     return out

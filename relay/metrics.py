@@ -9,64 +9,117 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.accepted = Counter("relay_accepted_messages", "Messages accepted and spooled",
-                                ["lane"], registry=r)
-        self.deduplicated = Counter("relay_deduplicated_messages",
-                                    "Resubmissions answered 250 and not queued again",
-                                    registry=r)
-        self.rejected = Counter("relay_rejected", "Inbound commands refused", ["reason"],
-                                registry=r)
-        self.delivered = Counter("relay_delivered_recipients", "Recipients delivered",
-                                 ["destination"], registry=r)
-        self.deferred = Counter("relay_deferred_recipients", "Recipients deferred",
-                                ["destination", "reason"], registry=r)
-        self.bounced = Counter("relay_bounced_recipients",
-                               "Recipients bounced (permanent address failure)",
-                               ["destination"], registry=r)
-        self.failed = Counter("relay_failed_recipients",
-                              "Recipients failed (other permanent failure or expired)",
-                              ["destination"], registry=r)
-        self.suppressed = Counter("relay_suppressed_recipients",
-                                  "Recipients skipped because suppressed", ["destination"],
-                                  registry=r)
-        self.attempts = Counter("relay_delivery_attempts", "Delivery attempts by outcome",
-                                ["destination", "outcome"], registry=r)
-        self.queue_depth = Gauge("relay_queue_recipients", "Recipients in the spool by state",
-                                 ["state"], registry=r)
-        self.oldest_age = Gauge("relay_queue_oldest_age_seconds",
-                                "Age of the oldest unfinished message", registry=r)
+        self.accepted = Counter(
+            "relay_accepted_messages", "Messages accepted and spooled", ["lane"], registry=r
+        )
+        self.deduplicated = Counter(
+            "relay_deduplicated_messages",
+            "Resubmissions answered 250 and not queued again",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "relay_rejected", "Inbound commands refused", ["reason"], registry=r
+        )
+        self.delivered = Counter(
+            "relay_delivered_recipients", "Recipients delivered", ["destination"], registry=r
+        )
+        self.deferred = Counter(
+            "relay_deferred_recipients",
+            "Recipients deferred",
+            ["destination", "reason"],
+            registry=r,
+        )
+        self.bounced = Counter(
+            "relay_bounced_recipients",
+            "Recipients bounced (permanent address failure)",
+            ["destination"],
+            registry=r,
+        )
+        self.failed = Counter(
+            "relay_failed_recipients",
+            "Recipients failed (other permanent failure or expired)",
+            ["destination"],
+            registry=r,
+        )
+        self.suppressed = Counter(
+            "relay_suppressed_recipients",
+            "Recipients skipped because suppressed",
+            ["destination"],
+            registry=r,
+        )
+        self.attempts = Counter(
+            "relay_delivery_attempts",
+            "Delivery attempts by outcome",
+            ["destination", "outcome"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "relay_queue_recipients", "Recipients in the spool by state", ["state"], registry=r
+        )
+        self.oldest_age = Gauge(
+            "relay_queue_oldest_age_seconds", "Age of the oldest unfinished message", registry=r
+        )
         self.latency = Histogram(
-            "relay_delivery_latency_seconds", "From accept to delivery",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400,
-                     86400), registry=r)
-        self.effective_rate = Gauge("relay_destination_effective_rate",
-                                    "Current messages/s allowed (after adaptive slow-down;"
-                                    " 0 = unlimited)", ["destination"], registry=r)
-        self.effective_connections = Gauge("relay_destination_effective_connections",
-                                           "Current connection limit", ["destination"],
-                                           registry=r)
-        self.health_status = Gauge("relay_health_status",
-                                   "Health check status: 0 ok, 1 warning, 2 critical",
-                                   ["check"], registry=r)
-        self.circuit_open = Gauge("relay_destination_circuit_open",
-                                  "1 when the circuit breaker is open or half-open",
-                                  ["destination"], registry=r)
+            "relay_delivery_latency_seconds",
+            "From accept to delivery",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400),
+            registry=r,
+        )
+        self.effective_rate = Gauge(
+            "relay_destination_effective_rate",
+            "Current messages/s allowed (after adaptive slow-down; 0 = unlimited)",
+            ["destination"],
+            registry=r,
+        )
+        self.effective_connections = Gauge(
+            "relay_destination_effective_connections",
+            "Current connection limit",
+            ["destination"],
+            registry=r,
+        )
+        self.health_status = Gauge(
+            "relay_health_status",
+            "Health check status: 0 ok, 1 warning, 2 critical",
+            ["check"],
+            registry=r,
+        )
+        self.circuit_open = Gauge(
+            "relay_destination_circuit_open",
+            "1 when the circuit breaker is open or half-open",
+            ["destination"],
+            registry=r,
+        )
         self.commit_latency = Histogram(
-            "relay_spool_commit_seconds", "Spool group-commit latency (one fsync each)",
+            "relay_spool_commit_seconds",
+            "Spool group-commit latency (one fsync each)",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
-            registry=r)
+            registry=r,
+        )
         self.commit_batch = Histogram(
-            "relay_spool_commit_batch_jobs", "Jobs per group commit",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
-        self.connections_open = Gauge("relay_connections_open",
-                                      "Inbound SMTP connections open now", registry=r)
+            "relay_spool_commit_batch_jobs",
+            "Jobs per group commit",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.connections_open = Gauge(
+            "relay_connections_open", "Inbound SMTP connections open now", registry=r
+        )
         self.connections_refused = Counter(
-            "relay_connections_refused", "Inbound connections refused with 421 4.7.0"
-            " (total, per_ip, auth_ban)", ["reason"], registry=r)
+            "relay_connections_refused",
+            "Inbound connections refused with 421 4.7.0 (total, per_ip, auth_ban)",
+            ["reason"],
+            registry=r,
+        )
         self.sessions_closed = Counter(
-            "relay_sessions_closed", "Inbound sessions we closed with a 421 (max_errors,"
-            " command_timeout, data_rate, auth_failures, 421)", ["reason"], registry=r)
-        self.auth_failures = Counter("relay_auth_failures",
-                                     "AUTH attempts with wrong credentials", registry=r)
-        self.auth_bans = Counter("relay_auth_bans",
-                                 "Client IPs banned for AUTH failures", registry=r)
+            "relay_sessions_closed",
+            "Inbound sessions we closed with a 421 (max_errors,"
+            " command_timeout, data_rate, auth_failures, 421)",
+            ["reason"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "relay_auth_failures", "AUTH attempts with wrong credentials", registry=r
+        )
+        self.auth_bans = Counter(
+            "relay_auth_bans", "Client IPs banned for AUTH failures", registry=r
+        )

@@ -40,27 +40,41 @@ class MsgState(StrEnum):
     FAILED = "failed"
 
 
-FINAL = frozenset({RcptState.DELIVERED, RcptState.BOUNCED, RcptState.FAILED,
-                   RcptState.SUPPRESSED})
+FINAL = frozenset({RcptState.DELIVERED, RcptState.BOUNCED, RcptState.FAILED, RcptState.SUPPRESSED})
 DEAD = frozenset({RcptState.BOUNCED, RcptState.FAILED})
 WAITING = frozenset({RcptState.PENDING, RcptState.DEFERRED})  # due at next_attempt_at
-UNFINISHED = frozenset({RcptState.PENDING, RcptState.DEFERRED, RcptState.SENDING,
-                        RcptState.HELD})
+UNFINISHED = frozenset({RcptState.PENDING, RcptState.DEFERRED, RcptState.SENDING, RcptState.HELD})
 
 
 def sql_in(states: Iterable[RcptState]) -> str:
     """`('deferred', 'pending')`: a state set for SQL, spelled from this module only."""
     return "(" + ", ".join(f"'{s.value}'" for s in sorted(states)) + ")"
 
+
 # from-state -> the states it may move to. Anything else is a bug (or an operator race that
 # the spool refuses with a conditional UPDATE).
 TRANSITIONS: dict[RcptState, frozenset[RcptState]] = {
-    RcptState.PENDING: frozenset({RcptState.SENDING, RcptState.HELD, RcptState.SUPPRESSED,
-                                  RcptState.DEFERRED}),
-    RcptState.DEFERRED: frozenset({RcptState.SENDING, RcptState.HELD, RcptState.SUPPRESSED,
-                                   RcptState.DEFERRED, RcptState.FAILED}),
-    RcptState.SENDING: frozenset({RcptState.DELIVERED, RcptState.DEFERRED, RcptState.BOUNCED,
-                                  RcptState.FAILED, RcptState.SUPPRESSED}),
+    RcptState.PENDING: frozenset(
+        {RcptState.SENDING, RcptState.HELD, RcptState.SUPPRESSED, RcptState.DEFERRED}
+    ),
+    RcptState.DEFERRED: frozenset(
+        {
+            RcptState.SENDING,
+            RcptState.HELD,
+            RcptState.SUPPRESSED,
+            RcptState.DEFERRED,
+            RcptState.FAILED,
+        }
+    ),
+    RcptState.SENDING: frozenset(
+        {
+            RcptState.DELIVERED,
+            RcptState.DEFERRED,
+            RcptState.BOUNCED,
+            RcptState.FAILED,
+            RcptState.SUPPRESSED,
+        }
+    ),
     RcptState.HELD: frozenset({RcptState.DEFERRED}),
     RcptState.BOUNCED: frozenset({RcptState.DEFERRED}),
     RcptState.FAILED: frozenset({RcptState.DEFERRED}),

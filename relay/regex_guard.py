@@ -34,7 +34,8 @@ def check_linear(pattern: str) -> None:
     if _nested(list(tree), inside=False):
         raise ValueError(
             f"regular expression {pattern!r} nests repetitions (like '(a+)+'); it could take "
-            "exponential time on hostile input: rewrite it without the nesting")
+            "exponential time on hostile input: rewrite it without the nesting"
+        )
 
 
 def _unbounded(av: Any) -> bool:

@@ -210,8 +210,12 @@ def find_relay(config_path: str | None) -> Target:
     hostname = name or socket.getfqdn()
     local = data.get("local") or {}
     domain = local.get("domain") if isinstance(local, dict) else None
-    return Target(host=host, port=port, hostname=hostname,
-                  local_domain=domain if isinstance(domain, str) and domain else hostname)
+    return Target(
+        host=host,
+        port=port,
+        hostname=hostname,
+        local_domain=domain if isinstance(domain, str) and domain else hostname,
+    )
 
 
 def default_sender(hostname: str) -> str:

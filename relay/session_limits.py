@@ -80,6 +80,7 @@ class DataRate:
             return False
         # the full slots of the last window (the current one is still filling)
         index = int((now - self.start) / self._slot)
-        recent = sum(self._counts[i % SLOTS] for i in range(index - SLOTS + 1, index + 1)
-                     if i <= self._index)
+        recent = sum(
+            self._counts[i % SLOTS] for i in range(index - SLOTS + 1, index + 1) if i <= self._index
+        )
         return recent < self.min_rate * self.window

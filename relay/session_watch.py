@@ -29,8 +29,9 @@ TooManyErrors = "421 4.7.0 {host} too many errors, closing connection"
 
 
 class SessionWatch:
-    def __init__(self, limits: Limits, loop: asyncio.AbstractEventLoop,
-                 close: Callable[[str], None]) -> None:
+    def __init__(
+        self, limits: Limits, loop: asyncio.AbstractEventLoop, close: Callable[[str], None]
+    ) -> None:
         """`close(reason)` answers 421 for that reason and closes the connection."""
         self.limits = limits
         self.loop = loop
@@ -91,8 +92,9 @@ class SessionWatch:
 
     def _start_command_timer(self) -> None:
         self._stop_command_timer()
-        self._command_timer = self.loop.call_later(self.limits.command_timeout, self._fire,
-                                                   "command_timeout")
+        self._command_timer = self.loop.call_later(
+            self.limits.command_timeout, self._fire, "command_timeout"
+        )
 
     def _stop_command_timer(self) -> None:
         if self._command_timer is not None:

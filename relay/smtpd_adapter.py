@@ -41,9 +41,18 @@ class AdapterError(RuntimeError):
 def check() -> None:
     """Raise AdapterError naming what is missing in the installed aiosmtpd."""
     missing = [
-        name for name in ("_cb_client_connected", "_handle_client", "check_helo_needed",
-                          "check_auth_needed", "challenge_auth", "push", "smtp_DATA",
-                          "_set_post_data_state", "_reset_timeout")
+        name
+        for name in (
+            "_cb_client_connected",
+            "_handle_client",
+            "check_helo_needed",
+            "check_auth_needed",
+            "challenge_auth",
+            "push",
+            "smtp_DATA",
+            "_set_post_data_state",
+            "_reset_timeout",
+        )
         if not callable(getattr(SMTP, name, None))
     ]
     for glob in ("inspect",):
@@ -61,7 +70,8 @@ def check() -> None:
         version = getattr(aiosmtpd, "__version__", "?")
         raise AdapterError(
             f"aiosmtpd {version} lacks what relay relies on: {', '.join(missing)}; "
-            "install a supported version (see pyproject.toml)")
+            "install a supported version (see pyproject.toml)"
+        )
 
 
 class StrictLineReader(asyncio.StreamReader):

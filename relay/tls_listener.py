@@ -21,15 +21,15 @@ from collections.abc import Callable
 from relay.config import ListenerTLS
 
 
-def implicit_context(tls: ListenerTLS,
-                     current: Callable[[], ListenerTLS | None]) -> ssl.SSLContext:
+def implicit_context(tls: ListenerTLS, current: Callable[[], ListenerTLS | None]) -> ssl.SSLContext:
     """The context for `create_server(ssl=...)`; `current()` is the listener's TLS as
     configured now (it changes on SIGHUP)."""
     front = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
     front.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
 
-    def pick(obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
-             ctx: ssl.SSLContext) -> None:
+    def pick(
+        obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, ctx: ssl.SSLContext
+    ) -> None:
         now = current()
         if now is not None and now.context is not ctx:
             obj.context = now.context

@@ -30,9 +30,13 @@ def upstream() -> Iterator[Callable[..., Upstream]]:
 def relay(tmp_path: Path) -> Iterator[Callable[..., RelayProcess]]:
     made: list[RelayProcess] = []
 
-    def factory(config: dict[str, Any] | None = None, upstream: Upstream | None = None,
-                name: str = "relay", env: dict[str, str] | None = None,
-                start: bool = True) -> RelayProcess:
+    def factory(
+        config: dict[str, Any] | None = None,
+        upstream: Upstream | None = None,
+        name: str = "relay",
+        env: dict[str, str] | None = None,
+        start: bool = True,
+    ) -> RelayProcess:
         cfg = smarthost_config(upstream) if upstream is not None else {}
         cfg = deep_merge(cfg, config or {})
         r = RelayProcess(tmp_path / name, cfg, env)

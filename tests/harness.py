@@ -117,8 +117,11 @@ class Upstream:
 
             async def boot() -> None:
                 self._server = await loop.create_server(
-                    self._protocol, self.host, self.port,
-                    ssl=self.tls_context if self.implicit_tls else None)
+                    self._protocol,
+                    self.host,
+                    self.port,
+                    ssl=self.tls_context if self.implicit_tls else None,
+                )
                 ready.set()
 
             loop.run_until_complete(boot())
@@ -152,8 +155,7 @@ class Upstream:
         self._loop = None
 
     def _protocol(self) -> SMTP:
-        kwargs: dict[str, Any] = {"hostname": "upstream.test", "decode_data": False,
-                                  "timeout": 600}
+        kwargs: dict[str, Any] = {"hostname": "upstream.test", "decode_data": False, "timeout": 600}
         if self.tls_context is not None and not self.implicit_tls:
             kwargs["tls_context"] = self.tls_context
             kwargs["require_starttls"] = self.require_starttls
@@ -173,8 +175,9 @@ class Upstream:
             warnings.filterwarnings("ignore", "Requiring AUTH while not requiring TLS")
             return _ScriptedSMTP(self, handler, **kwargs)
 
-    def _authenticate(self, server: SMTP, session: Session, envelope: Envelope,
-                      mechanism: str, auth_data: Any) -> AuthResult:
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, auth_data: Any
+    ) -> AuthResult:
         if isinstance(auth_data, LoginPassword) and self.auth is not None:
             user = auth_data.login.decode()
             if self.auth.get(user) == auth_data.password.decode():
@@ -196,7 +199,8 @@ class Upstream:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(
-                        f"upstream got {len(self.received)} messages, expected {n}")
+                        f"upstream got {len(self.received)} messages, expected {n}"
+                    )
                 self._cond.wait(left)
             return list(self.received)
 
@@ -231,8 +235,9 @@ class _Handler:
         if s:
             await asyncio.sleep(s)
 
-    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
-                          address: str, options: list[str]) -> str:
+    async def handle_MAIL(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
         self.up.commands.append(f"MAIL {address}")
         await self._stall("mail")
         r = self.up.mail_reply(address)
@@ -242,8 +247,9 @@ class _Handler:
         envelope.mail_options.extend(options)
         return "250 OK"
 
-    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope,
-                          address: str, options: list[str]) -> str:
+    async def handle_RCPT(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
         self.up.commands.append(f"RCPT {address}")
         await self._stall("rcpt")
         r = self.up.rcpt_reply(address)
@@ -256,18 +262,34 @@ class _Handler:
         await self._stall("data")
         if self.up.disconnect_after_dot:
             # the message reached us, but the client never learns it: the ambiguous case
-            self.up.record(Received(envelope.mail_from, list(envelope.rcpt_tos),
-                                    bytes(envelope.original_content or b""), session.peer,
-                                    session.ssl is not None, None, time.time()))
+            self.up.record(
+                Received(
+                    envelope.mail_from,
+                    list(envelope.rcpt_tos),
+                    bytes(envelope.original_content or b""),
+                    session.peer,
+                    session.ssl is not None,
+                    None,
+                    time.time(),
+                )
+            )
             server.transport.close()
             return "250 OK"  # never reaches the client
         r = self.up.data_reply(envelope)
         if r:
             return r
         auth = session.auth_data if isinstance(session.auth_data, str) else None
-        self.up.record(Received(envelope.mail_from, list(envelope.rcpt_tos),
-                                bytes(envelope.original_content or b""), session.peer,
-                                session.ssl is not None, auth, time.time()))
+        self.up.record(
+            Received(
+                envelope.mail_from,
+                list(envelope.rcpt_tos),
+                bytes(envelope.original_content or b""),
+                session.peer,
+                session.ssl is not None,
+                auth,
+                time.time(),
+            )
+        )
         return "250 2.0.0 OK queued"
 
 
@@ -279,12 +301,16 @@ class _OAuthHandler(_Handler):
         assert self.up.oauth is not None
         if token in self.up.oauth.get(user, set()):
             return AuthResult(success=True, auth_data=user)
-        err = base64.b64encode(json.dumps(
-            {"status": "401", "schemes": "bearer", "scope": "https://mail.test/"}).encode())
+        err = base64.b64encode(
+            json.dumps(
+                {"status": "401", "schemes": "bearer", "scope": "https://mail.test/"}
+            ).encode()
+        )
         await server.push(b"334 " + err)  # the error challenge; the client answers %x01/empty
         await server._reader.readline()
-        return AuthResult(success=False, handled=False,
-                          message="535 5.7.8 Username and Password not accepted")
+        return AuthResult(
+            success=False, handled=False, message="535 5.7.8 Username and Password not accepted"
+        )
 
     async def auth_XOAUTH2(self, server: SMTP, args: list[str]) -> AuthResult:
         raw = base64.b64decode(args[1]).decode() if len(args) > 1 else ""
@@ -318,16 +344,16 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 class RelayProcess:
     """The daemon as a real subprocess (`python -m relay serve -c FILE`)."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any],
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None
+    ) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.admin_port = free_port()
         base: dict[str, Any] = {
             "hostname": "relay.test",
-            "listen": [{"address": f"127.0.0.1:{self.port}",
-                        "allow": ["127.0.0.0/8", "::1/128"]}],
+            "listen": [{"address": f"127.0.0.1:{self.port}", "allow": ["127.0.0.0/8", "::1/128"]}],
             "spool": {"path": "spool"},
             "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
             "log": {"level": "info", "format": "json"},
@@ -359,8 +385,12 @@ class RelayProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "relay", "serve", "-c", str(self.config_path)],
-            cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            cwd=self.workdir,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         log.close()
         self.starts += 1
         if wait:
@@ -373,8 +403,10 @@ class RelayProcess:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"relay exited with {self.proc.returncode}:\n{self.logs()}")
-            if any(e.get("event") == "startup" and e.get("msg") == "relay is ready"
-                   for e in self.events(since_start=True)):
+            if any(
+                e.get("event") == "startup" and e.get("msg") == "relay is ready"
+                for e in self.events(since_start=True)
+            ):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"relay not ready after {timeout}s:\n{self.logs()}")
@@ -427,7 +459,7 @@ class RelayProcess:
             return []
         data = self.log_path.read_bytes()
         if since_start:
-            data = data[self._log_offset:]
+            data = data[self._log_offset :]
         out = []
         for line in data.decode(errors="replace").splitlines():
             if line.startswith("{"):
@@ -435,14 +467,21 @@ class RelayProcess:
                     out.append(json.loads(line))
         return out
 
-    def cli(self, *args: str, check: bool = False, timeout: float = 30.0
-            ) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, check: bool = False, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
         res = subprocess.run(
             [sys.executable, "-m", "relay", *args, "-c", str(self.config_path)],
-            cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=timeout)
+            cwd=self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and res.returncode != 0:
-            raise AssertionError(f"relay {' '.join(args)} -> {res.returncode}\n"
-                                 f"{res.stdout}\n{res.stderr}")
+            raise AssertionError(
+                f"relay {' '.join(args)} -> {res.returncode}\n{res.stdout}\n{res.stderr}"
+            )
         return res
 
     def cli_json(self, *args: str) -> Any:
@@ -451,15 +490,18 @@ class RelayProcess:
     def queue(self, all: bool = True) -> list[dict[str, Any]]:
         return list(self.cli_json("queue", "list", *(["--all"] if all else [])))
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float = 30.0,
-                   what: str = "condition") -> None:
+    def wait_until(
+        self, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition"
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate():
                 return
             time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}\n--- relay log tail ---\n"
-                             + "\n".join(self.logs().splitlines()[-30:]))
+        raise AssertionError(
+            f"timed out waiting for {what}\n--- relay log tail ---\n"
+            + "\n".join(self.logs().splitlines()[-30:])
+        )
 
     def recipient_states(self) -> dict[str, str]:
         return {r["address"]: r["state"] for m in self.queue() for r in m["recipients"]}
@@ -474,16 +516,29 @@ def server_context(ca: Any, *names: str) -> ssl.SSLContext:
 
 
 def smarthost_config(up: Upstream, **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"upstream": {"mode": "smarthost", "smarthost": {
-        "host": "127.0.0.1", "port": up.port, "tls": "none"}}}
+    cfg: dict[str, Any] = {
+        "upstream": {
+            "mode": "smarthost",
+            "smarthost": {"host": "127.0.0.1", "port": up.port, "tls": "none"},
+        }
+    }
     return deep_merge(cfg, extra)
 
 
-def make_message(i: int = 0, *, message_id: str | None = None, subject: str | None = None,
-                 body: bytes | None = None, headers: dict[str, str] | None = None,
-                 no_message_id: bool = False) -> bytes:
-    lines = ["From: app@example.com", "To: user@example.org",
-             f"Subject: {subject or f'message {i}'}"]
+def make_message(
+    i: int = 0,
+    *,
+    message_id: str | None = None,
+    subject: str | None = None,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    no_message_id: bool = False,
+) -> bytes:
+    lines = [
+        "From: app@example.com",
+        "To: user@example.org",
+        f"Subject: {subject or f'message {i}'}",
+    ]
     if not no_message_id:
         lines.append(f"Message-ID: {message_id or f'<msg-{i}@app.example.com>'}")
     for k, v in (headers or {}).items():
@@ -492,8 +547,9 @@ def make_message(i: int = 0, *, message_id: str | None = None, subject: str | No
     return text + (body if body is not None else f"body of message {i}\r\n".encode())
 
 
-def send(port: int, sender: str, rcpts: list[str], data: bytes,
-         host: str = "127.0.0.1") -> dict[str, tuple[int, bytes]]:
+def send(
+    port: int, sender: str, rcpts: list[str], data: bytes, host: str = "127.0.0.1"
+) -> dict[str, tuple[int, bytes]]:
     """Send one message; returns smtplib's refused-recipients dict (empty: all accepted)."""
     with smtplib.SMTP(host, port, timeout=30) as s:
         return s.sendmail(sender, rcpts, data)

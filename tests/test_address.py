@@ -24,8 +24,11 @@ from relay.address import (
     ("arg", "null_ok", "expected"),
     [
         ("<a@b.c>", False, Path("a@b.c", "")),
-        ("<a.b+c@ex-ample.com> SIZE=12 BODY=8BITMIME", False,
-         Path("a.b+c@ex-ample.com", "SIZE=12 BODY=8BITMIME")),
+        (
+            "<a.b+c@ex-ample.com> SIZE=12 BODY=8BITMIME",
+            False,
+            Path("a.b+c@ex-ample.com", "SIZE=12 BODY=8BITMIME"),
+        ),
         ("<a@b.c>  SIZE=1 ", False, Path("a@b.c", "SIZE=1")),
         (" <a@b.c>", False, Path("a@b.c", "")),  # a space after FROM: is common
         ("<>", True, Path("", "")),
@@ -294,8 +297,10 @@ def test_printable_table(text: str, shown: str) -> None:
         ("<@b>", "malformed source route"),
         ("<@b,c:a@d>", "malformed source route"),
         ("<@b a@d>", "malformed source route"),
-        ("<" + "a" * 64 + "@" + "d" * 63 + "." + "e" * 63 + "." + "f" * 63 + ">",
-         "path longer than 256 octets"),
+        (
+            "<" + "a" * 64 + "@" + "d" * 63 + "." + "e" * 63 + "." + "f" * 63 + ">",
+            "path longer than 256 octets",
+        ),
         ("<a<b@c>", "unbalanced '<'"),
         ("<a@b", "missing '>'"),
     ],

@@ -39,7 +39,10 @@ USERS: dict[str, Any] = {}
     ],
 )
 def test_every_check_costs_one_scrypt_of_the_same_shape(
-    calls: list[tuple[int, int]], login: bytes, password: bytes, expected: str | None,
+    calls: list[tuple[int, int]],
+    login: bytes,
+    password: bytes,
+    expected: str | None,
 ) -> None:
     if not USERS:
         USERS["alice"] = auth.hash_password("right-pw")

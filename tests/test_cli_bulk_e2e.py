@@ -13,14 +13,22 @@ pytestmark = pytest.mark.slow
 
 
 def test_bulk_hold_release_delete_with_filters(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     r = relay(upstream=up)
     r.cli("destination", "suspend", "smarthost", check=True)
     for i, dom in enumerate(["a.example", "a.example", "b.example"]):
-        assert send(r.port, "app@example.com", [f"u{i}@{dom}"],
-                    make_message(message_id=f"<bulk-{i}@cli>")) == {}
+        assert (
+            send(
+                r.port,
+                "app@example.com",
+                [f"u{i}@{dom}"],
+                make_message(message_id=f"<bulk-{i}@cli>"),
+            )
+            == {}
+        )
     dry = r.cli("queue", "hold", "--all", "--domain", "a.example", "--dry-run", check=True)
     assert "hold: would change 2 messages" in dry.stdout
     assert all(m["state"] != "held" for m in r.queue())
@@ -40,14 +48,17 @@ def test_bulk_hold_release_delete_with_filters(
 
 
 def test_retry_of_a_suppressed_recipient_says_how_to_lift_it(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
     r = relay(upstream=up, config={"retry": {"schedule": ["1s"]}})
     assert send(r.port, "app@example.com", ["gone@example.org"], make_message(31)) == {}
-    r.wait_until(lambda: r.queue(all=True) and r.queue(all=True)[0]["recipients"][0]["state"]
-                 == "bounced", what="bounced and suppressed")
+    r.wait_until(
+        lambda: r.queue(all=True) and r.queue(all=True)[0]["recipients"][0]["state"] == "bounced",
+        what="bounced and suppressed",
+    )
     qid = r.queue(all=True)[0]["id"]
     res = r.cli("queue", "retry", qid, check=True)
     assert "gone@example.org is on the suppression list" in res.stderr
@@ -60,7 +71,8 @@ def test_retry_of_a_suppressed_recipient_says_how_to_lift_it(
 
 
 def test_queue_json_names_the_destination_as_logs_and_stats_do(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     r = relay(upstream=up)

@@ -15,8 +15,14 @@ from tests.harness import ROOT
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k != "RELAY_CONFIG"}
-    return subprocess.run([sys.executable, "-m", "relay", *args], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+    )
 
 
 def _config(tmp_path: Path) -> Path:
@@ -32,8 +38,12 @@ def test_version() -> None:
 
 def test_global_options_before_or_after_the_verb(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
-    for args in (("-c", cfg, "queue", "list", "--json"), ("queue", "list", "-c", cfg, "--json"),
-                 ("--json", "-c", cfg, "queue", "list"), ("-c", cfg, "--json", "stats")):
+    for args in (
+        ("-c", cfg, "queue", "list", "--json"),
+        ("queue", "list", "-c", cfg, "--json"),
+        ("--json", "-c", cfg, "queue", "list"),
+        ("-c", cfg, "--json", "stats"),
+    ):
         res = run(*args)
         assert res.returncode == 0, (args, res.stderr)
         json.loads(res.stdout)

@@ -410,12 +410,14 @@ def test_other_commands_with_bad_config_exit_78(tmp_path: Path) -> None:
 
 
 def test_every_error_of_a_file_is_reported_at_once() -> None:
-    msg = _error({
-        "retry": {"schedule": ["1m", "5x"]},
-        "listen": [{"adress": "127.0.0.1:2525"}],
-        "limits": {"max_recipients": "many"},
-        "dedup": {"window": "forever"},
-    })
+    msg = _error(
+        {
+            "retry": {"schedule": ["1m", "5x"]},
+            "listen": [{"adress": "127.0.0.1:2525"}],
+            "limits": {"max_recipients": "many"},
+            "dedup": {"window": "forever"},
+        }
+    )
     lines = msg.splitlines()
     assert len(lines) == 4, msg
     assert any(line.startswith("retry.schedule[1]: '5x' is not a duration") for line in lines)

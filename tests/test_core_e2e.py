@@ -156,8 +156,9 @@ def test_relays_100_messages_byte_for_byte(upstream: UpFactory, relay: RelayFact
     upstream_copies = {m.data for ms in got.values() for m in ms}
     for f in files:
         data = f.read_bytes()
-        assert any(c.endswith(data) and c[: -len(data)].startswith(b"Received: ")
-                   for c in upstream_copies)
+        assert any(
+            c.endswith(data) and c[: -len(data)].startswith(b"Received: ") for c in upstream_copies
+        )
     # the operator CLI reads a body kept in a file too
     shown = r.cli_json("queue", "show", files[0].name, "--body")
     header_block, _sep, body = files[0].read_bytes().partition(b"\r\n\r\n")

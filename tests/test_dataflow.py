@@ -49,10 +49,29 @@ def run(stream: bytes, cuts: list[int], max_size: int = 0, max_line: int = 10**9
     return p, out, rest, done
 
 
-_pieces = st.lists(st.sampled_from([
-    b"a", b"xyz", b".", b"..", b"\r\n", b"\n", b"\r", b"\x00", b"\r\n.\r\n", b"\n.\n",
-    b"\r.\r", b"\n.\r\n", b"\r\n.\n", b".\r\n", b"QUIT\r\n", b"\xc3\xa9",
-]), max_size=40)
+_pieces = st.lists(
+    st.sampled_from(
+        [
+            b"a",
+            b"xyz",
+            b".",
+            b"..",
+            b"\r\n",
+            b"\n",
+            b"\r",
+            b"\x00",
+            b"\r\n.\r\n",
+            b"\n.\n",
+            b"\r.\r",
+            b"\n.\r\n",
+            b"\r\n.\n",
+            b".\r\n",
+            b"QUIT\r\n",
+            b"\xc3\xa9",
+        ]
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=400, deadline=None)

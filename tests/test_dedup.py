@@ -346,8 +346,14 @@ def test_received_header_cannot_be_used_to_inject_headers() -> None:
 
 
 def test_received_header_keeps_a_utf8_recipient_and_says_utf8smtp() -> None:
-    h = received_header(helo="client.test", peer_ip="127.0.0.1", hostname="relay.test",
-                        queue_id="Q", recipient="josé@exämple.org", protocol="UTF8SMTPS",
-                        now=0)
+    h = received_header(
+        helo="client.test",
+        peer_ip="127.0.0.1",
+        hostname="relay.test",
+        queue_id="Q",
+        recipient="josé@exämple.org",
+        protocol="UTF8SMTPS",
+        now=0,
+    )
     assert "for <josé@exämple.org>".encode() in h  # was "jos?@ex?mple.org"
     assert b"with UTF8SMTPS id Q" in h

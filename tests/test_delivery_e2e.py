@@ -362,8 +362,10 @@ def test_dead_letter_alert_command_and_dsn(upstream, relay, tmp_path: Path) -> N
     up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
     alerts = tmp_path / "alerts.jsonl"
     r = relay(
-        upstream=up, config=fast(alerts={"command": f"cat >> {alerts}", "coalesce": "3s"},
-                                 dsn={"enabled": True})
+        upstream=up,
+        config=fast(
+            alerts={"command": f"cat >> {alerts}", "coalesce": "3s"}, dsn={"enabled": True}
+        ),
     )
     # a null-sender message (itself a bounce) that bounces: an alert, but never a DSN
     assert send(r.port, "", ["gone1@example.org"], make_message(12)) == {}
@@ -374,8 +376,7 @@ def test_dead_letter_alert_command_and_dsn(upstream, relay, tmp_path: Path) -> N
 
     got = up.wait_for(1)
     # both dead letters went to one destination within alerts.coalesce: one alert
-    r.wait_until(lambda: alerts.exists() and alerts.read_text().strip(),
-                 what="the alert document")
+    r.wait_until(lambda: alerts.exists() and alerts.read_text().strip(), what="the alert document")
     time.sleep(0.5)
     docs = [json.loads(line) for line in alerts.read_text().splitlines()]
     assert len(docs) == 1, docs
@@ -435,8 +436,10 @@ def test_failing_or_hanging_alert_command_never_blocks_delivery(upstream, relay)
     r.wait_until(lambda: len(events(r, "config_reloaded")) >= 1, what="config reloaded", timeout=10)
     assert send(r.port, SENDER, ["gone2@example.org"], make_message(23)) == {}
     wait_state(r, "gone2@example.org", "bounced")
-    r.wait_until(lambda: any("exited 3" in e["error"] for e in events(r, "alert_failed")),
-                 what="alert_failed: exited 3")
+    r.wait_until(
+        lambda: any("exited 3" in e["error"] for e in events(r, "alert_failed")),
+        what="alert_failed: exited 3",
+    )
     assert send(r.port, SENDER, ["ok2@example.org"], make_message(24)) == {}
     wait_state(r, "ok2@example.org", "delivered")
 

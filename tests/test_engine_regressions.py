@@ -32,29 +32,41 @@ pytestmark = pytest.mark.slow
 
 def test_ceiling_smaller_than_recipients_splits_the_message(upstream, relay) -> None:
     up = upstream()
-    r = relay(upstream=up, config={
-        "destinations": {"*": {"daily_limit": 2}},
-        "shaping": {"window_length": "3s"},
-        "retry": {"max_age": "1h"},
-    })
+    r = relay(
+        upstream=up,
+        config={
+            "destinations": {"*": {"daily_limit": 2}},
+            "shaping": {"window_length": "3s"},
+            "retry": {"max_age": "1h"},
+        },
+    )
     rcpts = ["a@example.org", "b@example.org", "c@example.org"]
     assert send(r.port, "app@example.com", rcpts, make_message(1)) == {}
     got = up.wait_for(1, timeout=20)
     assert len(got[0].rcpt_tos) == 2  # what fits under the ceiling goes at once
-    r.wait_until(lambda: set(r.recipient_states().values()) == {"delivered"}, timeout=20,
-                 what="all three delivered over two windows")
+    r.wait_until(
+        lambda: set(r.recipient_states().values()) == {"delivered"},
+        timeout=20,
+        what="all three delivered over two windows",
+    )
     assert sorted(up.recipients()) == rcpts
 
 
 def test_shaping_wait_expires_at_max_age(upstream, relay) -> None:
     up = upstream()
-    r = relay(upstream=up, config={
-        "destinations": {"*": {"daily_limit": 0}},
-        "retry": {"schedule": ["1s"], "max_age": "2s", "min_delay": "0.2s"},
-    })
+    r = relay(
+        upstream=up,
+        config={
+            "destinations": {"*": {"daily_limit": 0}},
+            "retry": {"schedule": ["1s"], "max_age": "2s", "min_delay": "0.2s"},
+        },
+    )
     assert send(r.port, "app@example.com", ["a@example.org"], make_message(1)) == {}
-    r.wait_until(lambda: r.recipient_states().get("a@example.org") == "failed", timeout=20,
-                 what="expired while waiting for the daily ceiling")
+    r.wait_until(
+        lambda: r.recipient_states().get("a@example.org") == "failed",
+        timeout=20,
+        what="expired while waiting for the daily ceiling",
+    )
     rc = r.queue()[0]["recipients"][0]
     assert "expired" in rc["last_reply"] and "daily limit 0" in rc["last_reply"]
     assert rc["attempts"] == 0  # no attempt was ever made
@@ -64,11 +76,15 @@ def test_shaping_wait_expires_at_max_age(upstream, relay) -> None:
 
 def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
     cfg_path = tmp_path / "relay.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "spool": {"path": "spool"},
-        "destinations": {"*": {"daily_limit": 1}},
-        "shaping": {"window_length": "100s"},
-    }))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "spool": {"path": "spool"},
+                "destinations": {"*": {"daily_limit": 1}},
+                "shaping": {"window_length": "100s"},
+            }
+        )
+    )
     cfg = load_config(str(cfg_path))
     w = SpoolWriter(cfg.spool_path)
     w.start()
@@ -79,16 +95,36 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
         day = e.ledger.day_of(now["t"])
         e.ledger.load(day, await w.run(lambda c: ops.daily_counts(c, day)))
         for i in (1, 2):
-            m = ops.NewMessage(f"M{i}", f"{i}@x", "a@x.test", 1, now["t"], "c", "p",
-                               "transactional", 0, "x.test", b"x", None,
-                               (ops.NewRecipient(f"u{i}@x.test", "x.test", f"k{i}"),))
+            m = ops.NewMessage(
+                f"M{i}",
+                f"{i}@x",
+                "a@x.test",
+                1,
+                now["t"],
+                "c",
+                "p",
+                "transactional",
+                0,
+                "x.test",
+                b"x",
+                None,
+                (ops.NewRecipient(f"u{i}@x.test", "x.test", f"k{i}"),),
+            )
             await w.run(lambda c, m=m: ops.accept(c, m, 3600))
         claims = await w.run(lambda c: ops.claim_due(c, now["t"], 10))
         ids = {c.msg_id: c.rcpt_id for c in claims}
 
         def job(i: int) -> Job:
-            cl = ops.Claim(ids[f"M{i}"], f"M{i}", f"u{i}@x.test", "x.test", 0, now["t"],
-                           "transactional", "x.test")
+            cl = ops.Claim(
+                ids[f"M{i}"],
+                f"M{i}",
+                f"u{i}@x.test",
+                "x.test",
+                0,
+                now["t"],
+                "transactional",
+                "x.test",
+            )
             env = ops.Envelope(f"M{i}", f"<{i}@x>", "a@x.test", 1, b"x", None)
             return Job(f"M{i}", "smarthost", "transactional", "x.test", "a@x.test", [cl], env)
 
@@ -103,8 +139,12 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
         e.ledger.reserve(j1.reserved, 1)
         e.dest("smarthost")
         now["t"] = 1101.0  # the next window starts; j1's delivery lands in it
-        await attempt.finish(e, j1, [ops.Outcome(ids["M1"], "M1", RcptState.DELIVERED, True,
-                                                 None, "250")], delivered=1)
+        await attempt.finish(
+            e,
+            j1,
+            [ops.Outcome(ids["M1"], "M1", RcptState.DELIVERED, True, None, "250")],
+            delivered=1,
+        )
         room2 = room(job(2))
         db = await w.run(lambda c: ops.daily_counts(c, e.ledger.day_of(now["t"])))
         return room2, db
@@ -123,18 +163,25 @@ def test_busy_destination_does_not_hold_every_slot(upstream, relay) -> None:
     with DnsServer({}) as dns:
         dns.set_zone("a.test", {"A": ["127.0.0.1"]})
         dns.set_zone("b.test", {"A": ["127.0.0.1"]})
-        r = relay(config={
-            "upstream": {"mode": "mx", "mx": {"nameservers": [dns.nameserver],
-                                              "port": up.port, "tls": "none"}},
-            "delivery": {"workers": 2},
-            "destinations": {"*": {"max_connections": 2}},
-        })
+        r = relay(
+            config={
+                "upstream": {
+                    "mode": "mx",
+                    "mx": {"nameservers": [dns.nameserver], "port": up.port, "tls": "none"},
+                },
+                "delivery": {"workers": 2},
+                "destinations": {"*": {"max_connections": 2}},
+            }
+        )
         for i in range(10):
             send(r.port, "app@example.com", [f"u{i}@a.test"], make_message(i))
         time.sleep(0.5)
         send(r.port, "app@example.com", ["reset@b.test"], make_message(99))
-        r.wait_until(lambda: r.recipient_states().get("reset@b.test") == "delivered",
-                     timeout=30, what="b.test delivered")
+        r.wait_until(
+            lambda: r.recipient_states().get("reset@b.test") == "delivered",
+            timeout=30,
+            what="b.test delivered",
+        )
         order = [m.rcpt_tos[0] for m in up.received]
         # it got a slot after a transaction of a.test, not after a.test's whole backlog
         assert order.index("reset@b.test") < 6, order
@@ -144,16 +191,20 @@ def test_busy_destination_does_not_hold_every_slot(upstream, relay) -> None:
 def _hup_and_wait(r, event: str) -> dict:
     before = len([e for e in r.events() if e.get("event") == event])
     r.signal(signal.SIGHUP)
-    r.wait_until(lambda: len([e for e in r.events() if e.get("event") == event]) > before,
-                 timeout=15, what=f"{event} after SIGHUP")
+    r.wait_until(
+        lambda: len([e for e in r.events() if e.get("event") == event]) > before,
+        timeout=15,
+        what=f"{event} after SIGHUP",
+    )
     return [e for e in r.events() if e.get("event") == event][-1]
 
 
 def test_reload_keeps_restart_only_keys(upstream, relay, tmp_path: Path) -> None:
     up = upstream()
     r = relay(upstream=up, config={"spool": {"inline_max": "1KiB"}})
-    cfg = deep_merge(r.config, {"upstream": {"mode": "mx"},
-                                "spool": {"path": str(tmp_path / "elsewhere")}})
+    cfg = deep_merge(
+        r.config, {"upstream": {"mode": "mx"}, "spool": {"path": str(tmp_path / "elsewhere")}}
+    )
     r.write_config(cfg)
     _hup_and_wait(r, "config_reloaded")
     kept = [e for e in r.events() if e.get("event") == "config_reloaded" and e.get("keys")]
@@ -164,13 +215,16 @@ def test_reload_keeps_restart_only_keys(upstream, relay, tmp_path: Path) -> None
     got = up.wait_for(1)
     assert got[0].data.endswith(b"y" * 900 + b"\r\n")
     # (the CLI reads the file's new spool.path; the daemon's log says where it went)
-    r.wait_until(lambda: any(e.get("event") == "delivered" and
-                             e.get("destination") == "smarthost" for e in r.events()),
-                 what="delivered through the running smarthost mode")
+    r.wait_until(
+        lambda: any(
+            e.get("event") == "delivered" and e.get("destination") == "smarthost"
+            for e in r.events()
+        ),
+        what="delivered through the running smarthost mode",
+    )
 
 
-def test_reload_with_bad_nameserver_is_rejected_and_reloads_still_work(upstream,
-                                                                        relay) -> None:
+def test_reload_with_bad_nameserver_is_rejected_and_reloads_still_work(upstream, relay) -> None:
     up = upstream()
     r = relay(upstream=up)
     good = dict(r.config)
@@ -194,16 +248,23 @@ def test_retry_of_an_expired_recipient_gets_a_fresh_max_age(upstream, relay) -> 
         return None
 
     up.data_reply = data_reply
-    r = relay(upstream=up, config={
-        "retry": {"schedule": ["0.5s"], "max_age": "3s", "min_delay": "0.2s"},
-        "destinations": {"*": {"circuit_failures": 100}},
-    })
+    r = relay(
+        upstream=up,
+        config={
+            "retry": {"schedule": ["0.5s"], "max_age": "3s", "min_delay": "0.2s"},
+            "destinations": {"*": {"circuit_failures": 100}},
+        },
+    )
     assert send(r.port, "app@example.com", ["user@example.org"], make_message(1)) == {}
-    r.wait_until(lambda: r.recipient_states().get("user@example.org") == "failed",
-                 timeout=20, what="expired")
+    r.wait_until(
+        lambda: r.recipient_states().get("user@example.org") == "failed", timeout=20, what="expired"
+    )
     mode["fail"] = 1  # the replay's first attempt fails transiently, the next succeeds
     r.cli("queue", "retry", "--failed", check=True)
-    r.wait_until(lambda: r.recipient_states().get("user@example.org") == "delivered",
-                 timeout=20, what="delivered after the replay")
+    r.wait_until(
+        lambda: r.recipient_states().get("user@example.org") == "delivered",
+        timeout=20,
+        what="delivered after the replay",
+    )
     rc = r.queue()[0]["recipients"][0]
     assert rc["attempts"] == 2  # one transient failure after the retry, then delivered

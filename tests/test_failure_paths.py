@@ -40,6 +40,7 @@ def _insert(v: str):  # type: ignore[no-untyped-def]
     def job(c: sqlite3.Connection) -> str:
         c.execute("INSERT INTO t VALUES (?)", (v,))
         return v
+
     return job
 
 
@@ -131,8 +132,10 @@ def faulty(tmp_path: Path) -> Iterator[tuple[RelayProcess, Upstream, Path]]:
     fault_file = tmp_path / "faults"
     fault_file.write_text("")
     # a short poll interval: the first outcome-record retry waits min(0.5 s, poll interval)
-    cfg = deep_merge(smarthost_config(up), {"destinations": {"*": {"rate": "unlimited"}},
-                                            "delivery": {"poll_interval": "0.05s"}})
+    cfg = deep_merge(
+        smarthost_config(up),
+        {"destinations": {"*": {"rate": "unlimited"}}, "delivery": {"poll_interval": "0.05s"}},
+    )
     r = RelayProcess(tmp_path / "relay", cfg, env={"RELAY_FAULTS_FILE": str(fault_file)})
     r.start()
     try:
@@ -174,7 +177,10 @@ BIG = b"x" * 100 + b"\r\n"
     ],
 )
 def test_spool_failures_answer_4xx_and_lose_nothing(
-    faulty: tuple[RelayProcess, Upstream, Path], spec: str, large: bool, expected: bytes,
+    faulty: tuple[RelayProcess, Upstream, Path],
+    spec: str,
+    large: bool,
+    expected: bytes,
 ) -> None:
     r, up, fault_file = faulty
     mid = f"<fault-{spec.replace(' ', '-')}@failure>"
@@ -208,8 +214,11 @@ def test_an_outcome_the_spool_refuses_is_recorded_once_it_takes_it(
     code, _msg = _submit(r.port, make_message(message_id="<record-retry@failure>"))
     assert code == 250
     up.wait_for(1)
-    r.wait_until(lambda: [x["state"] for m in r.queue(all=True) for x in m["recipients"]]
-                 == ["delivered"], timeout=40, what="the outcome recorded")
+    r.wait_until(
+        lambda: [x["state"] for m in r.queue(all=True) for x in m["recipients"]] == ["delivered"],
+        timeout=40,
+        what="the outcome recorded",
+    )
     assert sum(b"<record-retry@failure>" in m.data for m in up.received) == 1
     assert sum(1 for e in r.events() if e.get("event") == "spool_error") >= 6
 

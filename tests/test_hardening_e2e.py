@@ -72,8 +72,9 @@ def raw(port: int, timeout: float = 10.0) -> Iterator[tuple[socket.socket, Any]]
 
 
 def _errors_logged(r: RelayProcess) -> list[dict[str, Any]]:
-    return [e for e in r.events() if e.get("level") == "ERROR"
-            or "Traceback" in str(e.get("msg", ""))]
+    return [
+        e for e in r.events() if e.get("level") == "ERROR" or "Traceback" in str(e.get("msg", ""))
+    ]
 
 
 def _alive(r: RelayProcess) -> bool:
@@ -92,7 +93,8 @@ def _alive(r: RelayProcess) -> bool:
     ],
 )
 def test_backtracking_domain_is_answered_at_once_while_others_are_served(
-    live: tuple[RelayProcess, Upstream], arg: bytes,
+    live: tuple[RelayProcess, Upstream],
+    arg: bytes,
 ) -> None:
     r, up = live
     mid = f"<served-{len(arg)}-{arg[-3:-2].hex()}@hardening>"
@@ -135,22 +137,35 @@ def test_backtracking_domain_is_answered_at_once_while_others_are_served(
     ],
 )
 def test_bare_cr_or_lf_in_a_command_is_refused_and_nothing_is_queued(
-    live: tuple[RelayProcess, Upstream], mail: bytes, rcpt: bytes,
+    live: tuple[RelayProcess, Upstream],
+    mail: bytes,
+    rcpt: bytes,
 ) -> None:
     r, up = live
     before = len(up.received)
     with raw(r.port) as (sock, f):
         # pipelined, as an attacker would: nothing of the bad line, nor after it, may act
-        sock.sendall(b"MAIL FROM:" + mail + b"\r\nRCPT TO:" + rcpt + b"\r\nDATA\r\n"
-                     + make_message(message_id="<smuggled-env@hardening>") + b".\r\n")
+        sock.sendall(
+            b"MAIL FROM:"
+            + mail
+            + b"\r\nRCPT TO:"
+            + rcpt
+            + b"\r\nDATA\r\n"
+            + make_message(message_id="<smuggled-env@hardening>")
+            + b".\r\n"
+        )
         replies = []
         while (line := _read_reply(f)) != b"":
             replies.append(line)
     assert replies[-1].startswith(b"500 5.5.2 "), replies  # then the connection closed
     assert not any(x.startswith(b"354") for x in replies), replies
     # a normal message afterwards goes through, and only it
-    send(r.port, "app@example.com", ["user@example.org"],
-         make_message(message_id=f"<after-cr-{(mail + rcpt).hex()}@hardening>"))
+    send(
+        r.port,
+        "app@example.com",
+        ["user@example.org"],
+        make_message(message_id=f"<after-cr-{(mail + rcpt).hex()}@hardening>"),
+    )
     got = up.wait_for(before + 1)
     assert all(b"smuggled-env" not in m.data for m in got)
     assert all("evil" not in a for m in got for a in [m.mail_from, *m.rcpt_tos])
@@ -200,7 +215,9 @@ def test_quoted_local_part_reaches_the_upstream_exactly_as_accepted(
     ],
 )
 def test_malformed_sender_paths_get_a_5xx_syntax_error(
-    live: tuple[RelayProcess, Upstream], command: bytes, expected: bytes,
+    live: tuple[RelayProcess, Upstream],
+    command: bytes,
+    expected: bytes,
 ) -> None:
     r, _up = live
     with raw(r.port) as (sock, f):
@@ -217,7 +234,8 @@ def test_malformed_sender_paths_get_a_5xx_syntax_error(
     [b"<", b'<"a\x00b"@example.org>', b'<"a\x1b]0;pwn\x07"@example.org>', b"<a b@example.org>"],
 )
 def test_malformed_recipient_paths_get_a_5xx_and_never_reach_the_suppression_list(
-    live: tuple[RelayProcess, Upstream], rcpt: bytes,
+    live: tuple[RelayProcess, Upstream],
+    rcpt: bytes,
 ) -> None:
     r, _up = live
     with raw(r.port) as (sock, f):
@@ -250,9 +268,20 @@ def test_relay_sendmail_with_a_cr_in_the_sender_exits_cleanly(
 ) -> None:
     r, _up = live
     res = subprocess.run(
-        [sys.executable, "-m", "relay.sendmail", "--config", str(r.config_path),
-         "-f", "a\rb@example.org", "user@example.org"],
-        input=b"Subject: x\n\nhi\n", capture_output=True, timeout=30, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "relay.sendmail",
+            "--config",
+            str(r.config_path),
+            "-f",
+            "a\rb@example.org",
+            "user@example.org",
+        ],
+        input=b"Subject: x\n\nhi\n",
+        capture_output=True,
+        timeout=30,
+        cwd=ROOT,
     )
     assert res.returncode == 64, res
     assert b"Traceback" not in res.stderr

@@ -27,10 +27,17 @@ from relay.spool.writer import SpoolWriter
 # --- judgements -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("free", "status"), [
-    (50.0, "ok"), (10.01, "ok"), (10.0, "warning"), (5.01, "warning"), (5.0, "critical"),
-    (0.0, "critical"),
-])
+@pytest.mark.parametrize(
+    ("free", "status"),
+    [
+        (50.0, "ok"),
+        (10.01, "ok"),
+        (10.0, "warning"),
+        (5.01, "warning"),
+        (5.0, "critical"),
+        (0.0, "critical"),
+    ],
+)
 def test_disk(free: float, status: str) -> None:
     got, detail = health.disk(free, 10.0, 5.0)
     assert got == status
@@ -38,20 +45,30 @@ def test_disk(free: float, status: str) -> None:
     assert ("452 4.3.1" in detail) == (status == "critical")
 
 
-@pytest.mark.parametrize(("age", "status"), [
-    (None, "ok"), (0.0, "ok"), (1799.0, "ok"), (1800.0, "warning"), (14399.0, "warning"),
-    (14400.0, "critical"),
-])
+@pytest.mark.parametrize(
+    ("age", "status"),
+    [
+        (None, "ok"),
+        (0.0, "ok"),
+        (1799.0, "ok"),
+        (1800.0, "warning"),
+        (14399.0, "warning"),
+        (14400.0, "critical"),
+    ],
+)
 def test_queue_age(age: float | None, status: str) -> None:
     assert health.queue_age(age, 1800.0, 14400.0)[0] == status
 
 
-@pytest.mark.parametrize(("overdue", "since", "status"), [
-    (0, None, "ok"),  # nothing overdue
-    (3, 5.0, "ok"),  # overdue, but deliveries continue
-    (3, 600.0, "warning"),  # overdue, and nothing delivered for stall_after
-    (3, None, "warning"),  # overdue, nothing delivered since start
-])
+@pytest.mark.parametrize(
+    ("overdue", "since", "status"),
+    [
+        (0, None, "ok"),  # nothing overdue
+        (3, 5.0, "ok"),  # overdue, but deliveries continue
+        (3, 600.0, "warning"),  # overdue, and nothing delivered for stall_after
+        (3, None, "warning"),  # overdue, nothing delivered since start
+    ],
+)
 def test_stall(overdue: int, since: float | None, status: str) -> None:
     got, detail = health.stall(overdue, since, 600.0)
     assert got == status
@@ -76,7 +93,8 @@ def test_model_transitions_and_since() -> None:
     m = health.Model()
     assert m.update("disk", "ok", "90% free", 1.0) is None  # starting ok is no news
     assert m.update("spool", "critical", "gone", 1.0) == health.Transition(
-        "spool", "ok", "critical", "gone")  # starting bad is
+        "spool", "ok", "critical", "gone"
+    )  # starting bad is
     assert m.update("disk", "ok", "89% free", 2.0) is None
     assert m.checks["disk"].since == 1.0 and m.checks["disk"].detail == "89% free"
     t = m.update("disk", "warning", "9% free", 3.0)
@@ -92,20 +110,40 @@ def test_model_transitions_and_since() -> None:
     assert [c["name"] for c in doc["checks"]] == ["destination:x", "disk", "spool"]
 
 
-@pytest.mark.parametrize(("doc", "code", "head"), [
-    ({"status": "ok", "checks": [{"name": "a", "status": "ok", "since": "t", "detail": "d"}]},
-     0, "OK: all checks ok"),
-    ({"status": "warning", "checks": [
-        {"name": "a", "status": "warning", "since": "t", "detail": "slow"}]},
-     1, "WARNING: a: slow"),
-    ({"status": "critical", "checks": [
-        {"name": "a", "status": "critical", "since": "t", "detail": "x"},
-        {"name": "b", "status": "warning", "since": "t", "detail": "y"}]},
-     2, "CRITICAL: a: x; b: y"),
-    ({"status": "unknown", "detail": "daemon not running"}, 3,
-     "UNKNOWN: daemon not running"),
-    ({}, 3, "UNKNOWN: no health data"),
-])
+@pytest.mark.parametrize(
+    ("doc", "code", "head"),
+    [
+        (
+            {
+                "status": "ok",
+                "checks": [{"name": "a", "status": "ok", "since": "t", "detail": "d"}],
+            },
+            0,
+            "OK: all checks ok",
+        ),
+        (
+            {
+                "status": "warning",
+                "checks": [{"name": "a", "status": "warning", "since": "t", "detail": "slow"}],
+            },
+            1,
+            "WARNING: a: slow",
+        ),
+        (
+            {
+                "status": "critical",
+                "checks": [
+                    {"name": "a", "status": "critical", "since": "t", "detail": "x"},
+                    {"name": "b", "status": "warning", "since": "t", "detail": "y"},
+                ],
+            },
+            2,
+            "CRITICAL: a: x; b: y",
+        ),
+        ({"status": "unknown", "detail": "daemon not running"}, 3, "UNKNOWN: daemon not running"),
+        ({}, 3, "UNKNOWN: no health data"),
+    ],
+)
 def test_plugin_output(doc: dict, code: int, head: str) -> None:
     got, text = health.plugin_output(doc)
     assert got == code
@@ -124,8 +162,13 @@ def conn(tmp_path: Path):
 
 
 def dead(i: int, key: str = "example.org") -> alerts.Event:
-    return alerts.Event("dead_letter", "warning", key, f"bounced: 550 #{i}",
-                        alerts.sample(f"Q{i}", f"user{i}@{key}", f"550 5.1.1 #{i}"))
+    return alerts.Event(
+        "dead_letter",
+        "warning",
+        key,
+        f"bounced: 550 #{i}",
+        alerts.sample(f"Q{i}", f"user{i}@{key}", f"550 5.1.1 #{i}"),
+    )
 
 
 def test_events_in_one_window_coalesce_into_one_alert(conn) -> None:
@@ -137,15 +180,27 @@ def test_events_in_one_window_coalesce_into_one_alert(conn) -> None:
     assert [(r["key"], r["count"]) for r in rows] == [("example.org", 200)]
     r = rows[0]
     assert len(r["samples"]) == alerts.MAX_SAMPLES
-    assert r["samples"][0] == {"queue_id": "Q0", "recipient": "u***@example.org",
-                               "reply": "550 5.1.1 #0"}
+    assert r["samples"][0] == {
+        "queue_id": "Q0",
+        "recipient": "u***@example.org",
+        "reply": "550 5.1.1 #0",
+    }
     assert r["first_at"] == 100.0 and r["last_at"] == pytest.approx(119.9)
     doc = alerts.document(r, "relay.test")
     assert doc["version"] == 1 and doc["count"] == 200
     assert doc["summary"].startswith("200 dead_letter events for example.org; latest:")
     assert doc["first_at"] == "1970-01-01T00:01:40Z"
-    assert set(doc) >= {"event", "severity", "key", "count", "first_at", "last_at",
-                        "summary", "samples", "id"}
+    assert set(doc) >= {
+        "event",
+        "severity",
+        "key",
+        "count",
+        "first_at",
+        "last_at",
+        "summary",
+        "samples",
+        "id",
+    }
     # an event after the window opens a new alert
     alerts.record(conn, dead(999), 401.0, 300.0, ["webhook"])
     assert alerts.due(conn, 701.0)[-1]["count"] == 1
@@ -203,22 +258,29 @@ def _load(tmp_path: Path, extra: dict) -> object:
 
 def test_health_and_webhook_config(tmp_path: Path) -> None:
     (tmp_path / "s").write_text("sekrit\n")
-    cfg = _load(tmp_path, {"health": {"disk_free_warning": 20, "disk_free_critical": "2.5%"},
-                           "alerts": {"webhook": {"url": "https://h.test/x",
-                                                  "secret_file": "s"}}})
+    cfg = _load(
+        tmp_path,
+        {
+            "health": {"disk_free_warning": 20, "disk_free_critical": "2.5%"},
+            "alerts": {"webhook": {"url": "https://h.test/x", "secret_file": "s"}},
+        },
+    )
     assert cfg.health.disk_free_warning == 20.0 and cfg.health.disk_free_critical == 2.5
     assert cfg.alerts.webhook.secret == b"sekrit" and cfg.alerts.webhook.timeout == 10.0
     assert cfg.alerts.coalesce == 300.0 and cfg.retry.warn_after == 4 * 3600
     assert "sekrit" not in json.dumps(cfg.redacted(), default=str)
     for bad, msg in [
         ({"health": {"disk_free_warning": "110%"}}, "health.disk_free_warning"),
-        ({"health": {"disk_free_warning": "5%", "disk_free_critical": "6%"}},
-         "health.disk_free_critical"),
+        (
+            {"health": {"disk_free_warning": "5%", "disk_free_critical": "6%"}},
+            "health.disk_free_critical",
+        ),
         ({"alerts": {"webhook": {"url": "ftp://x"}}}, "alerts.webhook.url"),
-        ({"alerts": {"webhook": {"url": "http://x", "secret_file": "nope"}}},
-         "alerts.webhook.secret_file"),
-        ({"alerts": {"webhook": {"url": "http://x", "secret": "inline"}}},
-         "alerts.webhook.secret"),
+        (
+            {"alerts": {"webhook": {"url": "http://x", "secret_file": "nope"}}},
+            "alerts.webhook.secret_file",
+        ),
+        ({"alerts": {"webhook": {"url": "http://x", "secret": "inline"}}}, "alerts.webhook.secret"),
     ]:
         with pytest.raises(ConfigError, match=msg):
             _load(tmp_path, bad)
@@ -252,22 +314,30 @@ def test_reset_undoes_every_slow_down() -> None:
     assert a.hold_until is None and a.last_decrease is None
 
 
-def _res(code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT,
-         ambiguous: bool = False) -> RcptResult:
-    return RcptResult(Verdict(outcome, False, False, Scope.TRANSACTION),
-                      Reply(code, f"{code // 100}.0.0", "x"), phase, ambiguous)
+def _res(
+    code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT, ambiguous: bool = False
+) -> RcptResult:
+    return RcptResult(
+        Verdict(outcome, False, False, Scope.TRANSACTION),
+        Reply(code, f"{code // 100}.0.0", "x"),
+        phase,
+        ambiguous,
+    )
 
 
-@pytest.mark.parametrize(("results", "delivered", "failing"), [
-    ({"a": _res(451, Phase.MAIL), "b": _res(451, Phase.MAIL)}, 0, True),  # 4xx to MAIL
-    ({"a": _res(421, Phase.MAIL)}, 0, True),
-    ({"a": _res(421, Phase.DATA)}, 0, False),  # throttling: AIMD's, not the breaker's
-    ({"a": _res(451, Phase.RCPT)}, 0, False),  # one mailbox busy: the host works
-    ({"a": _res(451, Phase.MAIL), "b": _res(250, Phase.DATA, Outcome.DELIVERED)}, 1, False),
-    ({"a": _res(550, Phase.MAIL, Outcome.FAIL)}, 0, False),  # a 5xx is an answer
-    ({"a": _res(421, Phase.DATA, ambiguous=True)}, 0, False),  # after the dot: unknown
-    ({}, 0, False),
-])
+@pytest.mark.parametrize(
+    ("results", "delivered", "failing"),
+    [
+        ({"a": _res(451, Phase.MAIL), "b": _res(451, Phase.MAIL)}, 0, True),  # 4xx to MAIL
+        ({"a": _res(421, Phase.MAIL)}, 0, True),
+        ({"a": _res(421, Phase.DATA)}, 0, False),  # throttling: AIMD's, not the breaker's
+        ({"a": _res(451, Phase.RCPT)}, 0, False),  # one mailbox busy: the host works
+        ({"a": _res(451, Phase.MAIL), "b": _res(250, Phase.DATA, Outcome.DELIVERED)}, 1, False),
+        ({"a": _res(550, Phase.MAIL, Outcome.FAIL)}, 0, False),  # a 5xx is an answer
+        ({"a": _res(421, Phase.DATA, ambiguous=True)}, 0, False),  # after the dot: unknown
+        ({}, 0, False),
+    ],
+)
 def test_refused_mail(results: dict, delivered: int, failing: bool) -> None:
     assert refused_mail(results, delivered) is failing
 
@@ -277,8 +347,9 @@ def test_refused_mail(results: dict, delivered: int, failing: bool) -> None:
 
 def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -> None:
     p = tmp_path / "relay.yaml"
-    p.write_text(yaml.safe_dump({"spool": {"path": "spool"},
-                                 "retry": {"schedule": ["1m"], "max_age": "1h"}}))
+    p.write_text(
+        yaml.safe_dump({"spool": {"path": "spool"}, "retry": {"schedule": ["1m"], "max_age": "1h"}})
+    )
     cfg = load_config(str(p))
     w = SpoolWriter(cfg.spool_path)
     w.start()
@@ -286,24 +357,53 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
 
     async def main() -> dict[str, str]:
         e = Engine(cfg, w, clock=lambda: now)
-        msg = ops.NewMessage("M1", "1@x", "a@x.test", 1, now - 7200, "c", "p",
-                             "transactional", 0, "x.test", b"x", None,
-                             (ops.NewRecipient("fresh@x.test", "x.test", "k1"),
-                              ops.NewRecipient("old@x.test", "x.test", "k2")))
+        msg = ops.NewMessage(
+            "M1",
+            "1@x",
+            "a@x.test",
+            1,
+            now - 7200,
+            "c",
+            "p",
+            "transactional",
+            0,
+            "x.test",
+            b"x",
+            None,
+            (
+                ops.NewRecipient("fresh@x.test", "x.test", "k1"),
+                ops.NewRecipient("old@x.test", "x.test", "k2"),
+            ),
+        )
         await w.run(lambda c: ops.accept(c, msg, 3600))
         ids = {c.address: c.rcpt_id for c in await w.run(lambda c: ops.claim_due(c, now, 10))}
         # `queue retry` restarted fresh@'s clock ten seconds ago; old@ keeps the arrival's
-        fresh = ops.Claim(ids["fresh@x.test"], "M1", "fresh@x.test", "x.test", 3, now - 10,
-                          "transactional", "x.test")
-        old = ops.Claim(ids["old@x.test"], "M1", "old@x.test", "x.test", 3, now - 7200,
-                        "transactional", "x.test")
+        fresh = ops.Claim(
+            ids["fresh@x.test"],
+            "M1",
+            "fresh@x.test",
+            "x.test",
+            3,
+            now - 10,
+            "transactional",
+            "x.test",
+        )
+        old = ops.Claim(
+            ids["old@x.test"],
+            "M1",
+            "old@x.test",
+            "x.test",
+            3,
+            now - 7200,
+            "transactional",
+            "x.test",
+        )
         env = ops.Envelope("M1", "<1@x>", "a@x.test", 1, b"x", None)
         job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", [fresh, old], env)
         st = e.dest("smarthost")
         busy = {a: _res(451, Phase.RCPT) for a in ("fresh@x.test", "old@x.test")}
         await attempt.apply(e, st, job, busy, host=None, duration=0.0)
-        rows = await w.run(lambda c: c.execute(
-            "SELECT address, state FROM recipients").fetchall())
+        rows = await w.run(lambda c: c.execute("SELECT address, state FROM recipients").fetchall())
         return dict(rows)
 
     try:

@@ -20,11 +20,14 @@ def test_slow_domain_backlog_does_not_block_other_domains(upstream, relay) -> No
         dns.set_zone("slow.test", {"A": ["127.0.0.2"]})  # implicit MX
         dns.set_zone("fast.test", {"A": ["127.0.0.2"]})
         up = upstream(host="127.0.0.2", port=port)
-        r = relay(config=mx_config(
-            dns, port,
-            destinations={"slow.test": {"rate": "1/s", "burst": 1, "max_connections": 1}},
-            delivery={"batch": 20},  # a small in-memory budget makes blocking easy to see
-        ))
+        r = relay(
+            config=mx_config(
+                dns,
+                port,
+                destinations={"slow.test": {"rate": "1/s", "burst": 1, "max_connections": 1}},
+                delivery={"batch": 20},  # a small in-memory budget makes blocking easy to see
+            )
+        )
         with smtp_session(r.port) as s:
             for i in range(120):
                 s.sendmail("app@example.com", [f"u{i}@slow.test"], make_message(i))
@@ -32,8 +35,7 @@ def test_slow_domain_backlog_does_not_block_other_domains(upstream, relay) -> No
         sent_at = time.time()
         with smtp_session(r.port) as s:
             for i in range(5):
-                s.sendmail("app@example.com", [f"v{i}@fast.test"],
-                           make_message(1000 + i))
+                s.sendmail("app@example.com", [f"v{i}@fast.test"], make_message(1000 + i))
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             fast = [m for m in up.received if m.rcpt_tos[0].endswith("@fast.test")]

@@ -30,8 +30,11 @@ from tests.harness import ROOT, RelayProcess, Upstream, make_message
 
 SENDER = "app@example.com"
 RCPT = "user@example.org"
-PASSWORDS = {"alice": "correct horse battery staple", "bob": "Tr0ub4dor&3-bob",
-             "carol": "carol-s3cret-pw"}
+PASSWORDS = {
+    "alice": "correct horse battery staple",
+    "bob": "Tr0ub4dor&3-bob",
+    "carol": "carol-s3cret-pw",
+}
 WRONG = "wrong-password-123"
 
 try:
@@ -65,12 +68,22 @@ def users_text(hashes: dict[str, str], names: tuple[str, ...]) -> str:
     return "# relay users\n\n" + "".join(f"{n}:{hashes[n]}\n" for n in names)
 
 
-def make_relay(relay: Callable[..., RelayProcess], up: Upstream, ca: trustme.CA,
-               hashes: dict[str, str], *, users: tuple[str, ...] = ("alice", "bob"),
-               allow: list[str] | None = None, tls: bool = True, require_tls: bool = False,
-               with_auth: bool = True, allow_plaintext: bool = False,
-               config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-               start: bool = True) -> RelayProcess:
+def make_relay(
+    relay: Callable[..., RelayProcess],
+    up: Upstream,
+    ca: trustme.CA,
+    hashes: dict[str, str],
+    *,
+    users: tuple[str, ...] = ("alice", "bob"),
+    allow: list[str] | None = None,
+    tls: bool = True,
+    require_tls: bool = False,
+    with_auth: bool = True,
+    allow_plaintext: bool = False,
+    config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    start: bool = True,
+) -> RelayProcess:
     """A daemon whose one listener has the certificate and users file in its own folder,
     named by relative paths (relative to the config file)."""
     r = relay(upstream=up, config=config, env=env, start=False)
@@ -136,8 +149,11 @@ def secret_forms() -> list[str]:
     """Every password, and how it travels on the wire (base64 of PLAIN and LOGIN)."""
     out = []
     for user, pw in [*PASSWORDS.items(), ("alice", WRONG)]:
-        out += [pw, base64.b64encode(pw.encode()).decode(),
-                base64.b64encode(f"\0{user}\0{pw}".encode()).decode()]
+        out += [
+            pw,
+            base64.b64encode(pw.encode()).decode(),
+            base64.b64encode(f"\0{user}\0{pw}".encode()).decode(),
+        ]
     return out
 
 
@@ -203,8 +219,9 @@ def test_starttls_advertised_and_auth_only_after_it(upstream, relay, ca, hashes)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", [DEFAULT_LOOP, "asyncio"])
-def test_auth_plain_and_login_relay_from_outside_allow(upstream, relay, ca, hashes,
-                                                       loop: str) -> None:
+def test_auth_plain_and_login_relay_from_outside_allow(
+    upstream, relay, ca, hashes, loop: str
+) -> None:
     up = upstream()
     env = {"RELAY_EVENT_LOOP": "asyncio"} if loop == "asyncio" else None
     r = make_relay(relay, up, ca, hashes, env=env)
@@ -268,11 +285,11 @@ def test_wrong_password_535_then_554_and_421_after_three(upstream, relay, ca, ha
 
 @pytest.mark.slow
 def test_require_tls_530_before_starttls_and_allowed_network_needs_no_auth(
-        upstream, relay, ca, hashes) -> None:
+    upstream, relay, ca, hashes
+) -> None:
     up = upstream()
     # loopback allowed, TLS required, no AUTH configured on this listener
-    r = make_relay(relay, up, ca, hashes, allow=["127.0.0.0/8"], require_tls=True,
-                   with_auth=False)
+    r = make_relay(relay, up, ca, hashes, allow=["127.0.0.0/8"], require_tls=True, with_auth=False)
     with session(r) as s:
         assert s.has_extn("starttls")
         code, msg = s.mail(SENDER)
@@ -302,8 +319,10 @@ def test_dedup_namespace_is_the_user(upstream, relay, ca, hashes) -> None:
     assert b"duplicate suppressed" in replies[2][1]
     assert b"queued as" in replies[0][1] and b"queued as" in replies[1][1]
     up.wait_for(2)
-    r.wait_until(lambda: [x["state"] for m in r.queue() for x in m["recipients"]]
-                 == ["delivered"] * 2, what="two messages delivered")
+    r.wait_until(
+        lambda: [x["state"] for m in r.queue() for x in m["recipients"]] == ["delivered"] * 2,
+        what="two messages delivered",
+    )
     assert len(up.received) == 2
     dup = events(r, "deduplicated")
     assert len(dup) == 1 and dup[0]["client"] == "user:alice"
@@ -318,15 +337,22 @@ def test_users_file_reloaded_on_sighup(upstream, relay, ca, hashes) -> None:
     with session(r, ca) as s:
         assert auth_plain(s, "carol", PASSWORDS["carol"])[0] == 535
     # the operator makes carol's line with `relay auth hash` and adds it
-    res = subprocess.run([sys.executable, "-m", "relay", "auth", "hash", "--user", "carol"],
-                         input=PASSWORDS["carol"] + "\n", capture_output=True, text=True,
-                         cwd=ROOT, timeout=30, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "relay", "auth", "hash", "--user", "carol"],
+        input=PASSWORDS["carol"] + "\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=True,
+    )
     users = r.workdir / "users"
     users.write_text(users.read_text() + res.stdout)
 
     def reloads() -> int:
-        return sum(1 for e in events(r, "config_reloaded")
-                   if e.get("msg") == "configuration reloaded")
+        return sum(
+            1 for e in events(r, "config_reloaded") if e.get("msg") == "configuration reloaded"
+        )
 
     r.signal(signal.SIGHUP)
     r.wait_until(lambda: reloads() == 1, what="config_reloaded")
@@ -356,8 +382,9 @@ def test_users_file_reloaded_on_sighup(upstream, relay, ca, hashes) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", ["cert_file", "key_file", "users_file"])
-def test_bad_tls_or_users_file_exits_78_naming_the_key(upstream, relay, ca, hashes,
-                                                       bad: str) -> None:
+def test_bad_tls_or_users_file_exits_78_naming_the_key(
+    upstream, relay, ca, hashes, bad: str
+) -> None:
     up = upstream()
     r = make_relay(relay, up, ca, hashes, start=False)
     lst = r.config["listen"][0]
@@ -377,12 +404,18 @@ def test_bad_tls_or_users_file_exits_78_naming_the_key(upstream, relay, ca, hash
 
 
 @pytest.mark.slow
-def test_plaintext_auth_only_when_allowed_and_never_logged(upstream, relay, ca,
-                                                           hashes) -> None:
+def test_plaintext_auth_only_when_allowed_and_never_logged(upstream, relay, ca, hashes) -> None:
     up = upstream()
     # the most talkative logging there is: debug, unmasked (aiosmtpd logs command lines)
-    r = make_relay(relay, up, ca, hashes, tls=False, allow_plaintext=True,
-                   config={"log": {"level": "debug", "unmask": True}})
+    r = make_relay(
+        relay,
+        up,
+        ca,
+        hashes,
+        tls=False,
+        allow_plaintext=True,
+        config={"log": {"level": "debug", "unmask": True}},
+    )
     with session(r) as s:
         assert not s.has_extn("starttls")
         assert set(s.esmtp_features["auth"].split()) == {"PLAIN", "LOGIN"}
@@ -400,8 +433,14 @@ def test_plaintext_auth_only_when_allowed_and_never_logged(upstream, relay, ca,
 
 def test_auth_hash_cli_output_verifies() -> None:
     pw = "p@ss word with spaces and ünïcode"
-    res = subprocess.run([sys.executable, "-m", "relay", "auth", "hash"], input=pw + "\n",
-                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "relay", "auth", "hash"],
+        input=pw + "\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip()
     assert line.startswith("scrypt$") and "\n" not in line
@@ -409,8 +448,14 @@ def test_auth_hash_cli_output_verifies() -> None:
     assert auth.verify_password(pw, line)
     assert not auth.verify_password(pw + "x", line)
     assert auth.parse_users(f"alice:{line}\n") == {"alice": line}
-    empty = subprocess.run([sys.executable, "-m", "relay", "auth", "hash"], input="\n",
-                           capture_output=True, text=True, cwd=ROOT, timeout=30)
+    empty = subprocess.run(
+        [sys.executable, "-m", "relay", "auth", "hash"],
+        input="\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert empty.returncode == 1 and "empty password" in empty.stderr
 
 
@@ -437,11 +482,19 @@ def test_hash_and_verify() -> None:
     assert fixed.split("$")[2] == base64.b64encode(want).decode()
 
 
-@pytest.mark.parametrize("stored", [
-    None, "", "scrypt", "scrypt$$", "bcrypt$AAAA$AAAA", "scrypt$!!!!$AAAA",
-    "scrypt$AAAA$AAAA",  # digest too short
-    "plaintext-password",
-])
+@pytest.mark.parametrize(
+    "stored",
+    [
+        None,
+        "",
+        "scrypt",
+        "scrypt$$",
+        "bcrypt$AAAA$AAAA",
+        "scrypt$!!!!$AAAA",
+        "scrypt$AAAA$AAAA",  # digest too short
+        "plaintext-password",
+    ],
+)
 def test_verify_malformed_or_missing_is_false(stored: str | None) -> None:
     assert not auth.verify_password("plaintext-password", stored)
 
@@ -463,12 +516,15 @@ def test_parse_users() -> None:
     assert auth.parse_users(text) == {"alice": h, "mail:user@example.com": h}
 
 
-@pytest.mark.parametrize(("text", "line"), [
-    ("bob:hunter2\n", 1),
-    ("# c\n:scrypt$AAAA$" + "A" * 44 + "\n", 2),
-    ("nocolon\n", 1),
-    ("a:scrypt$AAAA$" + "A" * 44 + "\na:scrypt$AAAA$" + "A" * 44 + "\n", 2),
-])
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("bob:hunter2\n", 1),
+        ("# c\n:scrypt$AAAA$" + "A" * 44 + "\n", 2),
+        ("nocolon\n", 1),
+        ("a:scrypt$AAAA$" + "A" * 44 + "\na:scrypt$AAAA$" + "A" * 44 + "\n", 2),
+    ],
+)
 def test_parse_users_errors_name_the_line_not_its_contents(text: str, line: int) -> None:
     with pytest.raises(auth.UsersFileError) as exc:
         auth.parse_users(text)
@@ -483,8 +539,10 @@ def test_mask_user() -> None:
 
 
 def _listener_conf(tmp_path: Path, **listener: Any) -> Any:
-    return from_mapping({"listen": [{"address": "127.0.0.1:2525", **listener}],
-                         "spool": {"path": "spool"}}, tmp_path)
+    return from_mapping(
+        {"listen": [{"address": "127.0.0.1:2525", **listener}], "spool": {"path": "spool"}},
+        tmp_path,
+    )
 
 
 def test_config_keys(tmp_path: Path, ca: trustme.CA) -> None:
@@ -505,14 +563,14 @@ def test_config_keys(tmp_path: Path, ca: trustme.CA) -> None:
     cases = [
         ({"require_tls": True}, "listen[0].require_tls: needs listen[0].tls"),
         ({"auth": {"users_file": "users"}}, "listen[0].auth: AUTH is only offered over TLS"),
-        ({"tls": {"cert_file": "key.pem", "key_file": "key.pem"}},
-         "listen[0].tls.cert_file: "),
-        ({"tls": {"cert_file": "cert.pem", "key_file": "cert.pem"}},
-         "listen[0].tls.key_file: "),
+        ({"tls": {"cert_file": "key.pem", "key_file": "key.pem"}}, "listen[0].tls.cert_file: "),
+        ({"tls": {"cert_file": "cert.pem", "key_file": "cert.pem"}}, "listen[0].tls.key_file: "),
         ({"tls": {"cert_file": "cert.pem"}}, "listen[0].tls.key_file: required"),
         ({"tls": {**tls, "ca_file": "x"}}, "listen[0].tls.ca_file: unknown key"),
-        ({"auth": {"users_file": "users", "allow_plaintext": "yes"}},
-         "listen[0].auth.allow_plaintext: expected true or false"),
+        (
+            {"auth": {"users_file": "users", "allow_plaintext": "yes"}},
+            "listen[0].auth.allow_plaintext: expected true or false",
+        ),
     ]
     for listener, message in cases:
         with pytest.raises(ConfigError) as exc:

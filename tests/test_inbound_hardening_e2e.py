@@ -46,12 +46,23 @@ def alice_hash() -> str:
     return auth.hash_password(PASSWORD)
 
 
-def daemon(relay: RelayFactory, up: Upstream, limits: dict[str, Any] | None = None,
-           auth_conf: dict[str, Any] | None = None, users: str | None = None,
-           **listener: Any) -> RelayProcess:
-    r = relay(upstream=up, start=False,
-              config={"limits": limits or {}, "auth": auth_conf or {},
-                      "destinations": {"*": {"rate": "unlimited"}}})
+def daemon(
+    relay: RelayFactory,
+    up: Upstream,
+    limits: dict[str, Any] | None = None,
+    auth_conf: dict[str, Any] | None = None,
+    users: str | None = None,
+    **listener: Any,
+) -> RelayProcess:
+    r = relay(
+        upstream=up,
+        start=False,
+        config={
+            "limits": limits or {},
+            "auth": auth_conf or {},
+            "destinations": {"*": {"rate": "unlimited"}},
+        },
+    )
     lst = r.config["listen"][0]
     lst["allow"] = [f"{APP}/32"]
     if users is not None:
@@ -66,8 +77,9 @@ class Raw:
     """A raw SMTP client socket from a chosen source address."""
 
     def __init__(self, port: int, source: str, timeout: float = 10.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                             source_address=(source, 0))
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=timeout, source_address=(source, 0)
+        )
         self.file = self.sock.makefile("rb")
 
     def reply(self) -> bytes:
@@ -138,14 +150,16 @@ def plain(user: str, password: str) -> str:
 @pytest.mark.slow
 def test_per_ip_and_total_limits_421_while_the_app_gets_through(upstream, relay) -> None:
     up = upstream()
-    r = daemon(relay, up, limits={"max_connections": 12, "allowed_reserve": 4,
-                                  "max_connections_per_ip": 3})
+    r = daemon(
+        relay, up, limits={"max_connections": 12, "allowed_reserve": 4, "max_connections_per_ip": 3}
+    )
     with raws(r.port, ["127.0.0.2"] * 3) as held:
         assert all(c.reply().startswith(b"220 ") for c in held)
         for _ in range(2):  # over the per-IP limit: 421 before any greeting, then closed
             extra = Raw(r.port, "127.0.0.2")
-            assert extra.reply() == (b"421 4.7.0 too many connections from your address,"
-                                     b" try again later\r\n")
+            assert extra.reply() == (
+                b"421 4.7.0 too many connections from your address, try again later\r\n"
+            )
             assert extra.closed()
             extra.close()
         # 3 + 3 + 2 = 8 = max_connections - allowed_reserve: the next outsider is refused
@@ -160,27 +174,37 @@ def test_per_ip_and_total_limits_421_while_the_app_gets_through(upstream, relay)
             text = metrics(r)
             assert metric(text, 'relay_connections_refused_total{reason="per_ip"}') == 2
             assert metric(text, 'relay_connections_refused_total{reason="total"}') == 1
-            r.wait_until(lambda: metric(metrics(r), "relay_connections_open") == 8,
-                         timeout=10, what="the app's connection released")
+            r.wait_until(
+                lambda: metric(metrics(r), "relay_connections_open") == 8,
+                timeout=10,
+                what="the app's connection released",
+            )
     up.wait_for(1)
     # closed connections are released: 127.0.0.2 may connect again
-    r.wait_until(lambda: metric(metrics(r), "relay_connections_open") == 0, timeout=10,
-                 what="connections released")
+    r.wait_until(
+        lambda: metric(metrics(r), "relay_connections_open") == 0,
+        timeout=10,
+        what="connections released",
+    )
     with raws(r.port, ["127.0.0.2"] * 3) as again:
         assert all(c.reply().startswith(b"220 ") for c in again)
     # the limits reload on SIGHUP
     r.config["limits"]["max_connections_per_ip"] = 1
     r.write_config()
     r.signal(signal.SIGHUP)
-    r.wait_until(lambda: any(e.get("msg") == "configuration reloaded"
-                             for e in events(r, "config_reloaded")), what="reload")
+    r.wait_until(
+        lambda: any(e.get("msg") == "configuration reloaded" for e in events(r, "config_reloaded")),
+        what="reload",
+    )
     with raws(r.port, ["127.0.0.2"] * 2) as now:
         assert now[0].reply().startswith(b"220 ")
         assert now[1].reply().startswith(b"421 4.7.0 too many connections from your address")
     limited = events(r, "connection_limit")
     # logged once per (reason, client) per minute, the per-IP one refused twice
     assert sorted((e["reason"], e["peer"]) for e in limited) == [
-        ("per_ip", "127.0.0.2"), ("total", "127.0.0.5")]
+        ("per_ip", "127.0.0.2"),
+        ("total", "127.0.0.5"),
+    ]
     assert all(e["level"] == "warning" for e in limited)
     assert r.stop() == 0
 
@@ -214,15 +238,19 @@ def test_max_errors_421_and_close(upstream, relay) -> None:
 @pytest.mark.slow
 def test_command_timeout_and_min_data_rate(upstream, relay) -> None:
     up = upstream()
-    r = daemon(relay, up, limits={"command_timeout": "1s", "min_data_rate": 1000,
-                                  "min_data_rate_window": "1s"})
+    r = daemon(
+        relay,
+        up,
+        limits={"command_timeout": "1s", "min_data_rate": 1000, "min_data_rate_window": "1s"},
+    )
     # a client that dribbles a command and never ends the line
     slow = Raw(r.port, "127.0.0.2")
     assert slow.reply().startswith(b"220 ")
     t0 = time.monotonic()
     slow.sock.sendall(b"EHL")
-    assert slow.reply() == (b"421 4.4.2 relay.test timeout waiting for a command, closing"
-                            b" connection\r\n")
+    assert slow.reply() == (
+        b"421 4.4.2 relay.test timeout waiting for a command, closing connection\r\n"
+    )
     assert 0.8 < time.monotonic() - t0 < 5
     assert slow.closed()
     slow.close()
@@ -240,8 +268,9 @@ def test_command_timeout_and_min_data_rate(upstream, relay) -> None:
     assert data.cmd("DATA").startswith(b"354 ")
     t0 = time.monotonic()
     data.sock.sendall(b"Subject: slow\r\n")
-    assert data.reply() == (b"421 4.4.2 relay.test data arriving too slowly, closing"
-                            b" connection\r\n")
+    assert data.reply() == (
+        b"421 4.4.2 relay.test data arriving too slowly, closing connection\r\n"
+    )
     assert time.monotonic() - t0 < 5
     data.close()
     # pauses between commands shorter than the timeout are fine, and so is a normal DATA
@@ -252,7 +281,9 @@ def test_command_timeout_and_min_data_rate(upstream, relay) -> None:
         assert s.sendmail(SENDER, [RCPT], make_message(2, body=body)) == {}
     up.wait_for(1)
     assert sorted(e["reason"] for e in events(r, "session_closed")) == [
-        "command_timeout", "data_rate"]  # the second timeout from 127.0.0.2: not logged again
+        "command_timeout",
+        "data_rate",
+    ]  # the second timeout from 127.0.0.2: not logged again
     text = metrics(r)
     assert metric(text, 'relay_sessions_closed_total{reason="command_timeout"}') == 2
     assert metric(text, 'relay_sessions_closed_total{reason="data_rate"}') == 1
@@ -263,12 +294,19 @@ def test_command_timeout_and_min_data_rate(upstream, relay) -> None:
 
 
 @pytest.mark.slow
-def test_auth_failures_delayed_then_banned_across_connections(upstream, relay,
-                                                               alice_hash) -> None:
+def test_auth_failures_delayed_then_banned_across_connections(upstream, relay, alice_hash) -> None:
     up = upstream()
-    r = daemon(relay, up, users=alice_hash,
-               auth_conf={"failure_delay": "0.3s", "max_failure_delay": "1s",
-                          "max_failures_per_ip": 4, "ban_time": "60s"})
+    r = daemon(
+        relay,
+        up,
+        users=alice_hash,
+        auth_conf={
+            "failure_delay": "0.3s",
+            "max_failure_delay": "1s",
+            "max_failures_per_ip": 4,
+            "ban_time": "60s",
+        },
+    )
     src = "127.0.0.2"  # outside allow: it can only AUTH
 
     def attempt(c: Raw) -> tuple[bytes, float]:
@@ -289,8 +327,9 @@ def test_auth_failures_delayed_then_banned_across_connections(upstream, relay,
     reply, took = attempt(second)
     assert reply.startswith(b"535 5.7.8") and took >= 0.9  # 3rd: capped at 1 s
     reply, _ = attempt(second)  # the 4th within the window: banned
-    assert reply == (b"421 4.7.0 too many authentication failures from your address, try"
-                     b" again later\r\n")
+    assert reply == (
+        b"421 4.7.0 too many authentication failures from your address, try again later\r\n"
+    )
     assert second.closed()
     second.close()
     # banned: refused at connect (it could do nothing but AUTH), even the right password
@@ -322,9 +361,13 @@ def test_auth_checks_do_not_stall_other_clients(upstream, relay, alice_hash) -> 
     accepted quickly. (Old code: each scrypt ran inside the event loop, ~40 ms each, so every
     command of the app waited behind up to 20 of them: seconds per message.)"""
     up = upstream()
-    r = daemon(relay, up, users=alice_hash,
-               auth_conf={"failure_delay": 0, "max_failures_per_ip": 0},
-               limits={"max_errors": 0})
+    r = daemon(
+        relay,
+        up,
+        users=alice_hash,
+        auth_conf={"failure_delay": 0, "max_failures_per_ip": 0},
+        limits={"max_errors": 0},
+    )
     stop = threading.Event()
     tries = [0] * 20
 
@@ -363,8 +406,12 @@ def test_auth_checks_do_not_stall_other_clients(upstream, relay, alice_hash) -> 
 @pytest.mark.slow
 def test_auth_checks_beyond_max_pending_get_454(upstream, relay, alice_hash) -> None:
     up = upstream()
-    r = daemon(relay, up, users=alice_hash,
-               auth_conf={"max_parallel": 1, "max_pending": 0, "failure_delay": 0})
+    r = daemon(
+        relay,
+        up,
+        users=alice_hash,
+        auth_conf={"max_parallel": 1, "max_pending": 0, "failure_delay": 0},
+    )
     clients = [Raw(r.port, f"127.0.0.{2 + i}") for i in range(8)]
     for c in clients:
         c.reply()
@@ -385,8 +432,9 @@ def test_auth_checks_beyond_max_pending_get_454(upstream, relay, alice_hash) -> 
 
 
 @pytest.mark.slow
-def test_implicit_tls_send_auth_and_certificate_reload(upstream, relay, alice_hash,
-                                                       tmp_path: Path) -> None:
+def test_implicit_tls_send_auth_and_certificate_reload(
+    upstream, relay, alice_hash, tmp_path: Path
+) -> None:
     up = upstream()
     ca = trustme.CA()
     r = relay(upstream=up, start=False)
@@ -428,8 +476,10 @@ def test_implicit_tls_send_auth_and_certificate_reload(upstream, relay, alice_ha
     renewed.cert_chain_pems[0].write_to_path(str(r.workdir / "cert.pem"))
     renewed.private_key_pem.write_to_path(str(r.workdir / "key.pem"))
     r.signal(signal.SIGHUP)
-    r.wait_until(lambda: any(e.get("msg") == "configuration reloaded"
-                             for e in events(r, "config_reloaded")), what="reload")
+    r.wait_until(
+        lambda: any(e.get("msg") == "configuration reloaded" for e in events(r, "config_reloaded")),
+        what="reload",
+    )
     after = peer_cert()
     assert before and after and before != after
     assert after == ssl.PEM_cert_to_DER_cert(renewed.cert_chain_pems[0].bytes().decode())
@@ -450,8 +500,13 @@ def _serve(r: RelayProcess, soft: int, hard: int) -> subprocess.Popen[bytes]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     return subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "-c", str(r.config_path)], cwd=r.workdir,
-        env=r.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit)
+        [sys.executable, "-m", "relay", "serve", "-c", str(r.config_path)],
+        cwd=r.workdir,
+        env=r.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=limit,
+    )
 
 
 @pytest.mark.slow

@@ -37,8 +37,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RelayProces
     cfg = deep_merge(
         smarthost_config(up),
         {
-            "limits": {"max_message_size": MAX_SIZE, "max_recipients": MAX_RCPTS,
-                       "max_line_length": 1000},
+            "limits": {
+                "max_message_size": MAX_SIZE,
+                "max_recipients": MAX_RCPTS,
+                "max_line_length": 1000,
+            },
             "destinations": {"*": {"rate": "unlimited"}},
         },
     )

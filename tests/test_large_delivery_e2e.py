@@ -19,7 +19,8 @@ BIG = (b"z" * 998 + b"\r\n") * 300  # ~300 KB: above spool.inline_max, stored in
 
 
 def test_dsn_of_a_large_message_quotes_its_headers(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
@@ -36,7 +37,8 @@ def test_dsn_of_a_large_message_quotes_its_headers(
 
 
 def test_a_missing_body_file_defers_and_does_not_open_the_circuit(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     """An attempt that never reached the upstream says nothing about it: with
     `circuit_failures: 1`, counting it as a failure would open the circuit and hold the
@@ -44,11 +46,16 @@ def test_a_missing_body_file_defers_and_does_not_open_the_circuit(
     attempt does not *close* a half-open circuit either, is not pinned by this test: it
     needs the breaker decision as a pure function, the engine split of the routes issue.)"""
     up = upstream()
-    r = relay(upstream=up, config=fast(destinations={"*": {
-        "rate": "unlimited", "circuit_failures": 1, "circuit_cooldown": "60s"}}))
+    r = relay(
+        upstream=up,
+        config=fast(
+            destinations={
+                "*": {"rate": "unlimited", "circuit_failures": 1, "circuit_cooldown": "60s"}
+            }
+        ),
+    )
     r.cli("destination", "suspend", "smarthost", check=True)
-    assert send(r.port, SENDER, ["lost@example.org"],
-                make_message(22) + BIG) == {}
+    assert send(r.port, SENDER, ["lost@example.org"], make_message(22) + BIG) == {}
     for f in (r.spool / "bodies").glob("*/*"):
         if f.is_file():
             f.unlink()

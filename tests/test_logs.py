@@ -429,8 +429,14 @@ def test_absent_fields_are_left_out_not_null() -> None:
     logger.addHandler(h)
     logger.setLevel(logging.INFO)
     try:
-        log_event(logger, logging.INFO, "deferred", "recipient deferred", queue_id="Q",
-                  next_attempt_at=None)
+        log_event(
+            logger,
+            logging.INFO,
+            "deferred",
+            "recipient deferred",
+            queue_id="Q",
+            next_attempt_at=None,
+        )
     finally:
         logger.removeHandler(h)
     doc = json.loads(JSONFormatter().format(records[0]))

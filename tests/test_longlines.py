@@ -22,8 +22,10 @@ def test_conforming_messages_are_left_alone() -> None:
 def test_single_part_html_with_a_7828_octet_line() -> None:
     html = b"<html><body>" + b"<td>cell</td>" * 600 + b"</body></html>"
     assert len(html) > 7800
-    msg = (b"From: app@example.com\r\nSubject: report\r\nContent-Type: text/html;"
-           b" charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n" + html + b"\r\n")
+    msg = (
+        b"From: app@example.com\r\nSubject: report\r\nContent-Type: text/html;"
+        b" charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n" + html + b"\r\n"
+    )
     out = conform(msg)
     assert out is not None and longest_line(out) <= MAX_LINE
     assert out.startswith(b"From: app@example.com\r\nSubject: report\r\nContent-Type: text/html;")
@@ -42,9 +44,11 @@ def test_utf8_text_keeps_its_characters() -> None:
 
 def test_multipart_reencodes_only_the_long_part() -> None:
     long_html = b"<p>" + b"y" * 60_000 + b"</p>"
-    msg = (b"MIME-Version: 1.0\r\nContent-Type: multipart/alternative; boundary=BB\r\n\r\n"
-           b"--BB\r\nContent-Type: text/plain\r\n\r\nshort text\r\n"
-           b"--BB\r\nContent-Type: text/html\r\n\r\n" + long_html + b"\r\n--BB--\r\n")
+    msg = (
+        b"MIME-Version: 1.0\r\nContent-Type: multipart/alternative; boundary=BB\r\n\r\n"
+        b"--BB\r\nContent-Type: text/plain\r\n\r\nshort text\r\n"
+        b"--BB\r\nContent-Type: text/html\r\n\r\n" + long_html + b"\r\n--BB--\r\n"
+    )
     out = conform(msg)
     assert out is not None and longest_line(out) <= MAX_LINE
     parts = _decoded_text(out)

@@ -29,15 +29,22 @@ def _wait(up: Upstream, needle: bytes) -> bytes:
 
 @pytest.mark.parametrize("length", [7828, 60 * 1024])
 def test_long_lines_are_accepted_and_reencoded(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess], length: int,
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
+    length: int,
 ) -> None:
     up = upstream()
     r = relay(upstream=up, config={"destinations": {"*": {"rate": "unlimited"}}})
     line = (b"<td>" + b"x" * 20 + b"</td>") * (length // 29 + 1)
     line = line[:length]
     mid = f"<long-{length}@longlines>".encode()
-    msg = (b"From: app@example.com\r\nTo: user@example.org\r\nSubject: wide\r\nMessage-ID: "
-           + mid + b"\r\nContent-Type: text/html; charset=utf-8\r\n\r\n" + line + b"\r\n")
+    msg = (
+        b"From: app@example.com\r\nTo: user@example.org\r\nSubject: wide\r\nMessage-ID: "
+        + mid
+        + b"\r\nContent-Type: text/html; charset=utf-8\r\n\r\n"
+        + line
+        + b"\r\n"
+    )
     assert send(r.port, "app@example.com", ["user@example.org"], msg) == {}
     got = _wait(up, mid)
     assert longest_line(got) <= MAX_LINE

@@ -14,8 +14,9 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.skipif(shutil.which("flock") is None or shutil.which("make") is None,
-                                reason="needs flock and make")
+pytestmark = pytest.mark.skipif(
+    shutil.which("flock") is None or shutil.which("make") is None, reason="needs flock and make"
+)
 
 FAKE_PY = textwrap.dedent("""\
     #!/bin/sh
@@ -44,9 +45,16 @@ def test_two_makes_at_once_bootstrap_once(tmp_path: Path) -> None:
     fake.chmod(0o755)
     log = tmp_path / "log"
     env = {"PATH": "/usr/bin:/bin", "LOG": str(log)}
-    procs = [subprocess.Popen(["make", "-s", f"PY={fake}", ".venv/.installed"], cwd=work,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            ["make", "-s", f"PY={fake}", ".venv/.installed"],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     calls = log.read_text().splitlines()

@@ -34,8 +34,14 @@ SECRET = b"hook-secret-123"
 
 FAST: dict[str, Any] = {
     "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
-    "destinations": {"*": {"command_timeout": "2s", "data_timeout": "2s",
-                           "connect_timeout": "2s", "circuit_failures": 100}},
+    "destinations": {
+        "*": {
+            "command_timeout": "2s",
+            "data_timeout": "2s",
+            "connect_timeout": "2s",
+            "circuit_failures": 100,
+        }
+    },
 }
 
 
@@ -56,10 +62,15 @@ def receiver():
 def hooked(tmp_path: Path, rec: Receiver, **extra: Any) -> dict[str, Any]:
     secret = tmp_path / "hook.secret"
     secret.write_bytes(SECRET + b"\n")
-    cfg = deep_merge(FAST, {"alerts": {"webhook": {"url": rec.url,
-                                                   "secret_file": str(secret),
-                                                   "timeout": "2s"},
-                                       "coalesce": "1s"}})
+    cfg = deep_merge(
+        FAST,
+        {
+            "alerts": {
+                "webhook": {"url": rec.url, "secret_file": str(secret), "timeout": "2s"},
+                "coalesce": "1s",
+            }
+        },
+    )
     return deep_merge(cfg, extra)
 
 
@@ -105,21 +116,37 @@ def mail_reply(port: int) -> tuple[int, bytes]:
 
 
 def test_refused_auth_is_critical_at_once_alerted_once_and_resolved_after_the_fix(
-        upstream, relay, receiver, ca, tmp_path: Path) -> None:
+    upstream, relay, receiver, ca, tmp_path: Path
+) -> None:
     up = upstream(tls_context=server_context(ca), auth={"user": "right"})
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     pw = tmp_path / "password"
     pw.write_text("wrong\n")
     rec = receiver()
-    r = relay(upstream=up, config=hooked(tmp_path, rec, upstream={"smarthost": {
-        "tls": "starttls", "ca_file": str(ca_file), "username": "user",
-        "password_file": str(pw)}}))
+    r = relay(
+        upstream=up,
+        config=hooked(
+            tmp_path,
+            rec,
+            upstream={
+                "smarthost": {
+                    "tls": "starttls",
+                    "ca_file": str(ca_file),
+                    "username": "user",
+                    "password_file": str(pw),
+                }
+            },
+        ),
+    )
     assert send(r.port, SENDER, ["user@example.org"], make_message(1)) == {}
 
     # within one attempt (and one health pass): critical, naming the destination and cause
-    r.wait_until(lambda: check(r, "destination:smarthost")["status"] == "critical",
-                 timeout=10, what="destination critical")
+    r.wait_until(
+        lambda: check(r, "destination:smarthost")["status"] == "critical",
+        timeout=10,
+        what="destination critical",
+    )
     code, doc = http_get(r, "/health")
     assert code == 503 and doc["status"] == "critical"
     detail = check(r, "destination:smarthost")["detail"]
@@ -130,8 +157,10 @@ def test_refused_auth_is_critical_at_once_alerted_once_and_resolved_after_the_fi
     # readiness is about taking mail, which still works
     assert http_get(r, "/healthz")[0] == 200
 
-    posts = rec.wait(lambda ps: any(p.doc["event"] == "upstream_config_error" for p in ps),
-                     what="upstream_config_error alert")
+    posts = rec.wait(
+        lambda ps: any(p.doc["event"] == "upstream_config_error" for p in ps),
+        what="upstream_config_error alert",
+    )
     alert = next(p for p in posts if p.doc["event"] == "upstream_config_error")
     assert alert.signed_by(SECRET)
     assert alert.headers["content-type"] == "application/json"
@@ -140,18 +169,25 @@ def test_refused_auth_is_critical_at_once_alerted_once_and_resolved_after_the_fi
     assert d["key"] == "destination:smarthost" and d["count"] == 1
     assert "535" in d["summary"]
     assert "wrong" not in alert.body.decode()  # never a secret
-    r.wait_until(lambda: len(r.cli_json("queue", "list")[0]["recipients"][0:1]) == 1
-                 and r.cli_json("queue", "list")[0]["recipients"][0]["attempts"] >= 3,
-                 what="three refused attempts")
+    r.wait_until(
+        lambda: (
+            len(r.cli_json("queue", "list")[0]["recipients"][0:1]) == 1
+            and r.cli_json("queue", "list")[0]["recipients"][0]["attempts"] >= 3
+        ),
+        what="three refused attempts",
+    )
     # attempts go on failing; the alert was one
     assert sum(p.doc["event"] == "upstream_config_error" for p in rec.accepted()) == 1
 
     pw.write_text("right\n")
     r.signal(signal.SIGHUP)
     r.wait_until(lambda: states(r).get("user@example.org") == "delivered", what="delivered")
-    rec.wait(lambda ps: any(p.doc["event"] == "resolved"
-                            and p.doc["key"] == "destination:smarthost" for p in ps),
-             what="resolved alert")
+    rec.wait(
+        lambda ps: any(
+            p.doc["event"] == "resolved" and p.doc["key"] == "destination:smarthost" for p in ps
+        ),
+        what="resolved alert",
+    )
     r.wait_until(lambda: r.cli("status").returncode == 0, timeout=10, what="status OK")
     assert up.wait_for(1)[0].auth == "user"
 
@@ -160,7 +196,8 @@ def test_refused_auth_is_critical_at_once_alerted_once_and_resolved_after_the_fi
 
 
 def test_two_hundred_dead_letters_in_a_minute_make_one_alert(
-        upstream, relay, receiver, tmp_path: Path) -> None:
+    upstream, relay, receiver, tmp_path: Path
+) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "550 5.1.1 no such user"
     rec = receiver()
@@ -169,17 +206,21 @@ def test_two_hundred_dead_letters_in_a_minute_make_one_alert(
         rcpts = [f"gone{m}-{i}@example.org" for i in range(50)]
         with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as s:
             assert s.sendmail(SENDER, rcpts, make_message(100 + m)) == {}
-    r.wait_until(lambda: list(states(r).values()).count("bounced") == 200,
-                 what="200 bounced")
-    posts = rec.wait(lambda ps: any(p.doc["event"] == "dead_letter" for p in ps),
-                     timeout=20, what="the dead_letter alert")
+    r.wait_until(lambda: list(states(r).values()).count("bounced") == 200, what="200 bounced")
+    posts = rec.wait(
+        lambda ps: any(p.doc["event"] == "dead_letter" for p in ps),
+        timeout=20,
+        what="the dead_letter alert",
+    )
     time.sleep(1.5)
     dead = [p.doc for p in rec.accepted() if p.doc["event"] == "dead_letter"]
     assert len(dead) == 1, dead
     assert dead[0]["count"] == 200 and dead[0]["key"] == "smarthost"
     assert len(dead[0]["samples"]) == 5
-    assert all(s["reply"].startswith("550 5.1.1") and s["recipient"].startswith("g***@")
-               for s in dead[0]["samples"])
+    assert all(
+        s["reply"].startswith("550 5.1.1") and s["recipient"].startswith("g***@")
+        for s in dead[0]["samples"]
+    )
     assert posts[0].signed_by(SECRET)
     # every dead letter is still its own ERROR line
     assert len(events(r, "dead_letter")) == 200
@@ -193,16 +234,18 @@ def pending_alerts(r: RelayProcess) -> list[dict[str, Any]]:
 
 
 def test_an_alert_recorded_before_a_sigkill_reaches_the_webhook_once_after_restart(
-        upstream, relay, receiver, tmp_path: Path) -> None:
+    upstream, relay, receiver, tmp_path: Path
+) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
     rec = receiver(start=False)  # the receiver is down
     r = relay(upstream=up, config=hooked(tmp_path, rec, alerts={"coalesce": "0s"}))
     assert send(r.port, SENDER, ["gone1@example.org"], make_message(1)) == {}
     assert send(r.port, SENDER, ["gone2@example.org"], make_message(2)) == {}
-    r.wait_until(lambda: len(pending_alerts(r)) == 2
-                 and all(a["attempts"] >= 1 for a in pending_alerts(r)),
-                 what="two alerts recorded, their webhook failing")
+    r.wait_until(
+        lambda: len(pending_alerts(r)) == 2 and all(a["attempts"] >= 1 for a in pending_alerts(r)),
+        what="two alerts recorded, their webhook failing",
+    )
     assert "webhook" in (pending_alerts(r)[0]["last_error"] or "")
     r.kill()  # SIGKILL: nothing gets flushed on the way out
 
@@ -217,7 +260,8 @@ def test_an_alert_recorded_before_a_sigkill_reaches_the_webhook_once_after_resta
 
 
 def test_a_receiver_that_fails_for_a_while_gets_every_alert_once_it_is_back(
-        upstream, relay, receiver, tmp_path: Path) -> None:
+    upstream, relay, receiver, tmp_path: Path
+) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "550 5.1.1 no such user"
     rec = receiver()
@@ -242,11 +286,16 @@ def test_a_receiver_that_fails_for_a_while_gets_every_alert_once_it_is_back(
 
 
 def test_disk_below_the_critical_threshold_refuses_at_mail_and_fails_readiness(
-        upstream, relay) -> None:
+    upstream, relay
+) -> None:
     up = upstream()
     # an injectable threshold: any real filesystem has at most 100% free
-    r = relay(upstream=up, config=deep_merge(FAST, {"health": {
-        "disk_free_warning": "100%", "disk_free_critical": "100%"}}))
+    r = relay(
+        upstream=up,
+        config=deep_merge(
+            FAST, {"health": {"disk_free_warning": "100%", "disk_free_critical": "100%"}}
+        ),
+    )
     code, msg = mail_reply(r.port)
     assert (code, msg[:5]) == (452, b"4.3.1"), msg
     assert http_get(r, "/healthz")[0] == 503
@@ -265,7 +314,8 @@ def test_disk_below_the_critical_threshold_refuses_at_mail_and_fails_readiness(
 
 
 def test_a_spool_database_deleted_under_the_daemon_is_critical_within_seconds(
-        upstream, relay) -> None:
+    upstream, relay
+) -> None:
     up = upstream()
     r = relay(upstream=up, config=FAST)
     assert send(r.port, SENDER, ["user@example.org"], make_message(1)) == {}
@@ -291,15 +341,28 @@ def test_a_spool_database_deleted_under_the_daemon_is_critical_within_seconds(
 def test_a_stalled_and_an_old_queue_raise_their_warnings(upstream, relay) -> None:
     up = upstream()
     up.stall = {"mail": 30}  # takes the connection, never answers MAIL
-    r = relay(upstream=up, config=deep_merge(FAST, {
-        "destinations": {"*": {"command_timeout": "60s"}},
-        "health": {"stall_after": "1s", "queue_age_warning": "2s", "queue_age_critical": "1h"}}))
+    r = relay(
+        upstream=up,
+        config=deep_merge(
+            FAST,
+            {
+                "destinations": {"*": {"command_timeout": "60s"}},
+                "health": {
+                    "stall_after": "1s",
+                    "queue_age_warning": "2s",
+                    "queue_age_critical": "1h",
+                },
+            },
+        ),
+    )
     assert send(r.port, SENDER, ["user@example.org"], make_message(1)) == {}
-    r.wait_until(lambda: check(r, "queue_stall")["status"] == "warning", timeout=15,
-                 what="stall warning")
+    r.wait_until(
+        lambda: check(r, "queue_stall")["status"] == "warning", timeout=15, what="stall warning"
+    )
     assert "stalled" in check(r, "queue_stall")["detail"]
-    r.wait_until(lambda: check(r, "queue_age")["status"] == "warning", timeout=15,
-                 what="queue age warning")
+    r.wait_until(
+        lambda: check(r, "queue_age")["status"] == "warning", timeout=15, what="queue age warning"
+    )
     res = r.cli("status")
     assert res.returncode == 1 and res.stdout.startswith("WARNING:"), res.stdout
     assert http_get(r, "/health")[0] == 200  # warnings are not outages
@@ -310,27 +373,34 @@ def test_a_stalled_and_an_old_queue_raise_their_warnings(upstream, relay) -> Non
 # --- the breaker ----------------------------------------------------------------------------
 
 
-def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(
-        upstream, relay) -> None:
+def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(upstream, relay) -> None:
     up = upstream()
     up.connect_reply = "421 4.7.0 upstream.test too busy"
-    r = relay(upstream=up, config=deep_merge(FAST, {"destinations": {"*": {
-        "circuit_failures": 2, "circuit_cooldown": "1h"}}}))
+    r = relay(
+        upstream=up,
+        config=deep_merge(
+            FAST, {"destinations": {"*": {"circuit_failures": 2, "circuit_cooldown": "1h"}}}
+        ),
+    )
     assert send(r.port, SENDER, ["a@example.org"], make_message(1)) == {}
     r.wait_until(lambda: events(r, "circuit_open"), what="circuit_open")
     opened = events(r, "circuit_open")[0]
     assert opened["level"] == "warning" and "421" in opened["reason"]
     assert opened["destination"] == "smarthost" and opened["retry_at"]
-    r.wait_until(lambda: check(r, "destination:smarthost")["status"] == "warning",
-                 what="destination warning")
+    r.wait_until(
+        lambda: check(r, "destination:smarthost")["status"] == "warning", what="destination warning"
+    )
     assert "circuit open" in check(r, "destination:smarthost")["detail"]
 
     # the upstream is back; the circuit waits an hour, but a flush goes now
     up.connect_reply = None
     t0 = time.monotonic()
     assert r.cli("queue", "flush").returncode == 0
-    r.wait_until(lambda: states(r).get("a@example.org") == "delivered", timeout=10,
-                 what="delivered after flush")
+    r.wait_until(
+        lambda: states(r).get("a@example.org") == "delivered",
+        timeout=10,
+        what="delivered after flush",
+    )
     assert time.monotonic() - t0 < 8
     r.wait_until(lambda: events(r, "circuit_closed"), what="circuit_closed")
     assert events(r, "circuit_half_open")
@@ -343,8 +413,11 @@ def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(
     t0 = time.monotonic()
     res = r.cli_json("destination", "reset", "smarthost")
     assert res["action"] == "reset"
-    r.wait_until(lambda: states(r).get("b@example.org") == "delivered", timeout=10,
-                 what="delivered after reset")
+    r.wait_until(
+        lambda: states(r).get("b@example.org") == "delivered",
+        timeout=10,
+        what="delivered after reset",
+    )
     assert time.monotonic() - t0 < 8
     closed = events(r, "circuit_closed")
     assert any(e["reason"] == "operator reset" for e in closed)
@@ -357,8 +430,11 @@ def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(
     up.mail_reply = lambda s: None
     t0 = time.monotonic()
     assert r.cli("destination", "resume", "smarthost").returncode == 0
-    r.wait_until(lambda: states(r).get("c@example.org") == "delivered", timeout=10,
-                 what="delivered after resume")
+    r.wait_until(
+        lambda: states(r).get("c@example.org") == "delivered",
+        timeout=10,
+        what="delivered after resume",
+    )
     assert time.monotonic() - t0 < 8
 
 
@@ -389,17 +465,21 @@ def test_status_is_unknown_when_the_daemon_is_stopped_or_killed(upstream, relay)
 
 
 def test_a_delayed_message_raises_one_alert_and_one_delay_dsn(
-        upstream, relay, receiver, tmp_path: Path) -> None:
+    upstream, relay, receiver, tmp_path: Path
+) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "451 4.2.0 mailbox busy" if a.startswith("slow") else None
     rec = receiver()
-    r = relay(upstream=up, config=hooked(tmp_path, rec, retry={"warn_after": "1s"},
-                                         dsn={"enabled": True}))
+    r = relay(
+        upstream=up, config=hooked(tmp_path, rec, retry={"warn_after": "1s"}, dsn={"enabled": True})
+    )
     assert send(r.port, SENDER, ["slow@example.org"], make_message(7)) == {}
-    r.wait_until(lambda: r.cli_json("queue", "list")[0]["recipients"][0]["attempts"] >= 4,
-                 timeout=20, what="four attempts")
-    posts = rec.wait(lambda ps: any(p.doc["event"] == "delayed" for p in ps),
-                     what="delayed alert")
+    r.wait_until(
+        lambda: r.cli_json("queue", "list")[0]["recipients"][0]["attempts"] >= 4,
+        timeout=20,
+        what="four attempts",
+    )
+    posts = rec.wait(lambda ps: any(p.doc["event"] == "delayed" for p in ps), what="delayed alert")
     delayed = [p.doc for p in posts if p.doc["event"] == "delayed"]
     assert len(delayed) == 1 and "451 4.2.0" in delayed[0]["summary"]
     dsns = [m for m in up.wait_for(1) if m.mail_from == "<>"]
@@ -409,5 +489,9 @@ def test_a_delayed_message_raises_one_alert_and_one_delay_dsn(
     assert "Will-Retry-Until:" in text and "Subject: Delayed Mail" in text
     assert len(events(r, "delayed")) == 1
     with sqlite3.connect(r.spool / "relay.sqlite") as c:
-        assert c.execute("SELECT count(*) FROM messages WHERE delay_warned_at IS NOT NULL"
-                         ).fetchone()[0] == 1
+        assert (
+            c.execute("SELECT count(*) FROM messages WHERE delay_warned_at IS NOT NULL").fetchone()[
+                0
+            ]
+            == 1
+        )

@@ -32,11 +32,13 @@ def endpoint():
         if state["delay"]:
             time.sleep(state["delay"])
         if state["status"] != 200:
-            return state["status"], {"error": "invalid_client",
-                                     "error_description": "bad secret"}
+            return state["status"], {"error": "invalid_client", "error_description": "bad secret"}
         state["n"] += 1
-        return 200, {"access_token": f"tok-{state['n']}", "token_type": "Bearer",
-                     "expires_in": state["expires_in"]}
+        return 200, {
+            "access_token": f"tok-{state['n']}",
+            "token_type": "Bearer",
+            "expires_in": state["expires_in"],
+        }
 
     rec.answer = answer
     yield rec, state
@@ -44,8 +46,13 @@ def endpoint():
 
 
 def conf(rec: Receiver, **kw: Any) -> OAuthConf:
-    base: dict[str, Any] = {"token_url": rec.url, "client_id": "cid", "client_secret": "S3CR3T",
-                            "scope": "https://outlook.office365.com/.default", "timeout": 2.0}
+    base: dict[str, Any] = {
+        "token_url": rec.url,
+        "client_id": "cid",
+        "client_secret": "S3CR3T",
+        "scope": "https://outlook.office365.com/.default",
+        "timeout": 2.0,
+    }
     return OAuthConf(**{**base, **kw})
 
 
@@ -65,9 +72,12 @@ def test_client_credentials_grant_and_cache(endpoint) -> None:
 
     assert run(main()) == ["tok-1", "tok-1"]
     assert len(rec.posts) == 1
-    assert rec.posts[0].form == {"grant_type": "client_credentials", "client_id": "cid",
-                                 "client_secret": "S3CR3T",
-                                 "scope": "https://outlook.office365.com/.default"}
+    assert rec.posts[0].form == {
+        "grant_type": "client_credentials",
+        "client_id": "cid",
+        "client_secret": "S3CR3T",
+        "scope": "https://outlook.office365.com/.default",
+    }
 
 
 def test_refresh_token_grant(endpoint) -> None:
@@ -81,8 +91,12 @@ def test_refresh_token_grant(endpoint) -> None:
             await ts.aclose()
 
     assert run(main()) == "tok-1"
-    assert rec.posts[0].form == {"grant_type": "refresh_token", "refresh_token": "R-TOKEN",
-                                 "client_id": "cid", "client_secret": "S3CR3T"}
+    assert rec.posts[0].form == {
+        "grant_type": "refresh_token",
+        "refresh_token": "R-TOKEN",
+        "client_id": "cid",
+        "client_secret": "S3CR3T",
+    }
 
 
 def test_expiry_with_a_margin(endpoint) -> None:
@@ -135,8 +149,9 @@ def test_invalidate_refetches_but_a_stale_invalidation_keeps_the_new_token(endpo
     assert len(rec.posts) == 2
 
 
-@pytest.mark.parametrize(("status", "transient"), [(400, False), (401, False), (403, False),
-                                                   (429, True), (503, True)])
+@pytest.mark.parametrize(
+    ("status", "transient"), [(400, False), (401, False), (403, False), (429, True), (503, True)]
+)
 def test_refusals_say_what_without_secrets(endpoint, status: int, transient: bool) -> None:
     rec, state = endpoint
     state["status"] = status
@@ -170,18 +185,26 @@ def test_unreachable_and_slow_endpoints_are_transient(endpoint) -> None:
             await ts.aclose()
         raise AssertionError("no error")
 
-    closed = run(one(OAuthConf(token_url=f"http://127.0.0.1:{free_port()}/t",
-                               client_id="c", client_secret="S3CR3T")))
+    closed = run(
+        one(
+            OAuthConf(
+                token_url=f"http://127.0.0.1:{free_port()}/t", client_id="c", client_secret="S3CR3T"
+            )
+        )
+    )
     assert closed.transient and "unreachable" in str(closed)
     state["delay"] = 1.0
     slow = run(one(conf(rec, timeout=0.3)))
     assert slow.transient and "timed out" in str(slow)
 
 
-@pytest.mark.parametrize(("command", "token"), [
-    ("echo plain-token", "plain-token"),
-    ("echo '{\"access_token\": \"json-token\", \"expires_in\": 120}'", "json-token"),
-])
+@pytest.mark.parametrize(
+    ("command", "token"),
+    [
+        ("echo plain-token", "plain-token"),
+        ('echo \'{"access_token": "json-token", "expires_in": 120}\'', "json-token"),
+    ],
+)
 def test_token_command(command: str, token: str) -> None:
     async def main() -> tuple[str, int]:
         ts = TokenSource(OAuthConf(token_command=command))
@@ -192,10 +215,15 @@ def test_token_command(command: str, token: str) -> None:
     assert run(main()) == (token, 1)
 
 
-@pytest.mark.parametrize(("command", "fragment"), [
-    ("exit 1", "exited 1"), ("sleep 5", "timed out"), ("true", "printed no token"),
-    ("echo '{\"nope\": 1}'", "no access_token"),
-])
+@pytest.mark.parametrize(
+    ("command", "fragment"),
+    [
+        ("exit 1", "exited 1"),
+        ("sleep 5", "timed out"),
+        ("true", "printed no token"),
+        ("echo '{\"nope\": 1}'", "no access_token"),
+    ],
+)
 def test_token_command_failures(command: str, fragment: str) -> None:
     async def main() -> OAuthError:
         ts = TokenSource(OAuthConf(token_command=command, timeout=0.3))
@@ -211,9 +239,11 @@ def test_token_command_failures(command: str, fragment: str) -> None:
 
 def test_sasl_strings() -> None:
     assert base64.b64decode(xoauth2("u@x.test", "T0K")) == (
-        b"user=u@x.test\x01auth=Bearer T0K\x01\x01")
+        b"user=u@x.test\x01auth=Bearer T0K\x01\x01"
+    )
     assert base64.b64decode(oauthbearer("a,b=c@x.test", "T0K", "smtp.x.test", 587)) == (
-        b"n,a=a=2Cb=3Dc@x.test,\x01host=smtp.x.test\x01port=587\x01auth=Bearer T0K\x01\x01")
+        b"n,a=a=2Cb=3Dc@x.test,\x01host=smtp.x.test\x01port=587\x01auth=Bearer T0K\x01\x01"
+    )
     err = base64.b64encode(b'{"status":"invalid_token","scope":"s"}').decode()
     assert parse_oauthbearer_error(err) == {"status": "invalid_token", "scope": "s"}
     assert parse_oauthbearer_error("%%%") == {}

@@ -22,7 +22,8 @@ MARGIN = 1.5
 
 
 def test_orphan_bodies_are_swept_at_start_and_fresh_ones_kept(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     r = relay(upstream=up)
@@ -41,7 +42,8 @@ def test_orphan_bodies_are_swept_at_start_and_fresh_ones_kept(
 
 
 def test_queue_delete_keeps_the_dedup_keys(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
     r = relay(upstream=up, config={"destinations": {"*": {"rate": "unlimited"}}})
@@ -64,15 +66,26 @@ def test_queue_delete_keeps_the_dedup_keys(
 
 
 def test_connections_are_reused_up_to_max_messages_per_connection(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     up = upstream()
-    r = relay(upstream=up, config={"destinations": {"*": {
-        "rate": "unlimited", "max_connections": 1, "max_messages_per_connection": 2}}})
+    r = relay(
+        upstream=up,
+        config={
+            "destinations": {
+                "*": {"rate": "unlimited", "max_connections": 1, "max_messages_per_connection": 2}
+            }
+        },
+    )
     r.cli("destination", "suspend", "smarthost", check=True)
     for i in range(6):
-        send(r.port, "app@example.com", ["user@example.org"],
-             make_message(message_id=f"<reuse-{i}@promises>"))
+        send(
+            r.port,
+            "app@example.com",
+            ["user@example.org"],
+            make_message(message_id=f"<reuse-{i}@promises>"),
+        )
     connections_before = up.connections
     r.cli("destination", "resume", "smarthost", check=True)
     up.wait_for(6)
@@ -81,7 +94,8 @@ def test_connections_are_reused_up_to_max_messages_per_connection(
 
 
 def test_the_retry_schedule_advances_with_each_attempt(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess],
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
 ) -> None:
     """Schedule [0.5s, 300s] with full jitter: the second attempt comes within 0.5 s, the
     third only after U(0, 300 s). A daemon that always computed the first step (attempts
@@ -90,8 +104,13 @@ def test_the_retry_schedule_advances_with_each_attempt(
     summing under 6 s)."""
     up = upstream()
     up.rcpt_reply = lambda a: "451 4.3.0 try later"
-    r = relay(upstream=up, config={"retry": {"schedule": ["0.5s", "300s"], "min_delay": "0.1s"},
-                                   "destinations": {"*": {"rate": "unlimited"}}})
+    r = relay(
+        upstream=up,
+        config={
+            "retry": {"schedule": ["0.5s", "300s"], "min_delay": "0.1s"},
+            "destinations": {"*": {"rate": "unlimited"}},
+        },
+    )
     send(r.port, "app@example.com", ["user@example.org"], make_message(message_id="<bk@p>"))
 
     def attempts() -> int:
@@ -109,7 +128,9 @@ def test_the_retry_schedule_advances_with_each_attempt(
 
 @pytest.mark.parametrize("verb", ["suppression", "hold"])
 def test_a_cli_change_takes_effect_within_two_seconds(
-    upstream: Callable[..., Upstream], relay: Callable[..., RelayProcess], verb: str,
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
+    verb: str,
 ) -> None:
     up = upstream()
     r = relay(upstream=up, config={"destinations": {"*": {"rate": "unlimited"}}})

@@ -37,64 +37,115 @@ UPS = {"a": {"host": "a.test"}, "b": {"host": "b.test", "port": 465, "tls": "imp
 
 def test_without_routes_the_classic_single_route(tmp_path: Path) -> None:
     cfg = load(tmp_path, {})
-    r = cfg.routing.match(sender="x@y.test", recipient="u@z.test", client="listener:l",
-                          listener="l")
+    r = cfg.routing.match(
+        sender="x@y.test", recipient="u@z.test", client="listener:l", listener="l"
+    )
     assert r.via == ("smarthost",) and cfg.routing.upstreams["smarthost"].port == 587
     cfg = load(tmp_path, {"upstream": {"mode": "mx"}})
     assert cfg.routing.match(sender="", recipient="u@z.test", client="", listener=None).mx
 
 
-@pytest.mark.parametrize(("sender", "rcpt", "client", "listener", "want"), [
-    ("a@billing.example.com", "u@x.test", "listener:main", "main", 0),
-    ("A@BILLING.example.com", "u@x.test", "listener:main", "main", 0),  # case-insensitive
-    ("boss@corp.test", "u@x.test", "listener:main", "main", 1),  # exact sender
-    ("x@corp.test", "u@partner.test", "listener:main", "main", 2),  # recipient domain
-    ("x@corp.test", "u@x.test", "listener:cron", "cron", 3),  # listener
-    ("x@corp.test", "u@x.test", "user:crm", "main", 4),  # AUTH user
-    ("x@corp.test", "u@x.test", "user:other", "main", 5),  # the catch-all
-    ("", "u@x.test", "listener:main", "main", 5),  # a null sender matches no sender rule
-])
-def test_first_matching_route_wins(tmp_path: Path, sender: str, rcpt: str, client: str,
-                                   listener: str, want: int) -> None:
-    cfg = load(tmp_path, {"upstreams": UPS, "routes": [
-        {"sender_domain": "billing.example.com", "via": ["b"]},
-        {"sender": ["boss@corp.test"], "via": ["b"]},
-        {"recipient_domain": ["partner.test", "other.test"], "via": ["b", "a"]},
-        {"listener": "cron", "via": "mx"},
-        {"auth_user": "crm", "via": ["a"]},
-        {"via": ["a", "b"]},
-    ]})
-    assert cfg.routing.match(sender=sender, recipient=rcpt, client=client,
-                             listener=listener).index == want
+@pytest.mark.parametrize(
+    ("sender", "rcpt", "client", "listener", "want"),
+    [
+        ("a@billing.example.com", "u@x.test", "listener:main", "main", 0),
+        ("A@BILLING.example.com", "u@x.test", "listener:main", "main", 0),  # case-insensitive
+        ("boss@corp.test", "u@x.test", "listener:main", "main", 1),  # exact sender
+        ("x@corp.test", "u@partner.test", "listener:main", "main", 2),  # recipient domain
+        ("x@corp.test", "u@x.test", "listener:cron", "cron", 3),  # listener
+        ("x@corp.test", "u@x.test", "user:crm", "main", 4),  # AUTH user
+        ("x@corp.test", "u@x.test", "user:other", "main", 5),  # the catch-all
+        ("", "u@x.test", "listener:main", "main", 5),  # a null sender matches no sender rule
+    ],
+)
+def test_first_matching_route_wins(
+    tmp_path: Path, sender: str, rcpt: str, client: str, listener: str, want: int
+) -> None:
+    cfg = load(
+        tmp_path,
+        {
+            "upstreams": UPS,
+            "routes": [
+                {"sender_domain": "billing.example.com", "via": ["b"]},
+                {"sender": ["boss@corp.test"], "via": ["b"]},
+                {"recipient_domain": ["partner.test", "other.test"], "via": ["b", "a"]},
+                {"listener": "cron", "via": "mx"},
+                {"auth_user": "crm", "via": ["a"]},
+                {"via": ["a", "b"]},
+            ],
+        },
+    )
+    assert (
+        cfg.routing.match(sender=sender, recipient=rcpt, client=client, listener=listener).index
+        == want
+    )
 
 
-@pytest.mark.parametrize(("extra", "msg"), [
-    ({"routes": [{"via": ["nope"]}]}, "routes[0].via: no upstream named 'nope'"),
-    ({"upstreams": UPS, "routes": [{"sender": "a@b.c", "via": ["a"]}]},
-     "routes[0]: the last route must match every message"),
-    ({"upstreams": UPS, "routes": [{"via": ["a", "a"]}]}, "named twice"),
-    ({"upstreams": UPS, "routes": [{"via": "a"}]}, "routes[0].via: expected a list"),
-    ({"upstreams": UPS, "routes": [{"sender_domian": "x", "via": ["a"]}]},
-     "routes[0].sender_domian: unknown key"),
-    ({"upstreams": {"Bad.Name": {"host": "x"}}}, "upstreams.Bad.Name"),
-    ({"upstreams": {"a": {"host": "x", "password": "p"}}}, "password_file"),
-    ({"upstreams": {"a": {"host": "x", "username": "u"}}},
-     "upstreams.a.password_file: required"),
-    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u"}}},
-     "upstreams.a.oauth: required"),
-    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u",
-                          "oauth": {"token_url": "https://t", "client_id": "i",
-                                    "client_secret": "inline"}}}},
-     "secrets go in *_file keys"),
-    ({"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u",
-                          "oauth": {"token_url": "https://t", "client_id": "i",
-                                    "client_secret_file": "missing"}}}},
-     "client_secret_file: cannot read"),
-    ({"upstreams": UPS, "routes": [{"via": ["a"], "rewrite": {"from": "not an address"}}]},
-     "routes[0].rewrite.from"),
-])
-def test_bad_routes_are_config_errors_naming_the_key(tmp_path: Path, extra: dict,
-                                                      msg: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "msg"),
+    [
+        ({"routes": [{"via": ["nope"]}]}, "routes[0].via: no upstream named 'nope'"),
+        (
+            {"upstreams": UPS, "routes": [{"sender": "a@b.c", "via": ["a"]}]},
+            "routes[0]: the last route must match every message",
+        ),
+        ({"upstreams": UPS, "routes": [{"via": ["a", "a"]}]}, "named twice"),
+        ({"upstreams": UPS, "routes": [{"via": "a"}]}, "routes[0].via: expected a list"),
+        (
+            {"upstreams": UPS, "routes": [{"sender_domian": "x", "via": ["a"]}]},
+            "routes[0].sender_domian: unknown key",
+        ),
+        ({"upstreams": {"Bad.Name": {"host": "x"}}}, "upstreams.Bad.Name"),
+        ({"upstreams": {"a": {"host": "x", "password": "p"}}}, "password_file"),
+        (
+            {"upstreams": {"a": {"host": "x", "username": "u"}}},
+            "upstreams.a.password_file: required",
+        ),
+        (
+            {"upstreams": {"a": {"host": "x", "auth": "xoauth2", "username": "u"}}},
+            "upstreams.a.oauth: required",
+        ),
+        (
+            {
+                "upstreams": {
+                    "a": {
+                        "host": "x",
+                        "auth": "xoauth2",
+                        "username": "u",
+                        "oauth": {
+                            "token_url": "https://t",
+                            "client_id": "i",
+                            "client_secret": "inline",
+                        },
+                    }
+                }
+            },
+            "secrets go in *_file keys",
+        ),
+        (
+            {
+                "upstreams": {
+                    "a": {
+                        "host": "x",
+                        "auth": "xoauth2",
+                        "username": "u",
+                        "oauth": {
+                            "token_url": "https://t",
+                            "client_id": "i",
+                            "client_secret_file": "missing",
+                        },
+                    }
+                }
+            },
+            "client_secret_file: cannot read",
+        ),
+        (
+            {"upstreams": UPS, "routes": [{"via": ["a"], "rewrite": {"from": "not an address"}}]},
+            "routes[0].rewrite.from",
+        ),
+    ],
+)
+def test_bad_routes_are_config_errors_naming_the_key(tmp_path: Path, extra: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("*", r"\*")):
         load(tmp_path, extra)
 
@@ -102,33 +153,66 @@ def test_bad_routes_are_config_errors_naming_the_key(tmp_path: Path, extra: dict
 def test_oauth_upstream_reads_its_secrets(tmp_path: Path) -> None:
     (tmp_path / "cs").write_text("client-secret\n")
     (tmp_path / "rt").write_text("refresh-token\n")
-    cfg = load(tmp_path, {"upstreams": {"m365": {
-        "host": "smtp.office365.com", "username": "a@b.test", "auth": "xoauth2",
-        "oauth": {"token_url": "https://login.test/token", "client_id": "id",
-                  "client_secret_file": "cs", "refresh_token_file": "rt",
-                  "scope": "s"}}}, "routes": [{"via": ["m365"]}]})
+    cfg = load(
+        tmp_path,
+        {
+            "upstreams": {
+                "m365": {
+                    "host": "smtp.office365.com",
+                    "username": "a@b.test",
+                    "auth": "xoauth2",
+                    "oauth": {
+                        "token_url": "https://login.test/token",
+                        "client_id": "id",
+                        "client_secret_file": "cs",
+                        "refresh_token_file": "rt",
+                        "scope": "s",
+                    },
+                }
+            },
+            "routes": [{"via": ["m365"]}],
+        },
+    )
     up = cfg.routing.upstreams["m365"]
     assert up.tls == "starttls" and up.port == 587 and up.auth == "xoauth2"
     assert up.oauth is not None
-    assert (up.oauth.client_secret, up.oauth.refresh_token) == ("client-secret",
-                                                                "refresh-token")
+    assert (up.oauth.client_secret, up.oauth.refresh_token) == ("client-secret", "refresh-token")
     assert "client-secret" not in repr(up)
 
 
 # --- rewriting ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("head", "from_addr", "rto", "want"), [
-    (b"From: App <a@old.test>\r\nSubject: x\r\n", "n@new.test", False,
-     b"From: App <n@new.test>\r\nX-Original-From: App <a@old.test>\r\nSubject: x\r\n"),
-    (b"From: a@old.test\r\n", "n@new.test", True,
-     b"From: <n@new.test>\r\nX-Original-From: a@old.test\r\nReply-To: a@old.test\r\n"),
-    (b"From: a@old.test\r\nReply-To: r@old.test\r\n", None, True,  # has one: kept
-     b"From: a@old.test\r\nReply-To: r@old.test\r\n"),
-    (b"From: \"Doe, J\"\r\n <a@old.test>\r\n", "n@new.test", False,  # folded, quoted
-     b"From: \"Doe, J\" <n@new.test>\r\nX-Original-From: \"Doe, J\"\r\n <a@old.test>\r\n"),
-    (b"Subject: no from\r\n", "n@new.test", True, b"Subject: no from\r\n"),
-])
+@pytest.mark.parametrize(
+    ("head", "from_addr", "rto", "want"),
+    [
+        (
+            b"From: App <a@old.test>\r\nSubject: x\r\n",
+            "n@new.test",
+            False,
+            b"From: App <n@new.test>\r\nX-Original-From: App <a@old.test>\r\nSubject: x\r\n",
+        ),
+        (
+            b"From: a@old.test\r\n",
+            "n@new.test",
+            True,
+            b"From: <n@new.test>\r\nX-Original-From: a@old.test\r\nReply-To: a@old.test\r\n",
+        ),
+        (
+            b"From: a@old.test\r\nReply-To: r@old.test\r\n",
+            None,
+            True,  # has one: kept
+            b"From: a@old.test\r\nReply-To: r@old.test\r\n",
+        ),
+        (
+            b'From: "Doe, J"\r\n <a@old.test>\r\n',
+            "n@new.test",
+            False,  # folded, quoted
+            b'From: "Doe, J" <n@new.test>\r\nX-Original-From: "Doe, J"\r\n <a@old.test>\r\n',
+        ),
+        (b"Subject: no from\r\n", "n@new.test", True, b"Subject: no from\r\n"),
+    ],
+)
 def test_rewrite_headers(head: bytes, from_addr: str | None, rto: bool, want: bytes) -> None:
     body = b"\r\nbody\r\nFrom: not a header\r\n"
     assert rewrite_headers(head + body, from_addr, rto) == want + body
@@ -137,13 +221,15 @@ def test_rewrite_headers(head: bytes, from_addr: str | None, rto: bool, want: by
 # --- decide ------------------------------------------------------------------------------------
 
 NOW = 100_000.0
-POLICY = decide.Policy(schedule=(60.0, 300.0), max_age=3600.0, min_delay=1.0,
-                       ambiguous="retry", warn_after=600.0)
+POLICY = decide.Policy(
+    schedule=(60.0, 300.0), max_age=3600.0, min_delay=1.0, ambiguous="retry", warn_after=600.0
+)
 
 
 def claim(attempts: int = 0, age: float = 10.0) -> ops.Claim:
-    return ops.Claim(1, "M", "u@x.test", "x.test", attempts, NOW - age, "transactional",
-                     "id", "key")
+    return ops.Claim(
+        1, "M", "u@x.test", "x.test", attempts, NOW - age, "transactional", "id", "key"
+    )
 
 
 def job(warned: float | None = None) -> Job:
@@ -151,35 +237,91 @@ def job(warned: float | None = None) -> Job:
     return Job("M", "smarthost", "transactional", "id", "s@y.test", [claim()], env)
 
 
-def res(code: int, outcome: Outcome, phase: Phase = Phase.RCPT, ambiguous: bool = False
-        ) -> RcptResult:
-    return RcptResult(Verdict(outcome, False, False, Scope.RECIPIENT),
-                      Reply(code, f"{code // 100}.1.1", "text"), phase, ambiguous)
+def res(
+    code: int, outcome: Outcome, phase: Phase = Phase.RCPT, ambiguous: bool = False
+) -> RcptResult:
+    return RcptResult(
+        Verdict(outcome, False, False, Scope.RECIPIENT),
+        Reply(code, f"{code // 100}.1.1", "text"),
+        phase,
+        ambiguous,
+    )
 
 
-@pytest.mark.parametrize(("result", "cl", "policy", "kind", "state", "dead", "warn"), [
-    (res(250, Outcome.DELIVERED), claim(), POLICY, "delivered", RcptState.DELIVERED, None,
-     False),
-    (res(451, Outcome.TRANSIENT), claim(), POLICY, "deferred", RcptState.DEFERRED, None,
-     False),
-    (res(451, Outcome.TRANSIENT), claim(age=700), POLICY, "deferred", RcptState.DEFERRED,
-     None, True),  # past warn_after: the delay warning is due
-    (res(451, Outcome.TRANSIENT), claim(age=3600), POLICY, "expired", RcptState.FAILED,
-     "expired", False),  # past max_age: the last attempt failed
-    (res(550, Outcome.BOUNCE), claim(), POLICY, "bounced", RcptState.BOUNCED, "bounced",
-     False),
-    (res(554, Outcome.FAIL), claim(), POLICY, "failed", RcptState.FAILED, "failed", False),
-    (None, claim(), POLICY, "deferred", RcptState.DEFERRED, None, False),  # no reply
-    (res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True), claim(), POLICY, "deferred",
-     RcptState.DEFERRED, None, False),  # ambiguous, policy retry
-    (res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True), claim(),
-     decide.Policy((60.0,), 3600.0, 1.0, "assume-delivered", 0.0), "delivered",
-     RcptState.DELIVERED, None, False),
-])
-def test_decide(result: RcptResult | None, cl: ops.Claim, policy: decide.Policy, kind: str,
-                state: RcptState, dead: str | None, warn: bool) -> None:
-    d = decide.decide(job(), cl, result, now=NOW, policy=policy, rng=random.Random(1),
-                      dest="smarthost", host="h", duration=0.5)
+@pytest.mark.parametrize(
+    ("result", "cl", "policy", "kind", "state", "dead", "warn"),
+    [
+        (
+            res(250, Outcome.DELIVERED),
+            claim(),
+            POLICY,
+            "delivered",
+            RcptState.DELIVERED,
+            None,
+            False,
+        ),
+        (res(451, Outcome.TRANSIENT), claim(), POLICY, "deferred", RcptState.DEFERRED, None, False),
+        (
+            res(451, Outcome.TRANSIENT),
+            claim(age=700),
+            POLICY,
+            "deferred",
+            RcptState.DEFERRED,
+            None,
+            True,
+        ),  # past warn_after: the delay warning is due
+        (
+            res(451, Outcome.TRANSIENT),
+            claim(age=3600),
+            POLICY,
+            "expired",
+            RcptState.FAILED,
+            "expired",
+            False,
+        ),  # past max_age: the last attempt failed
+        (res(550, Outcome.BOUNCE), claim(), POLICY, "bounced", RcptState.BOUNCED, "bounced", False),
+        (res(554, Outcome.FAIL), claim(), POLICY, "failed", RcptState.FAILED, "failed", False),
+        (None, claim(), POLICY, "deferred", RcptState.DEFERRED, None, False),  # no reply
+        (
+            res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True),
+            claim(),
+            POLICY,
+            "deferred",
+            RcptState.DEFERRED,
+            None,
+            False,
+        ),  # ambiguous, policy retry
+        (
+            res(421, Outcome.TRANSIENT, Phase.DATA, ambiguous=True),
+            claim(),
+            decide.Policy((60.0,), 3600.0, 1.0, "assume-delivered", 0.0),
+            "delivered",
+            RcptState.DELIVERED,
+            None,
+            False,
+        ),
+    ],
+)
+def test_decide(
+    result: RcptResult | None,
+    cl: ops.Claim,
+    policy: decide.Policy,
+    kind: str,
+    state: RcptState,
+    dead: str | None,
+    warn: bool,
+) -> None:
+    d = decide.decide(
+        job(),
+        cl,
+        result,
+        now=NOW,
+        policy=policy,
+        rng=random.Random(1),
+        dest="smarthost",
+        host="h",
+        duration=0.5,
+    )
     assert (d.kind, d.outcome.state, d.warn_delay) == (kind, state, warn)
     assert (d.dead.state if d.dead else None) == dead
     assert d.outcome.count_attempt
@@ -192,16 +334,25 @@ def test_decide(result: RcptResult | None, cl: ops.Claim, policy: decide.Policy,
 
 
 def test_decide_warns_once_per_message() -> None:
-    d = decide.decide(job(warned=NOW - 5), claim(age=700), res(451, Outcome.TRANSIENT),
-                      now=NOW, policy=POLICY, rng=random.Random(1), dest="d", host=None,
-                      duration=0.0)
+    d = decide.decide(
+        job(warned=NOW - 5),
+        claim(age=700),
+        res(451, Outcome.TRANSIENT),
+        now=NOW,
+        policy=POLICY,
+        rng=random.Random(1),
+        dest="d",
+        host=None,
+        duration=0.0,
+    )
     assert d.kind == "deferred" and not d.warn_delay
 
 
 def test_wait_burns_no_attempt_and_expires_at_max_age() -> None:
     fresh, old = claim(age=10), claim(age=4000)
-    outs, dead = decide.wait(job(), [fresh, old], NOW + 7200, "circuit open", now=NOW,
-                             max_age=3600.0)
+    outs, dead = decide.wait(
+        job(), [fresh, old], NOW + 7200, "circuit open", now=NOW, max_age=3600.0
+    )
     assert [o.state for o in outs] == [RcptState.DEFERRED, RcptState.FAILED]
     assert not any(o.count_attempt for o in outs)
     assert outs[0].next_attempt_at == fresh.created_at + 3600  # never past max_age
@@ -210,18 +361,26 @@ def test_wait_burns_no_attempt_and_expires_at_max_age() -> None:
     assert "still waiting: circuit open" in dead[0].reply
 
 
-@pytest.mark.parametrize(("kw", "want"), [
-    ({}, decide.Go()),
-    ({"suspended_until": NOW + 60, "suspend_reason": "operator: x"}, decide.Wait),
-    ({"circuit_until": NOW + 30}, decide.Wait),
-    ({"room": (5, NOW + 100, "r")}, decide.Go()),  # everything fits
-    ({"room": (2, NOW + 100, "daily limit")}, decide.Split(2, NOW + 100, "daily limit")),
-    ({"room": (0, NOW + 100, "daily limit")}, decide.Split(0, NOW + 100, "daily limit")),
-    ({"suspended_until": NOW - 1, "circuit_until": NOW + 30}, decide.Wait),  # expired susp.
-])
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [
+        ({}, decide.Go()),
+        ({"suspended_until": NOW + 60, "suspend_reason": "operator: x"}, decide.Wait),
+        ({"circuit_until": NOW + 30}, decide.Wait),
+        ({"room": (5, NOW + 100, "r")}, decide.Go()),  # everything fits
+        ({"room": (2, NOW + 100, "daily limit")}, decide.Split(2, NOW + 100, "daily limit")),
+        ({"room": (0, NOW + 100, "daily limit")}, decide.Split(0, NOW + 100, "daily limit")),
+        ({"suspended_until": NOW - 1, "circuit_until": NOW + 30}, decide.Wait),  # expired susp.
+    ],
+)
 def test_admit(kw: dict, want: Any) -> None:
-    args: dict[str, Any] = {"suspended_until": 0.0, "suspend_reason": "",
-                            "circuit_until": None, "room": None, **kw}
+    args: dict[str, Any] = {
+        "suspended_until": 0.0,
+        "suspend_reason": "",
+        "circuit_until": None,
+        "room": None,
+        **kw,
+    }
     got = decide.admit(5, name="d", now=NOW, **args)
     if isinstance(want, type):
         assert isinstance(got, want)
@@ -231,22 +390,29 @@ def test_admit(kw: dict, want: Any) -> None:
 
 
 def tr(code: int, phase: Phase, outcome: Outcome = Outcome.TRANSIENT) -> RcptResult:
-    return RcptResult(Verdict(outcome, False, False, Scope.TRANSACTION),
-                      Reply(code, None, "x"), phase)
+    return RcptResult(
+        Verdict(outcome, False, False, Scope.TRANSACTION), Reply(code, None, "x"), phase
+    )
 
 
-@pytest.mark.parametrize(("results", "delivered", "seen", "conn_failed", "want"), [
-    ({"a": tr(250, Phase.DATA, Outcome.DELIVERED)}, 1, True, False, "success"),
-    ({"a": tr(550, Phase.RCPT, Outcome.BOUNCE)}, 0, True, False, "success"),  # an answer
-    ({"a": tr(421, Phase.CONNECT)}, 0, True, True, "failure"),
-    ({"a": tr(451, Phase.MAIL)}, 0, True, False, "failure"),  # takes no mail
-    ({"a": tr(451, Phase.RCPT)}, 0, True, False, "success"),
-    ({"a": tr(451, Phase.CONNECT)}, 0, False, True, "release"),  # never reached it
-])
-def test_breaker_action(results: dict, delivered: int, seen: bool, conn_failed: bool,
-                        want: str) -> None:
-    assert decide.breaker_action(results, delivered, upstream_seen=seen,
-                                 connection_failed=conn_failed) == want
+@pytest.mark.parametrize(
+    ("results", "delivered", "seen", "conn_failed", "want"),
+    [
+        ({"a": tr(250, Phase.DATA, Outcome.DELIVERED)}, 1, True, False, "success"),
+        ({"a": tr(550, Phase.RCPT, Outcome.BOUNCE)}, 0, True, False, "success"),  # an answer
+        ({"a": tr(421, Phase.CONNECT)}, 0, True, True, "failure"),
+        ({"a": tr(451, Phase.MAIL)}, 0, True, False, "failure"),  # takes no mail
+        ({"a": tr(451, Phase.RCPT)}, 0, True, False, "success"),
+        ({"a": tr(451, Phase.CONNECT)}, 0, False, True, "release"),  # never reached it
+    ],
+)
+def test_breaker_action(
+    results: dict, delivered: int, seen: bool, conn_failed: bool, want: str
+) -> None:
+    assert (
+        decide.breaker_action(results, delivered, upstream_seen=seen, connection_failed=conn_failed)
+        == want
+    )
 
 
 # --- the ledger --------------------------------------------------------------------------------

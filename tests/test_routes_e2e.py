@@ -30,8 +30,14 @@ pytestmark = pytest.mark.slow
 SENDER = "app@example.com"
 FAST: dict[str, Any] = {
     "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
-    "destinations": {"*": {"command_timeout": "2s", "data_timeout": "2s",
-                           "connect_timeout": "2s", "circuit_failures": 100}},
+    "destinations": {
+        "*": {
+            "command_timeout": "2s",
+            "data_timeout": "2s",
+            "connect_timeout": "2s",
+            "circuit_failures": 100,
+        }
+    },
 }
 
 
@@ -40,8 +46,7 @@ def plain(up: Upstream | int, **extra: Any) -> dict[str, Any]:
     return {"host": "127.0.0.1", "port": port, "tls": "none", **extra}
 
 
-def routed(upstreams: dict[str, Any], routes: list[dict[str, Any]], **extra: Any
-           ) -> dict[str, Any]:
+def routed(upstreams: dict[str, Any], routes: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return deep_merge(FAST, {"upstreams": upstreams, "routes": routes, **extra})
 
 
@@ -52,8 +57,9 @@ def only_recipient(r: RelayProcess) -> dict[str, Any]:
 
 
 def wait_delivered(r: RelayProcess, n: int) -> None:
-    r.wait_until(lambda: list(r.recipient_states().values()).count("delivered") == n,
-                 what=f"{n} delivered")
+    r.wait_until(
+        lambda: list(r.recipient_states().values()).count("delivered") == n, what=f"{n} delivered"
+    )
 
 
 def events(r: RelayProcess, name: str) -> list[dict[str, Any]]:
@@ -63,11 +69,14 @@ def events(r: RelayProcess, name: str) -> list[dict[str, Any]]:
 # --- failover ------------------------------------------------------------------------------
 
 
-def test_a_refusing_primary_fails_over_to_the_backup_in_the_same_attempt(
-        upstream, relay) -> None:
+def test_a_refusing_primary_fails_over_to_the_backup_in_the_same_attempt(upstream, relay) -> None:
     backup = upstream()
-    r = relay(config=routed({"primary": plain(free_port()), "backup": plain(backup)},
-                            [{"via": ["primary", "backup"]}]))
+    r = relay(
+        config=routed(
+            {"primary": plain(free_port()), "backup": plain(backup)},
+            [{"via": ["primary", "backup"]}],
+        )
+    )
     assert send(r.port, SENDER, ["user@example.org"], make_message(1)) == {}
     got = backup.wait_for(1)
     assert got[0].rcpt_tos == ["user@example.org"]
@@ -82,14 +91,16 @@ def test_a_refusing_primary_fails_over_to_the_backup_in_the_same_attempt(
     assert "refused" in fo[0]["reply"]
 
 
-def test_a_421_greeting_then_an_open_circuit_send_mail_to_the_backup(
-        upstream, relay) -> None:
+def test_a_421_greeting_then_an_open_circuit_send_mail_to_the_backup(upstream, relay) -> None:
     primary, backup = upstream(), upstream()
     primary.connect_reply = "421 4.3.2 primary.test shutting down"
-    r = relay(config=routed({"primary": plain(primary), "backup": plain(backup)},
-                            [{"via": ["primary", "backup"]}],
-                            destinations={"primary": {"circuit_failures": 1,
-                                                      "circuit_cooldown": "1h"}}))
+    r = relay(
+        config=routed(
+            {"primary": plain(primary), "backup": plain(backup)},
+            [{"via": ["primary", "backup"]}],
+            destinations={"primary": {"circuit_failures": 1, "circuit_cooldown": "1h"}},
+        )
+    )
     assert send(r.port, SENDER, ["a@example.org"], make_message(1)) == {}
     backup.wait_for(1)
     r.wait_until(lambda: events(r, "circuit_open"), what="primary's circuit open")
@@ -100,28 +111,36 @@ def test_a_421_greeting_then_an_open_circuit_send_mail_to_the_backup(
     backup.wait_for(2)
     wait_delivered(r, 2)
     assert primary.connections == tried
+
     def listed() -> dict[str, Any]:
         return {d["name"]: d for d in r.cli_json("destination", "list")}
 
-    r.wait_until(lambda: "backup" in listed() and "primary" in listed(),
-                 what="both upstreams in the daemon's snapshot")
+    r.wait_until(
+        lambda: "backup" in listed() and "primary" in listed(),
+        what="both upstreams in the daemon's snapshot",
+    )
     assert listed()["primary"]["circuit"] == "open"
     assert listed()["backup"]["circuit"] == "closed"
     assert listed()["backup"]["upstream"] == f"127.0.0.1:{backup.port}"
 
 
-def test_a_primary_with_a_bad_certificate_fails_over_and_is_critical(
-        upstream, relay, ca) -> None:
+def test_a_primary_with_a_bad_certificate_fails_over_and_is_critical(upstream, relay, ca) -> None:
     primary = upstream(tls_context=server_context(ca))  # a CA the relay does not trust
     backup = upstream()
-    r = relay(config=routed({"primary": {"host": "127.0.0.1", "port": primary.port,
-                                         "tls": "starttls"},
-                             "backup": plain(backup)},
-                            [{"via": ["primary", "backup"]}]))
+    r = relay(
+        config=routed(
+            {
+                "primary": {"host": "127.0.0.1", "port": primary.port, "tls": "starttls"},
+                "backup": plain(backup),
+            },
+            [{"via": ["primary", "backup"]}],
+        )
+    )
     assert send(r.port, SENDER, ["user@example.org"], make_message(1)) == {}
     backup.wait_for(1)
     assert primary.received == []
     assert events(r, "upstream_config_error")[0]["destination"] == "primary"
+
     def primary_check() -> str | None:
         url = f"http://127.0.0.1:{r.admin_port}/health"
         try:
@@ -131,29 +150,38 @@ def test_a_primary_with_a_bad_certificate_fails_over_and_is_critical(
             doc = json.loads(e.read())
         return {c["name"]: c["status"] for c in doc["checks"]}.get("destination:primary")
 
-    r.wait_until(lambda: primary_check() == "critical", timeout=10,
-                 what="destination:primary critical")
+    r.wait_until(
+        lambda: primary_check() == "critical", timeout=10, what="destination:primary critical"
+    )
 
 
 # --- per-sender routes and credentials -------------------------------------------------------
 
 
 def test_routes_by_sender_domain_reach_different_upstreams_with_their_own_credentials(
-        upstream, relay, tmp_path: Path) -> None:
+    upstream, relay, tmp_path: Path
+) -> None:
     a = upstream(auth={"app-a": "pass-a"})
     b = upstream(auth={"billing": "pass-b"})
     (tmp_path / "pa").write_text("pass-a\n")
     (tmp_path / "pb").write_text("pass-b\n")
-    r = relay(config=routed(
-        {"acct-a": plain(a, username="app-a", password_file=str(tmp_path / "pa")),
-         "acct-b": plain(b, username="billing", password_file=str(tmp_path / "pb"),
-                         auth="plain")},
-        [{"sender_domain": "billing.example.com", "via": ["acct-b"]},
-         {"recipient_domain": ["partner.test"], "via": ["acct-b"]},
-         {"via": ["acct-a"]}]))
+    r = relay(
+        config=routed(
+            {
+                "acct-a": plain(a, username="app-a", password_file=str(tmp_path / "pa")),
+                "acct-b": plain(
+                    b, username="billing", password_file=str(tmp_path / "pb"), auth="plain"
+                ),
+            },
+            [
+                {"sender_domain": "billing.example.com", "via": ["acct-b"]},
+                {"recipient_domain": ["partner.test"], "via": ["acct-b"]},
+                {"via": ["acct-a"]},
+            ],
+        )
+    )
     assert send(r.port, SENDER, ["u1@example.org"], make_message(1)) == {}
-    assert send(r.port, "invoices@billing.example.com", ["u2@example.org"],
-                make_message(2)) == {}
+    assert send(r.port, "invoices@billing.example.com", ["u2@example.org"], make_message(2)) == {}
     assert send(r.port, SENDER, ["u3@partner.test", "u4@example.org"], make_message(3)) == {}
     wait_delivered(r, 4)
     got_a = {rc: m.auth for m in a.received for rc in m.rcpt_tos}
@@ -161,8 +189,11 @@ def test_routes_by_sender_domain_reach_different_upstreams_with_their_own_creden
     assert got_a == {"u1@example.org": "app-a", "u4@example.org": "app-a"}
     assert got_b == {"u2@example.org": "billing", "u3@partner.test": "billing"}
     # the queue names the upstream each recipient goes through
-    dests = {rc["address"]: rc["destination"]
-             for m in r.cli_json("queue", "list", "--all") for rc in m["recipients"]}
+    dests = {
+        rc["address"]: rc["destination"]
+        for m in r.cli_json("queue", "list", "--all")
+        for rc in m["recipients"]
+    }
     assert dests["u2@example.org"] == "acct-b" and dests["u1@example.org"] == "acct-a"
 
 
@@ -189,33 +220,48 @@ class TokenEndpoint:
         if self.valid:
             assert self.up.oauth is not None
             self.up.oauth.setdefault(self.user, set()).add(tok)
-        return 200, {"access_token": tok, "token_type": "Bearer",
-                     "expires_in": self.expires_in}
+        return 200, {"access_token": tok, "token_type": "Bearer", "expires_in": self.expires_in}
 
 
 def test_xoauth2_with_a_token_endpoint_issued_cached_expired_refreshed_refused(
-        upstream, relay, tmp_path: Path) -> None:
+    upstream, relay, tmp_path: Path
+) -> None:
     user = "billing@example.com"
     up = upstream(oauth={user: set()})
     rec = Receiver().start()
     try:
         ep = TokenEndpoint(rec, up, user, expires_in=3600)
         (tmp_path / "cs").write_text("s3cret\n")
-        r = relay(config=routed(
-            {"m365": plain(up, username=user, auth="xoauth2", oauth={
-                "token_url": rec.url, "client_id": "app-id",
-                "client_secret_file": str(tmp_path / "cs"),
-                "scope": "https://outlook.office365.com/.default"})},
-            [{"via": ["m365"]}],
-            destinations={"m365": {"max_messages_per_connection": 1}}))
+        r = relay(
+            config=routed(
+                {
+                    "m365": plain(
+                        up,
+                        username=user,
+                        auth="xoauth2",
+                        oauth={
+                            "token_url": rec.url,
+                            "client_id": "app-id",
+                            "client_secret_file": str(tmp_path / "cs"),
+                            "scope": "https://outlook.office365.com/.default",
+                        },
+                    )
+                },
+                [{"via": ["m365"]}],
+                destinations={"m365": {"max_messages_per_connection": 1}},
+            )
+        )
         assert send(r.port, SENDER, ["u1@example.org"], make_message(1)) == {}
         up.wait_for(1)
         # issued: one client-credentials grant with our client and scope
         assert len(rec.posts) == 1
         form = rec.posts[0].form
-        assert form == {"grant_type": "client_credentials", "client_id": "app-id",
-                        "client_secret": "s3cret",
-                        "scope": "https://outlook.office365.com/.default"}
+        assert form == {
+            "grant_type": "client_credentials",
+            "client_id": "app-id",
+            "client_secret": "s3cret",
+            "scope": "https://outlook.office365.com/.default",
+        }
         assert up.auth_seen[-1] == ("XOAUTH2", user, "tok-1")
         # cached: a new connection, no new grant
         assert send(r.port, SENDER, ["u2@example.org"], make_message(2)) == {}
@@ -237,8 +283,11 @@ def test_xoauth2_with_a_token_endpoint_issued_cached_expired_refreshed_refused(
         assert "s3cret" not in r.logs() and "tok-" not in r.logs()
         # fixed: the next grant's token works and the mail goes
         ep.valid = True
-        r.wait_until(lambda: r.recipient_states()["u4@example.org"] == "delivered",
-                     timeout=20, what="delivered after the fix")
+        r.wait_until(
+            lambda: r.recipient_states()["u4@example.org"] == "delivered",
+            timeout=20,
+            what="delivered after the fix",
+        )
     finally:
         rec.stop()
 
@@ -250,11 +299,24 @@ def test_an_expired_token_is_refreshed_before_use(upstream, relay, tmp_path: Pat
     try:
         TokenEndpoint(rec, up, user, expires_in=61)  # the cache keeps it until 60 s before
         (tmp_path / "cs").write_text("s3cret\n")
-        r = relay(config=routed(
-            {"gw": plain(up, username=user, auth="xoauth2", oauth={
-                "token_url": rec.url, "client_id": "id",
-                "client_secret_file": str(tmp_path / "cs")})},
-            [{"via": ["gw"]}], destinations={"gw": {"max_messages_per_connection": 1}}))
+        r = relay(
+            config=routed(
+                {
+                    "gw": plain(
+                        up,
+                        username=user,
+                        auth="xoauth2",
+                        oauth={
+                            "token_url": rec.url,
+                            "client_id": "id",
+                            "client_secret_file": str(tmp_path / "cs"),
+                        },
+                    )
+                },
+                [{"via": ["gw"]}],
+                destinations={"gw": {"max_messages_per_connection": 1}},
+            )
+        )
         assert send(r.port, SENDER, ["u1@example.org"], make_message(1)) == {}
         up.wait_for(1)
         time.sleep(1.2)
@@ -269,10 +331,19 @@ def test_an_expired_token_is_refreshed_before_use(upstream, relay, tmp_path: Pat
 def test_oauthbearer_with_a_token_command(upstream, relay) -> None:
     user = "app@example.com"
     up = upstream(oauth={user: {"cmd-token-7"}})
-    r = relay(config=routed(
-        {"gw": plain(up, username=user, auth="oauthbearer",
-                     oauth={"token_command": "echo cmd-token-7"})},
-        [{"via": ["gw"]}]))
+    r = relay(
+        config=routed(
+            {
+                "gw": plain(
+                    up,
+                    username=user,
+                    auth="oauthbearer",
+                    oauth={"token_command": "echo cmd-token-7"},
+                )
+            },
+            [{"via": ["gw"]}],
+        )
+    )
     assert send(r.port, SENDER, ["u1@example.org"], make_message(1)) == {}
     got = up.wait_for(1)
     assert got[0].auth == user
@@ -284,14 +355,26 @@ def test_oauthbearer_with_a_token_command(upstream, relay) -> None:
 
 def test_a_route_rewrites_the_envelope_sender_and_from(upstream, relay) -> None:
     up, other = upstream(), upstream()
-    r = relay(config=routed(
-        {"ses": plain(up), "plain": plain(other)},
-        [{"sender_domain": "legacy.example", "via": ["ses"], "rewrite": {
-            "envelope_sender": "bounces@verified.example", "from": "noreply@verified.example",
-            "reply_to_original": True}},
-         {"via": ["plain"]}]))
-    msg = make_message(1).replace(b"From: app@example.com",
-                                  b"From: Billing Team <billing@legacy.example>")
+    r = relay(
+        config=routed(
+            {"ses": plain(up), "plain": plain(other)},
+            [
+                {
+                    "sender_domain": "legacy.example",
+                    "via": ["ses"],
+                    "rewrite": {
+                        "envelope_sender": "bounces@verified.example",
+                        "from": "noreply@verified.example",
+                        "reply_to_original": True,
+                    },
+                },
+                {"via": ["plain"]},
+            ],
+        )
+    )
+    msg = make_message(1).replace(
+        b"From: app@example.com", b"From: Billing Team <billing@legacy.example>"
+    )
     assert send(r.port, "billing@legacy.example", ["u1@example.org"], msg) == {}
     assert send(r.port, SENDER, ["u2@example.org"], make_message(2)) == {}
     got = up.wait_for(1)[0]
@@ -302,7 +385,8 @@ def test_a_route_rewrites_the_envelope_sender_and_from(upstream, relay) -> None:
     assert "X-Original-From: Billing Team <billing@legacy.example>\r\n" in text
     head = text.split("\r\n\r\n", 1)[0]
     assert [ln for ln in head.split("\r\n") if ln.lower().startswith("from:")] == [
-        "From: Billing Team <noreply@verified.example>"]
+        "From: Billing Team <noreply@verified.example>"
+    ]
     # the other route is untouched, and the queue keeps the original
     plain_got = other.wait_for(1)[0]
     assert plain_got.mail_from == SENDER and b"X-Original-From" not in plain_got.data

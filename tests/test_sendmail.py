@@ -412,15 +412,21 @@ def test_bp_and_mailq_list_the_queue_and_q_flushes(upstream, relay) -> None:
     up = upstream()
     r = relay(upstream=up)
     r.cli("destination", "suspend", "smarthost", check=True)
-    res = sendmail(r.config_path, "-f", SENDER, "user@example.org",
-                   stdin=b"Subject: queued\nMessage-ID: <mailq-1@app.example.com>\n\nhi\n")
+    res = sendmail(
+        r.config_path,
+        "-f",
+        SENDER,
+        "user@example.org",
+        stdin=b"Subject: queued\nMessage-ID: <mailq-1@app.example.com>\n\nhi\n",
+    )
     assert res.returncode == 0, res.stderr
     listing = sendmail(r.config_path, "-bp")
     assert listing.returncode == 0, listing.stderr
     assert b"user@example.org" in listing.stdout and b"Request" in listing.stdout
     script = Path(sys.executable).parent / "mailq"
-    as_mailq = subprocess.run([str(script), "--config", str(r.config_path)],
-                              capture_output=True, timeout=60)
+    as_mailq = subprocess.run(
+        [str(script), "--config", str(r.config_path)], capture_output=True, timeout=60
+    )
     assert as_mailq.returncode == 0 and as_mailq.stdout == listing.stdout
     flushed = sendmail(r.config_path, "-q")
     assert flushed.returncode == 0 and b"flush" in flushed.stdout

@@ -45,8 +45,9 @@ async def test_command_timer_runs_from_a_reply_to_a_line_end(tmp_path: Path) -> 
 
 
 async def test_data_rate_only_between_354_and_the_end_of_data(tmp_path: Path) -> None:
-    w, closed = await watch(tmp_path, command_timeout=10.0, min_data_rate=1000,
-                            min_data_rate_window=0.2)
+    w, closed = await watch(
+        tmp_path, command_timeout=10.0, min_data_rate=1000, min_data_rate_window=0.2
+    )
     w.replied("354 End data with <CR><LF>.<CR><LF>")
     for _ in range(6):  # 5 KB/s
         w.received(b"x" * 200 + b"\r\n")
@@ -75,10 +76,12 @@ async def test_errors_count_and_reset(tmp_path: Path) -> None:
     w.stop()
 
 
-async def test_auth_pool_is_bounded_and_off_the_loop(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = from_mapping({"spool": {"path": "s"}, "auth": {"max_parallel": 1, "max_pending": 2}},
-                       tmp_path)
+async def test_auth_pool_is_bounded_and_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = from_mapping(
+        {"spool": {"path": "s"}, "auth": {"max_parallel": 1, "max_pending": 2}}, tmp_path
+    )
     guard = InboundGuard(cfg)
     users = {"alice": auth.hash_password("pw")}
     gate = threading.Event()
@@ -92,8 +95,9 @@ async def test_auth_pool_is_bounded_and_off_the_loop(tmp_path: Path,
 
     monkeypatch.setattr(auth, "check", slow_check)
     try:
-        tasks = [asyncio.create_task(guard.check_password(users, b"alice", b"pw"))
-                 for _ in range(3)]  # one runs, two wait
+        tasks = [
+            asyncio.create_task(guard.check_password(users, b"alice", b"pw")) for _ in range(3)
+        ]  # one runs, two wait
         await asyncio.sleep(0.1)
         assert len(started) == 1  # the loop is free while the check runs
         with pytest.raises(AuthBusy):  # a fourth: too many waiting

@@ -12,6 +12,7 @@ def test_relays_one_message(upstream, relay) -> None:
     got = up.wait_for(1)
     assert got[0].rcpt_tos == ["user@example.org"]
     assert b"body of message 1" in got[0].data
-    r.wait_until(lambda: r.recipient_states() == {"user@example.org": "delivered"},
-                 what="delivered state")
+    r.wait_until(
+        lambda: r.recipient_states() == {"user@example.org": "delivered"}, what="delivered state"
+    )
     assert r.stop() == 0

@@ -36,8 +36,7 @@ async def test_crlf_lines_pass() -> None:
     assert calls == []
 
 
-@pytest.mark.parametrize("data", [b"RCPT TO:<a@b.c\n>\r\n", b"MAIL FROM:<a\rb@c.d>\r\n",
-                                  b"NOOP\n"])
+@pytest.mark.parametrize("data", [b"RCPT TO:<a@b.c\n>\r\n", b"MAIL FROM:<a\rb@c.d>\r\n", b"NOOP\n"])
 async def test_bare_cr_or_lf_calls_back_and_never_returns_the_line(data: bytes) -> None:
     r, calls = await _reader(data)
     with pytest.raises(TimeoutError):

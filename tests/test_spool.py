@@ -889,12 +889,16 @@ def test_migration_from_version_1_keeps_the_queue(tmp_path: Path) -> None:
     for stmt in db._statements(db.MIGRATIONS[0]):
         c.execute(stmt)
     c.execute("PRAGMA user_version=1")
-    c.execute("INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
-              " lane, identity, body) VALUES ('Q1', 'm@x', 'a@x', 1, 1.0, 'c', 'p',"
-              " 'transactional', 'x', x'00')")
-    c.execute("INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
-              " next_attempt_at, dedup_key, updated_at) VALUES ('Q1', 'u@x', 'x', 0,"
-              " 'deferred', 1.0, 'k', 1.0)")
+    c.execute(
+        "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
+        " lane, identity, body) VALUES ('Q1', 'm@x', 'a@x', 1, 1.0, 'c', 'p',"
+        " 'transactional', 'x', x'00')"
+    )
+    c.execute(
+        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
+        " next_attempt_at, dedup_key, updated_at) VALUES ('Q1', 'u@x', 'x', 0,"
+        " 'deferred', 1.0, 'k', 1.0)"
+    )
     c.close()
     conn = db.connect(path)
     try:

@@ -22,8 +22,10 @@ MAX = 8 << 20
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RelayProcess, Upstream]]:
     up = Upstream().start()
-    cfg = deep_merge(smarthost_config(up), {"destinations": {"*": {"rate": "unlimited"}},
-                                            "limits": {"max_message_size": MAX}})
+    cfg = deep_merge(
+        smarthost_config(up),
+        {"destinations": {"*": {"rate": "unlimited"}}, "limits": {"max_message_size": MAX}},
+    )
     r = RelayProcess(tmp_path_factory.mktemp("streaming"), cfg).start()
     try:
         yield r, up
@@ -75,9 +77,15 @@ def _wait(up: Upstream, needle: bytes, timeout: float = 60) -> bytes:
 def test_a_large_message_arrives_byte_for_byte(live: tuple[RelayProcess, Upstream]) -> None:
     r, up = live
     head = b"Subject: big\r\nMessage-ID: <big-1@streaming>\r\n\r\n"
-    line_kinds = [b"plain text line\r\n", b"..leading dot (stuffed)\r\n", b"bare LF\n",
-                  b"bare CR\r", b"\xc3\xa9t\xc3\xa9 8bit\r\n", b"x\n.\nnot the end\r\n",
-                  b"\r.\r also not\r\n"]
+    line_kinds = [
+        b"plain text line\r\n",
+        b"..leading dot (stuffed)\r\n",
+        b"bare LF\n",
+        b"bare CR\r",
+        b"\xc3\xa9t\xc3\xa9 8bit\r\n",
+        b"x\n.\nnot the end\r\n",
+        b"\r.\r also not\r\n",
+    ]
     body = b"".join(line_kinds[i % len(line_kinds)] for i in range(250_000))  # ~5.5 MB
     wire = head + body + b"\r\n.\r\n"
     reply = _send_raw(r.port, wire)
@@ -117,8 +125,12 @@ def test_a_client_that_hangs_up_mid_data_leaves_nothing(
         sock.sendall(b"MAIL FROM:<app@example.com>\r\nRCPT TO:<user@example.org>\r\nDATA\r\n")
         assert _reply(f).startswith(b"250") and _reply(f).startswith(b"250")
         assert _reply(f).startswith(b"354")
-        sock.sendall(b"Subject: cut\r\nMessage-ID: <cut@streaming>\r\n\r\n"
-                     + b"z" * 76 + b"\r\n" * 1 + (b"z" * 78 + b"\r\n") * 40_000)
+        sock.sendall(
+            b"Subject: cut\r\nMessage-ID: <cut@streaming>\r\n\r\n"
+            + b"z" * 76
+            + b"\r\n" * 1
+            + (b"z" * 78 + b"\r\n") * 40_000
+        )
         time.sleep(0.5)
         f.close()  # type: ignore[attr-defined]  # (makefile keeps the socket open)
     tmp = r.spool / "bodies" / "tmp"
@@ -127,8 +139,9 @@ def test_a_client_that_hangs_up_mid_data_leaves_nothing(
         time.sleep(0.1)
     assert not tmp.exists() or not any(tmp.iterdir())
     assert not any(m["message_id"] == "cut@streaming" for m in r.queue(all=True))
-    assert _send_raw(r.port, b"Subject: next\r\nMessage-ID: <after-cut@s>\r\n\r\nok\r\n.\r\n"
-                     ).startswith(b"250 ")
+    assert _send_raw(
+        r.port, b"Subject: next\r\nMessage-ID: <after-cut@s>\r\n\r\nok\r\n.\r\n"
+    ).startswith(b"250 ")
     _wait(up, b"<after-cut@s>")
 
 
@@ -164,8 +177,10 @@ def test_the_event_loop_keeps_serving_during_a_large_upload(
     import threading
 
     r, up = live
-    body = b"Subject: lf\r\nMessage-ID: <lf-big@streaming>\r\n\r\n" + (
-        b"bare lf line\n" * 40 + b"\r\n") * 14_000  # CRLF lines of 522 octets (limit 1000)
+    body = (
+        b"Subject: lf\r\nMessage-ID: <lf-big@streaming>\r\n\r\n"
+        + (b"bare lf line\n" * 40 + b"\r\n") * 14_000
+    )  # CRLF lines of 522 octets (limit 1000)
     done = threading.Event()
 
     def upload() -> None:

@@ -425,7 +425,8 @@ async def test_auth_refused_is_transient_operator_fault(
 
 
 async def test_a_write_that_fails_before_the_final_dot_is_not_ambiguous(
-    upstream, conn_factory,
+    upstream,
+    conn_factory,
 ) -> None:
     """Commit 3331261: the ambiguity flag is set only once the final dot was written. A body
     write that fails before it is a plain transient failure: the upstream cannot have
@@ -447,7 +448,9 @@ async def test_a_write_that_fails_before_the_final_dot_is_not_ambiguous(
 
 
 async def test_a_stored_body_is_streamed_with_transparency(
-    upstream, conn_factory, tmp_path,
+    upstream,
+    conn_factory,
+    tmp_path,
 ) -> None:
     from relay.spool.bodies import StoredBody
 

@@ -92,14 +92,16 @@ class Receiver:
         with self._cond:
             return [p for p in self.posts if 200 <= p.status < 300]
 
-    def wait(self, pred: Callable[[list[Post]], bool], timeout: float = 30.0,
-             what: str = "webhook posts") -> list[Post]:
+    def wait(
+        self, pred: Callable[[list[Post]], bool], timeout: float = 30.0, what: str = "webhook posts"
+    ) -> list[Post]:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not pred(self.accepted()):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"timed out waiting for {what}; got "
-                                         f"{[p.doc for p in self.posts]}")
+                    raise AssertionError(
+                        f"timed out waiting for {what}; got {[p.doc for p in self.posts]}"
+                    )
                 self._cond.wait(min(left, 0.2))
             return self.accepted()

@@ -39,8 +39,7 @@ log = logging.getLogger("relay.delivery.engine")
 RECORD_RETRY_FIRST = 0.5  # seconds; doubles up to 30 s while the spool refuses an outcome
 
 
-async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None
-                  ) -> Connection | None:
+async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -> Connection | None:
     """One job through `st` (the worker's destination), reusing `conn` when it can.
     Returns the connection to keep for the next job (None: none)."""
     now = e.clock()
@@ -52,11 +51,14 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None
             # half-open with the trial still out: the cooldown is already over, so do not
             # make the job due at once again (a busy loop until the trial reports)
             until = max(until, now + e.config.retry.min_delay)
-            reason = (f"destination {st.name} suspended until {ops.iso_utc(until)}"
-                      if st.suspended_until > now else
-                      f"circuit open for {st.name} until {ops.iso_utc(until)}")
-            outs, dead = decide.wait(job, job.claims, until, reason, now=now,
-                                     max_age=e.config.retry.max_age)
+            reason = (
+                f"destination {st.name} suspended until {ops.iso_utc(until)}"
+                if st.suspended_until > now
+                else f"circuit open for {st.name} until {ops.iso_utc(until)}"
+            )
+            outs, dead = decide.wait(
+                job, job.claims, until, reason, now=now, max_age=e.config.retry.max_age
+            )
             e.emit_dead(dead)
             await finish(e, job, outs, delivered=0)
             return conn
@@ -64,20 +66,41 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None
         await _drop(conn)
         conn = None
     elif before == "half-open":
-        log_event(log, logging.INFO, "circuit_half_open",
-                  "cooldown over: this connection is the trial", destination=st.name)
+        log_event(
+            log,
+            logging.INFO,
+            "circuit_half_open",
+            "cooldown over: this connection is the trial",
+            destination=st.name,
+        )
     await e.wait_token(st)
     body: bytes | bodies.StoredBody | None = job.envelope.body
     if job.envelope.body_path:
         try:  # streamed from the file by the transport; here only checked to be there
-            body = await asyncio.to_thread(bodies.StoredBody.open, e.config.spool_path,
-                                           job.envelope.body, job.envelope.body_path)
+            body = await asyncio.to_thread(
+                bodies.StoredBody.open,
+                e.config.spool_path,
+                job.envelope.body,
+                job.envelope.body_path,
+            )
         except OSError as ex:
             reply = Reply(451, "4.3.0", f"spool body unreadable: {ex.strerror}")
-            await apply(e, st, job, {c.address: RcptResult(
-                Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION), reply,
-                Phase.CONNECT) for c in job.claims}, host=None, duration=0.0,
-                upstream_seen=False)
+            await apply(
+                e,
+                st,
+                job,
+                {
+                    c.address: RcptResult(
+                        Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
+                        reply,
+                        Phase.CONNECT,
+                    )
+                    for c in job.claims
+                },
+                host=None,
+                duration=0.0,
+                upstream_seen=False,
+            )
             return conn
     assert body is not None
     sender = job.sender
@@ -85,8 +108,9 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None
     if rw is not None:
         sender, body = await rewrite.apply(rw, sender, body)
     rcpts = [c.address for c in job.claims]
-    if conn is not None and (not conn.usable or conn.messages >=
-                             st.conf.max_messages_per_connection):
+    if conn is not None and (
+        not conn.usable or conn.messages >= st.conf.max_messages_per_connection
+    ):
         await _drop(conn)
         conn = None
     used = st
@@ -94,12 +118,27 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None
         conn, used, failure, tried = await connect.open_for(e, st, job, first_allowed=allowed)
         if conn is None:
             assert failure is not None
-            await apply(e, used, job, failure, host=None, duration=0.0,
-                        connection_failed=tried, upstream_seen=tried)
+            await apply(
+                e,
+                used,
+                job,
+                failure,
+                host=None,
+                duration=0.0,
+                connection_failed=tried,
+                upstream_seen=tried,
+            )
             return None
     result = await conn.send(sender, rcpts, body)
-    await apply(e, used, job, result.results, host=conn.label, duration=result.duration,
-                connection_failed=result.connection_failed)
+    await apply(
+        e,
+        used,
+        job,
+        result.results,
+        host=conn.label,
+        duration=result.duration,
+        connection_failed=result.connection_failed,
+    )
     if used is not st or not conn.usable:  # a failover connection: this transaction only
         await _drop(conn)
         return None
@@ -111,16 +150,28 @@ async def _drop(conn: Connection | None) -> None:
         await conn.quit()
 
 
-async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResult], *,
-                host: str | None, duration: float, connection_failed: bool = False,
-                upstream_seen: bool = True) -> None:
+async def apply(
+    e: Engine,
+    st: DestState,
+    job: Job,
+    results: dict[str, RcptResult],
+    *,
+    host: str | None,
+    duration: float,
+    connection_failed: bool = False,
+    upstream_seen: bool = True,
+) -> None:
     """Record one attempt's results. `st` is the destination that carried it (after any
     failover). `upstream_seen` False: the attempt never reached the upstream (our own
     error), so it says nothing about the destination's health."""
     now = e.clock()
-    policy = decide.Policy(e.config.retry.schedule, e.config.retry.max_age,
-                           e.config.retry.min_delay, st.conf.ambiguous,
-                           e.config.retry.warn_after)
+    policy = decide.Policy(
+        e.config.retry.schedule,
+        e.config.retry.max_age,
+        e.config.retry.min_delay,
+        st.conf.ambiguous,
+        e.config.retry.warn_after,
+    )
     outcomes: list[ops.Outcome] = []
     dead: list[DeadLetter] = []
     delivered = 0
@@ -129,16 +180,31 @@ async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResul
     delayed: tuple[ops.Claim, str] | None = None
     for cl in job.claims:
         res = results.get(cl.address)
-        d = decide.decide(job, cl, res, now=now, policy=policy, rng=e.rng, dest=st.name,
-                          host=host, duration=duration)
+        d = decide.decide(
+            job,
+            cl,
+            res,
+            now=now,
+            policy=policy,
+            rng=e.rng,
+            dest=st.name,
+            host=host,
+            duration=duration,
+        )
         reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
         outcomes.append(d.outcome)
         e.metrics.attempts.labels(st.name, d.logged).inc()
         if d.logged == "ambiguous":
-            log_event(log, logging.WARNING, "ambiguous",
-                      "connection lost after the final dot: the upstream may have the"
-                      " message", queue_id=job.msg_id, rcpt=cl.address,
-                      destination=st.name, policy=st.conf.ambiguous)
+            log_event(
+                log,
+                logging.WARNING,
+                "ambiguous",
+                "connection lost after the final dot: the upstream may have the message",
+                queue_id=job.msg_id,
+                rcpt=cl.address,
+                destination=st.name,
+                policy=st.conf.ambiguous,
+            )
         if res is not None and res.verdict.throttled:
             throttled = True
             rule_hit = rule_hit or shaping.match_rules(e.rules, reply)
@@ -147,17 +213,35 @@ async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResul
             e.last_delivery_at = now
             e.metrics.delivered.labels(st.name).inc()
             e.metrics.latency.observe(max(0.0, now - cl.created_at))
-            log_event(log, logging.INFO, "delivered", "recipient delivered",
-                      queue_id=job.msg_id, dedup_key=cl.dedup_key, rcpt=cl.address,
-                      destination=st.name, host=host, reply=reply,
-                      duration=round(duration, 3))
+            log_event(
+                log,
+                logging.INFO,
+                "delivered",
+                "recipient delivered",
+                queue_id=job.msg_id,
+                dedup_key=cl.dedup_key,
+                rcpt=cl.address,
+                destination=st.name,
+                host=host,
+                reply=reply,
+                duration=round(duration, 3),
+            )
         elif d.kind == "deferred":
             e.metrics.deferred.labels(st.name, "transient").inc()
-            log_event(log, logging.WARNING, "deferred", "recipient deferred",
-                      queue_id=job.msg_id, dedup_key=cl.dedup_key, rcpt=cl.address,
-                      destination=st.name, host=host, reply=reply,
-                      next_attempt_at=ops.iso_utc(d.outcome.next_attempt_at or now),
-                      attempts=cl.attempts + 1)
+            log_event(
+                log,
+                logging.WARNING,
+                "deferred",
+                "recipient deferred",
+                queue_id=job.msg_id,
+                dedup_key=cl.dedup_key,
+                rcpt=cl.address,
+                destination=st.name,
+                host=host,
+                reply=reply,
+                next_attempt_at=ops.iso_utc(d.outcome.next_attempt_at or now),
+                attempts=cl.attempts + 1,
+            )
             if d.warn_delay and delayed is None:
                 delayed = (cl, reply)
         elif d.kind == "bounced":
@@ -168,8 +252,9 @@ async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResul
         if d.dead is not None:
             dead.append(d.dead)
     before = st.breaker.state(now)
-    action = decide.breaker_action(results, delivered, upstream_seen=upstream_seen,
-                                   connection_failed=connection_failed)
+    action = decide.breaker_action(
+        results, delivered, upstream_seen=upstream_seen, connection_failed=connection_failed
+    )
     if action == "release":
         st.breaker.release()
     elif action == "failure":
@@ -182,15 +267,26 @@ async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResul
         if rule_hit is not None and rule_hit.action == "suspend":
             st.suspended_until = max(st.suspended_until, now + rule_hit.duration)
             st.suspend_reason = f"rule: {rule_hit.pattern.pattern}"
-            log_event(log, logging.WARNING, "destination_suspended",
-                      "a shaping rule matched the reply", destination=st.name,
-                      until=ops.iso_utc(st.suspended_until))
+            log_event(
+                log,
+                logging.WARNING,
+                "destination_suspended",
+                "a shaping rule matched the reply",
+                destination=st.name,
+                until=ops.iso_utc(st.suspended_until),
+            )
         elif rule_hit is not None:
             hold = rule_hit.duration
         if st.adaptive.on_throttle(now, hold):
-            log_event(log, logging.WARNING, "slowdown", "destination asked us to slow down",
-                      destination=st.name, rate=st.adaptive.effective_rate(),
-                      connections=st.adaptive.effective_connections())
+            log_event(
+                log,
+                logging.WARNING,
+                "slowdown",
+                "destination asked us to slow down",
+                destination=st.name,
+                rate=st.adaptive.effective_rate(),
+                connections=st.adaptive.effective_connections(),
+            )
         e.retune(st)
     elif delivered and st.adaptive.on_success(now):
         e.retune(st)
@@ -201,14 +297,18 @@ async def apply(e: Engine, st: DestState, job: Job, results: dict[str, RcptResul
         await delay_warning(e, st, job, *delayed)
 
 
-async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply: str
-                        ) -> None:
+async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
     """Once per message: a `delayed` alert, and (by the hook) a delay DSN."""
     now = e.clock()
     conf = e.config.alerts
     age = _age(now - cl.created_at)
-    ev = alerts.Event("delayed", "warning", st.name, f"mail to {st.name} delayed {age}: {reply}",
-                      alerts.sample(job.msg_id, cl.address, reply))
+    ev = alerts.Event(
+        "delayed",
+        "warning",
+        st.name,
+        f"mail to {st.name} delayed {age}: {reply}",
+        alerts.sample(job.msg_id, cl.address, reply),
+    )
 
     def mark(c: Any) -> bool:
         if not ops.mark_delay_warned(c, job.msg_id, now):
@@ -219,32 +319,57 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     try:
         first = await e.writer.run(mark)
     except Exception as ex:
-        log_event(log, logging.ERROR, "spool_error", "could not record a delay warning",
-                  queue_id=job.msg_id, exc=ex)
+        log_event(
+            log,
+            logging.ERROR,
+            "spool_error",
+            "could not record a delay warning",
+            queue_id=job.msg_id,
+            exc=ex,
+        )
         return
     if not first:
         return
-    log_event(log, logging.WARNING, "delayed", "message delayed", queue_id=job.msg_id,
-              rcpt=cl.address, destination=st.name, age=age, reply=reply)
-    e.hook({"event": "delayed", "queue_id": job.msg_id, "recipient": cl.address,
-            "sender": job.sender, "reply": reply, "destination": st.name,
-            "retry_until": ops.iso_utc(cl.created_at + e.config.retry.max_age)})
+    log_event(
+        log,
+        logging.WARNING,
+        "delayed",
+        "message delayed",
+        queue_id=job.msg_id,
+        rcpt=cl.address,
+        destination=st.name,
+        age=age,
+        reply=reply,
+    )
+    e.hook(
+        {
+            "event": "delayed",
+            "queue_id": job.msg_id,
+            "recipient": cl.address,
+            "sender": job.sender,
+            "reply": reply,
+            "destination": st.name,
+            "retry_until": ops.iso_utc(cl.created_at + e.config.retry.max_age),
+        }
+    )
 
 
-async def finish(e: Engine, job: Job, outcomes: Sequence[ops.Outcome], delivered: int
-                 ) -> None:
+async def finish(e: Engine, job: Job, outcomes: Sequence[ops.Outcome], delivered: int) -> None:
     if job.done:
         return
     job.done = True
     n = len(job.claims)
     st = e.dests[job.destination]
-    scopes = e.ledger.release(job.reserved, n, delivered, e.clock(), st.name,
-                              st.conf.daily_limit is not None)
+    scopes = e.ledger.release(
+        job.reserved, n, delivered, e.clock(), st.name, st.conf.daily_limit is not None
+    )
     st.reserved = max(0, st.reserved - n)
     st.sent += delivered
     if delivered:
-        outcomes = [dataclasses.replace(o, counters=scopes)
-                    if o.state is RcptState.DELIVERED else o for o in outcomes]
+        outcomes = [
+            dataclasses.replace(o, counters=scopes) if o.state is RcptState.DELIVERED else o
+            for o in outcomes
+        ]
     try:
         await record(e, outcomes)
     finally:
@@ -272,8 +397,9 @@ async def record(e: Engine, outcomes: Sequence[ops.Outcome]) -> None:
             await e.writer.run(job)
             return
         except Exception as ex:
-            log_event(log, logging.ERROR, "spool_error", "could not record outcomes; retrying",
-                      exc=ex)
+            log_event(
+                log, logging.ERROR, "spool_error", "could not record outcomes; retrying", exc=ex
+            )
             if e.stopping:
                 # left `sending`: the next start makes them due again (at-least-once)
                 return

@@ -33,8 +33,9 @@ log = logging.getLogger("relay.delivery.engine")
 Failure = dict[str, RcptResult]
 
 
-async def open_for(e: Engine, st: DestState, job: Job, *, first_allowed: bool = True
-                   ) -> tuple[Connection | None, DestState, Failure | None, bool]:
+async def open_for(
+    e: Engine, st: DestState, job: Job, *, first_allowed: bool = True
+) -> tuple[Connection | None, DestState, Failure | None, bool]:
     """(connection, the destination it belongs to, failure results, whether any upstream
     was tried at all)."""
     rcpts = [c.address for c in job.claims]
@@ -43,55 +44,85 @@ async def open_for(e: Engine, st: DestState, job: Job, *, first_allowed: bool = 
         return conn, st, failure, True
     chain = [st]
     if job.route is not None and st.name in job.route.via:
-        chain += [e.dest(n) for n in job.route.via[job.route.via.index(st.name) + 1:]]
+        chain += [e.dest(n) for n in job.route.via[job.route.via.index(st.name) + 1 :]]
     last: tuple[DestState, ConnectFailed] | None = None
     for i, d in enumerate(chain):
         now = e.clock()
         if i > 0 or not first_allowed:
             before = d.breaker.state(now)
             if d.suspended_until > now or not d.breaker.allow(now):
-                log_event(log, logging.INFO, "failover", "upstream skipped: circuit open or"
-                          " suspended", destination=d.name, queue_id=job.msg_id)
+                log_event(
+                    log,
+                    logging.INFO,
+                    "failover",
+                    "upstream skipped: circuit open or suspended",
+                    destination=d.name,
+                    queue_id=job.msg_id,
+                )
                 continue
             if before == "half-open":
-                log_event(log, logging.INFO, "circuit_half_open",
-                          "cooldown over: this connection is the trial", destination=d.name)
+                log_event(
+                    log,
+                    logging.INFO,
+                    "circuit_half_open",
+                    "cooldown over: this connection is the trial",
+                    destination=d.name,
+                )
         c = _connection(e, d)
         try:
             await c.open()
         except ConnectFailed as ex:
             _config_error(d, c, ex)
             if ex.verdict.outcome is not Outcome.TRANSIENT:
-                return None, d, {r: RcptResult(ex.verdict, ex.reply, ex.phase)
-                                 for r in rcpts}, True
+                return None, d, {r: RcptResult(ex.verdict, ex.reply, ex.phase) for r in rcpts}, True
             if last is not None:  # the previous one's failure is final now: charge it
                 _charge(e, *last)
             last = (d, ex)
             if i + 1 < len(chain):
-                log_event(log, logging.WARNING, "failover", "upstream failed; trying the"
-                          " next one", destination=d.name, host=c.label, reply=str(ex.reply),
-                          queue_id=job.msg_id, next=chain[i + 1].name)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "failover",
+                    "upstream failed; trying the next one",
+                    destination=d.name,
+                    host=c.label,
+                    reply=str(ex.reply),
+                    queue_id=job.msg_id,
+                    next=chain[i + 1].name,
+                )
             continue
         if d.config_error is not None:
-            log_event(log, logging.INFO, "upstream_config_ok",
-                      "upstream accepts our configuration again", destination=d.name,
-                      host=c.label)
+            log_event(
+                log,
+                logging.INFO,
+                "upstream_config_ok",
+                "upstream accepts our configuration again",
+                destination=d.name,
+                host=c.label,
+            )
         d.config_error = None
         if last is not None:
             _charge(e, *last)
         if i > 0:
-            log_event(log, logging.INFO, "failover", "transaction goes to a later upstream",
-                      destination=d.name, host=c.label, queue_id=job.msg_id)
+            log_event(
+                log,
+                logging.INFO,
+                "failover",
+                "transaction goes to a later upstream",
+                destination=d.name,
+                host=c.label,
+                queue_id=job.msg_id,
+            )
         return c, d, None, True
     if last is None:  # every upstream skipped
         names = ", ".join(d.name for d in chain)
-        reply = Reply(451, "4.4.1", f"no upstream available now ({names}: circuit open or"
-                      " suspended)")
+        reply = Reply(
+            451, "4.4.1", f"no upstream available now ({names}: circuit open or suspended)"
+        )
         v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
         return None, st, {r: RcptResult(v, reply, Phase.CONNECT) for r in rcpts}, False
     d, failed = last
-    return None, d, {r: RcptResult(failed.verdict, failed.reply, failed.phase)
-                     for r in rcpts}, True
+    return None, d, {r: RcptResult(failed.verdict, failed.reply, failed.phase) for r in rcpts}, True
 
 
 def _charge(e: Engine, d: DestState, ex: ConnectFailed) -> None:
@@ -105,28 +136,42 @@ def _charge(e: Engine, d: DestState, ex: ConnectFailed) -> None:
 def _config_error(d: DestState, c: Connection, ex: ConnectFailed) -> None:
     if ex.operator_fault:
         d.config_error = f"{c.label}: {ex.reply}"
-        log_event(log, logging.ERROR, "upstream_config_error",
-                  "upstream refused our configuration (credentials, TLS); mail is kept and"
-                  " retried, fix the config", destination=d.name, host=c.label,
-                  reply=str(ex.reply))
+        log_event(
+            log,
+            logging.ERROR,
+            "upstream_config_error",
+            "upstream refused our configuration (credentials, TLS); mail is kept and"
+            " retried, fix the config",
+            destination=d.name,
+            host=c.label,
+            reply=str(ex.reply),
+        )
 
 
 def _timeouts(d: DestState) -> Timeouts:
-    return Timeouts(connect=d.conf.connect_timeout, command=d.conf.command_timeout,
-                    data=d.conf.data_timeout)
+    return Timeouts(
+        connect=d.conf.connect_timeout, command=d.conf.command_timeout, data=d.conf.data_timeout
+    )
 
 
 def _connection(e: Engine, d: DestState) -> Connection:
     up = d.upstream
     assert up is not None
-    return Connection(host=up.host, address=up.host, port=up.port,
-                      helo=e.config.upstream.helo, tls=TlsPolicy(up.tls, up.verify, up.ca_file),
-                      timeouts=_timeouts(d), username=up.username, password=up.password,
-                      auth=up.auth, tokens=e.token_source(up))
+    return Connection(
+        host=up.host,
+        address=up.host,
+        port=up.port,
+        helo=e.config.upstream.helo,
+        tls=TlsPolicy(up.tls, up.verify, up.ca_file),
+        timeouts=_timeouts(d),
+        username=up.username,
+        password=up.password,
+        auth=up.auth,
+        tokens=e.token_source(up),
+    )
 
 
-async def _open_mx(e: Engine, st: DestState, job: Job
-                   ) -> tuple[Connection | None, Failure | None]:
+async def _open_mx(e: Engine, st: DestState, job: Job) -> tuple[Connection | None, Failure | None]:
     mx = e.config.upstream.mx
     rcpts = [c.address for c in job.claims]
     assert e.resolver is not None
@@ -134,14 +179,21 @@ async def _open_mx(e: Engine, st: DestState, job: Job
         hosts: list[MxHost] = await e.resolver.resolve(job.destination)
     except (DnsPermanentError, DnsTransientError) as ex:
         permanent = isinstance(ex, DnsPermanentError)
-        v = Verdict(Outcome.BOUNCE if permanent else Outcome.TRANSIENT, True, False,
-                    Scope.TRANSACTION)
+        v = Verdict(
+            Outcome.BOUNCE if permanent else Outcome.TRANSIENT, True, False, Scope.TRANSACTION
+        )
         return None, {r: RcptResult(v, ex.reply, Phase.CONNECT) for r in rcpts}
     last: ConnectFailed | None = None
     for h in hosts:
         for addr in h.addresses:
-            c = Connection(host=h.name, address=addr, port=mx.port, helo=e.config.upstream.helo,
-                           tls=TlsPolicy(mx.tls, mx.verify, None), timeouts=_timeouts(st))
+            c = Connection(
+                host=h.name,
+                address=addr,
+                port=mx.port,
+                helo=e.config.upstream.helo,
+                tls=TlsPolicy(mx.tls, mx.verify, None),
+                timeouts=_timeouts(st),
+            )
             try:
                 await c.open()
                 st.config_error = None

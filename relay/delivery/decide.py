@@ -29,8 +29,11 @@ from relay.model import RcptState
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import ops
 
-NO_REPLY = RcptResult(Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
-                      Reply(451, "4.3.0", "no reply recorded"), Phase.MAIL)
+NO_REPLY = RcptResult(
+    Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
+    Reply(451, "4.3.0", "no reply recorded"),
+    Phase.MAIL,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,18 @@ class Decision:
     warn_delay: bool = False  # past retry.warn_after: the message's delay warning is due
 
 
-def decide(job: Job, cl: ops.Claim, res: RcptResult | None, *, now: float, policy: Policy,
-           rng: random.Random, dest: str, host: str | None, duration: float) -> Decision:
+def decide(
+    job: Job,
+    cl: ops.Claim,
+    res: RcptResult | None,
+    *,
+    now: float,
+    policy: Policy,
+    rng: random.Random,
+    dest: str,
+    host: str | None,
+    duration: float,
+) -> Decision:
     res = res or NO_REPLY
     reply = str(res.reply)
     outcome = res.verdict.outcome
@@ -63,34 +76,67 @@ def decide(job: Job, cl: ops.Claim, res: RcptResult | None, *, now: float, polic
             outcome = Outcome.DELIVERED
     log = ops.AttemptLog(logged, reply, dest, host, round(duration, 4))
 
-    def out(state: RcptState, text: str, nxt: float | None = None,
-            suppress: tuple[str, str] | None = None) -> ops.Outcome:
-        return ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=state,
-                           count_attempt=True, next_attempt_at=nxt, last_reply=text, log=log,
-                           suppress=suppress)
+    def out(
+        state: RcptState,
+        text: str,
+        nxt: float | None = None,
+        suppress: tuple[str, str] | None = None,
+    ) -> ops.Outcome:
+        return ops.Outcome(
+            rcpt_id=cl.rcpt_id,
+            msg_id=job.msg_id,
+            state=state,
+            count_attempt=True,
+            next_attempt_at=nxt,
+            last_reply=text,
+            log=log,
+            suppress=suppress,
+        )
 
     if outcome is Outcome.DELIVERED:
         return Decision(out(RcptState.DELIVERED, reply), "delivered", logged)
     if outcome is Outcome.TRANSIENT:
-        nxt = retry.next_attempt_at(now, cl.created_at, cl.attempts + 1, policy.schedule,
-                                    policy.max_age, rng, policy.min_delay)
+        nxt = retry.next_attempt_at(
+            now,
+            cl.created_at,
+            cl.attempts + 1,
+            policy.schedule,
+            policy.max_age,
+            rng,
+            policy.min_delay,
+        )
         if nxt is None:
             text = f"expired after {human(policy.max_age)} in queue; last reply: {reply}"
-            return Decision(out(RcptState.FAILED, text), "expired", logged,
-                            dead_letter(job, cl, "expired", text, dest, now))
-        warn = bool(policy.warn_after) and now - cl.created_at >= policy.warn_after \
+            return Decision(
+                out(RcptState.FAILED, text),
+                "expired",
+                logged,
+                dead_letter(job, cl, "expired", text, dest, now),
+            )
+        warn = (
+            bool(policy.warn_after)
+            and now - cl.created_at >= policy.warn_after
             and job.envelope.delay_warned_at is None
-        return Decision(out(RcptState.DEFERRED, reply, nxt), "deferred", logged,
-                        warn_delay=warn)
+        )
+        return Decision(out(RcptState.DEFERRED, reply, nxt), "deferred", logged, warn_delay=warn)
     if outcome is Outcome.BOUNCE:
-        return Decision(out(RcptState.BOUNCED, reply, suppress=(cl.address, reply)),
-                        "bounced", logged, dead_letter(job, cl, "bounced", reply, dest, now))
-    return Decision(out(RcptState.FAILED, reply), "failed", logged,
-                    dead_letter(job, cl, "failed", reply, dest, now))
+        return Decision(
+            out(RcptState.BOUNCED, reply, suppress=(cl.address, reply)),
+            "bounced",
+            logged,
+            dead_letter(job, cl, "bounced", reply, dest, now),
+        )
+    return Decision(
+        out(RcptState.FAILED, reply),
+        "failed",
+        logged,
+        dead_letter(job, cl, "failed", reply, dest, now),
+    )
 
 
-def wait(job: Job, claims: list[ops.Claim], until: float, reason: str, *, now: float,
-         max_age: float) -> tuple[list[ops.Outcome], list[DeadLetter]]:
+def wait(
+    job: Job, claims: list[ops.Claim], until: float, reason: str, *, now: float, max_age: float
+) -> tuple[list[ops.Outcome], list[DeadLetter]]:
     """Wait without burning an attempt, but never past a recipient's `retry.max_age`: one
     that is too old when it would wait again expires (failed, dead letter) like any other."""
     outs: list[ops.Outcome] = []
@@ -98,17 +144,31 @@ def wait(job: Job, claims: list[ops.Claim], until: float, reason: str, *, now: f
     for cl in claims:
         deadline = cl.created_at + max_age
         if now < deadline:
-            outs.append(ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id,
-                                    state=RcptState.DEFERRED, count_attempt=False,
-                                    next_attempt_at=min(until, deadline), last_reply=None,
-                                    reason=reason))
+            outs.append(
+                ops.Outcome(
+                    rcpt_id=cl.rcpt_id,
+                    msg_id=job.msg_id,
+                    state=RcptState.DEFERRED,
+                    count_attempt=False,
+                    next_attempt_at=min(until, deadline),
+                    last_reply=None,
+                    reason=reason,
+                )
+            )
             continue
         text = f"expired after {human(max_age)} in queue; still waiting: {reason}"
         dead.append(dead_letter(job, cl, "expired", text, job.destination, now))
-        outs.append(ops.Outcome(rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.FAILED,
-                                count_attempt=False, next_attempt_at=None, last_reply=text,
-                                log=ops.AttemptLog("expired", text, job.destination, None,
-                                                   None)))
+        outs.append(
+            ops.Outcome(
+                rcpt_id=cl.rcpt_id,
+                msg_id=job.msg_id,
+                state=RcptState.FAILED,
+                count_attempt=False,
+                next_attempt_at=None,
+                last_reply=text,
+                log=ops.AttemptLog("expired", text, job.destination, None, None),
+            )
+        )
     return outs, dead
 
 
@@ -132,14 +192,23 @@ class Split:
     reason: str
 
 
-def admit(n: int, *, name: str, now: float, suspended_until: float, suspend_reason: str,
-          circuit_until: float | None, room: tuple[int, float, str] | None
-          ) -> Go | Wait | Split:
+def admit(
+    n: int,
+    *,
+    name: str,
+    now: float,
+    suspended_until: float,
+    suspend_reason: str,
+    circuit_until: float | None,
+    room: tuple[int, float, str] | None,
+) -> Go | Wait | Split:
     """`circuit_until`: when an open circuit lets a trial through (None: not open);
     `room`: (recipients that fit under every ceiling, next window, reason) or None."""
     if suspended_until > now:
-        return Wait(suspended_until, f"destination {name} suspended until "
-                                     f"{ops.iso_utc(suspended_until)} ({suspend_reason})")
+        return Wait(
+            suspended_until,
+            f"destination {name} suspended until {ops.iso_utc(suspended_until)} ({suspend_reason})",
+        )
     if circuit_until is not None:
         return Wait(circuit_until, f"circuit open for {name} until {ops.iso_utc(circuit_until)}")
     if room is not None and room[0] < n:
@@ -150,8 +219,9 @@ def admit(n: int, *, name: str, now: float, suspended_until: float, suspend_reas
 BreakerAction = Literal["release", "failure", "success"]
 
 
-def breaker_action(results: dict[str, RcptResult], delivered: int, *, upstream_seen: bool,
-                   connection_failed: bool) -> BreakerAction:
+def breaker_action(
+    results: dict[str, RcptResult], delivered: int, *, upstream_seen: bool, connection_failed: bool
+) -> BreakerAction:
     if not upstream_seen:
         return "release"  # our own error: says nothing; a half-open trial goes back
     if connection_failed or refused_mail(results, delivered):
@@ -165,8 +235,10 @@ def refused_mail(results: dict[str, RcptResult], delivered: int) -> bool:
     the transaction, e.g. a 421 to DATA, is throttling: the AIMD slow-down handles it.)"""
     if delivered or not results:
         return False
-    return all(r.verdict.outcome is Outcome.TRANSIENT and not r.ambiguous
-               and r.phase is Phase.MAIL for r in results.values())
+    return all(
+        r.verdict.outcome is Outcome.TRANSIENT and not r.ambiguous and r.phase is Phase.MAIL
+        for r in results.values()
+    )
 
 
 def human(seconds: float) -> str:

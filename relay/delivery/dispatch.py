@@ -36,9 +36,10 @@ def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
             return name
     return via[0]
 
-def dispatch(e: Engine, job: Job, now: float,
-              stored: dict[str, tuple[str, float] | None] | None = None
-              ) -> list[ops.Outcome]:
+
+def dispatch(
+    e: Engine, job: Job, now: float, stored: dict[str, tuple[str, float] | None] | None = None
+) -> list[ops.Outcome]:
     """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
     open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
     suppression entries for addresses the in-memory list calls suppressed."""
@@ -52,40 +53,69 @@ def dispatch(e: Engine, job: Job, now: float,
             keep.append(cl)
             continue
         e.metrics.suppressed.labels(job.destination).inc()
-        log_event(log, logging.WARNING, "suppressed", "recipient is suppressed",
-                  queue_id=job.msg_id, rcpt=cl.address, reason=supp[0])
-        out.append(ops.Outcome(
-            rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.SUPPRESSED,
-            count_attempt=False, next_attempt_at=None, last_reply=f"suppressed: {supp[0]}",
-            log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None)))
+        log_event(
+            log,
+            logging.WARNING,
+            "suppressed",
+            "recipient is suppressed",
+            queue_id=job.msg_id,
+            rcpt=cl.address,
+            reason=supp[0],
+        )
+        out.append(
+            ops.Outcome(
+                rcpt_id=cl.rcpt_id,
+                msg_id=job.msg_id,
+                state=RcptState.SUPPRESSED,
+                count_attempt=False,
+                next_attempt_at=None,
+                last_reply=f"suppressed: {supp[0]}",
+                log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None),
+            )
+        )
     job.claims = keep
     if not keep:
         return out
     st = e.dest(job.destination)
-    limits = e.ledger.limits(st.name, st.conf.daily_limit, job.identity,
-                                e.config.identity(job.identity), now)
+    limits = e.ledger.limits(
+        st.name, st.conf.daily_limit, job.identity, e.config.identity(job.identity), now
+    )
     # state(), not allow(): allow() hands out the one half-open trial, which belongs to
     # the worker that will actually connect, not to this check
     circuit = None
     if st.breaker.state(now) == "open":
         circuit = (st.breaker.opened_at or now) + st.breaker.cooldown
-    verdict = decide.admit(len(keep), name=st.name, now=now,
-                           suspended_until=st.suspended_until,
-                           suspend_reason=st.suspend_reason, circuit_until=circuit,
-                           room=e.ledger.room(limits, now) if limits else None)
+    verdict = decide.admit(
+        len(keep),
+        name=st.name,
+        now=now,
+        suspended_until=st.suspended_until,
+        suspend_reason=st.suspend_reason,
+        circuit_until=circuit,
+        room=e.ledger.room(limits, now) if limits else None,
+    )
     if isinstance(verdict, decide.Wait):
-        outs, dead = decide.wait(job, keep, verdict.until, verdict.reason, now=now,
-                                 max_age=e.config.retry.max_age)
+        outs, dead = decide.wait(
+            job, keep, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
+        )
         e.emit_dead(dead)
         return out + outs
     if isinstance(verdict, decide.Split):
         # what fits goes now; the rest of the recipients waits for the next window
-        rest, job.claims = keep[verdict.fit:], keep[:verdict.fit]
+        rest, job.claims = keep[verdict.fit :], keep[: verdict.fit]
         e.metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
-        log_event(log, logging.INFO, "deferred", verdict.reason, queue_id=job.msg_id,
-                  destination=st.name, rcpts=[c.address for c in rest])
-        outs, dead = decide.wait(job, rest, verdict.until, verdict.reason, now=now,
-                                 max_age=e.config.retry.max_age)
+        log_event(
+            log,
+            logging.INFO,
+            "deferred",
+            verdict.reason,
+            queue_id=job.msg_id,
+            destination=st.name,
+            rcpts=[c.address for c in rest],
+        )
+        outs, dead = decide.wait(
+            job, rest, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
+        )
         e.emit_dead(dead)
         out.extend(outs)
         if not job.claims:

@@ -59,9 +59,15 @@ DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
 
 class Engine:
     def __init__(
-        self, config: Config, writer: SpoolWriter, *, metrics: Metrics | None = None,
-        resolver: Resolver | None = None, clock: Callable[[], float] = time.time,
-        rng: random.Random | None = None, on_dead_letter: DeadLetterHook | None = None,
+        self,
+        config: Config,
+        writer: SpoolWriter,
+        *,
+        metrics: Metrics | None = None,
+        resolver: Resolver | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        on_dead_letter: DeadLetterHook | None = None,
         is_suppressed: Callable[[str], tuple[str, float] | None] = lambda a: None,
         on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
     ) -> None:
@@ -96,14 +102,20 @@ class Engine:
         resolver = self.resolver
         ns = config.upstream.mx.nameservers
         if resolver is None or ns != self._ns:
-            resolver = Resolver(nameservers=list(ns) if ns else None,
-                                timeout=config.upstream.mx.dns_timeout, rng=self.rng)
+            resolver = Resolver(
+                nameservers=list(ns) if ns else None,
+                timeout=config.upstream.mx.dns_timeout,
+                rng=self.rng,
+            )
         self.config = config
         old = getattr(self, "ledger", None)
         self.ledger = Ledger(tz, config.shaping.window_length)
         if old is not None:
             self.ledger.day, self.ledger.counts, self.ledger.reserved = (
-                old.day, old.counts, old.reserved)
+                old.day,
+                old.counts,
+                old.reserved,
+            )
         self.rules = [*operator_rules, *shaping.DEFAULT_RULES]
         self.resolver = resolver
         self._ns = ns
@@ -129,16 +141,21 @@ class Engine:
             conf = self.config.destination(name)
             bucket = None
             if conf.rate:
-                bucket = shaping.TokenBucket(rate=conf.rate, burst=conf.burst,
-                                             updated=self.clock())
+                bucket = shaping.TokenBucket(rate=conf.rate, burst=conf.burst, updated=self.clock())
             st = DestState(
-                name=name, conf=conf, bucket=bucket,
-                adaptive=shaping.Adaptive(base_rate=conf.rate or shaping.UNLIMITED,
-                                          base_connections=conf.max_connections,
-                                          cooldown=conf.slowdown_cooldown),
-                breaker=shaping.Breaker(threshold=conf.circuit_failures,
-                                        cooldown=conf.circuit_cooldown),
-                upstream=self.config.routing.upstreams.get(name))
+                name=name,
+                conf=conf,
+                bucket=bucket,
+                adaptive=shaping.Adaptive(
+                    base_rate=conf.rate or shaping.UNLIMITED,
+                    base_connections=conf.max_connections,
+                    cooldown=conf.slowdown_cooldown,
+                ),
+                breaker=shaping.Breaker(
+                    threshold=conf.circuit_failures, cooldown=conf.circuit_cooldown
+                ),
+                upstream=self.config.routing.upstreams.get(name),
+            )
             self.dests[name] = st
         return st
 
@@ -163,8 +180,7 @@ class Engine:
             st.bucket.burst = st.conf.burst
             st.bucket.set_rate(rate, now)
         self.metrics.effective_rate.labels(st.name).set(rate or 0)
-        self.metrics.effective_connections.labels(st.name).set(
-            st.adaptive.effective_connections())
+        self.metrics.effective_connections.labels(st.name).set(st.adaptive.effective_connections())
 
     # --- main loop ------------------------------------------------------------------------
 
@@ -175,8 +191,13 @@ class Engine:
         now = self.clock()
         recovered = await self.writer.run(lambda c: ops.recover(c, now))
         if recovered:
-            log_event(log, logging.WARNING, "recovered",
-                      "claims left by a crash are due again", count=recovered)
+            log_event(
+                log,
+                logging.WARNING,
+                "recovered",
+                "claims left by a crash are due again",
+                count=recovered,
+            )
         day = self.ledger.day_of(now)
         self.ledger.load(day, await self.writer.run(lambda c: ops.daily_counts(c, day)))
         try:
@@ -192,8 +213,7 @@ class Engine:
                     continue
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(),
-                                           self.config.delivery.poll_interval)
+                    await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
         finally:
             self._loop_exited.set()
 
@@ -233,11 +253,16 @@ class Engine:
             if not group:
                 continue
             _done, pending = await asyncio.wait(
-                group, timeout=max(0.1, deadline - time.monotonic()))
+                group, timeout=max(0.1, deadline - time.monotonic())
+            )
             if pending and i == 0:
-                log_event(log, logging.WARNING, "shutdown",
-                          "deliveries still running at shutdown_timeout; they will be retried",
-                          connections=len(pending))
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "shutdown",
+                    "deliveries still running at shutdown_timeout; they will be retried",
+                    connections=len(pending),
+                )
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -248,8 +273,14 @@ class Engine:
             for q in st.queues.values():
                 while q:
                     job = q.popleft()
-                    outs, dead = decide.wait(job, job.claims, now, "daemon stopped", now=now,
-                                             max_age=self.config.retry.max_age)
+                    outs, dead = decide.wait(
+                        job,
+                        job.claims,
+                        now,
+                        "daemon stopped",
+                        now=now,
+                        max_age=self.config.retry.max_age,
+                    )
                     self.emit_dead(dead)
                     back.extend(outs)
         if back:
@@ -271,15 +302,24 @@ class Engine:
                 return []
             return ops.engine_commands(c, self._cmd_seen)
 
-        def claim(c: Any) -> tuple[list[ops.Claim], dict[str, ops.Envelope], dict[str, Any],
-                                   dict[str, tuple[str, float] | None]]:
+        def claim(
+            c: Any,
+        ) -> tuple[
+            list[ops.Claim],
+            dict[str, ops.Envelope],
+            dict[str, Any],
+            dict[str, tuple[str, float] | None],
+        ]:
             claims = ops.claim_due(c, now, cap, skip)
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
             # recipient is made `suppressed` (final), ask the spool, so that an operator's
             # `suppression remove` followed at once by `queue retry` is not undone.
-            stored = {cl.address: ops.suppression_get(c, cl.address) for cl in claims
-                      if self.is_suppressed(cl.address) is not None}
+            stored = {
+                cl.address: ops.suppression_get(c, cl.address)
+                for cl in claims
+                if self.is_suppressed(cl.address) is not None
+            }
             return claims, envs, ops.suspensions(c, now), stored
 
         # commands first: a `queue flush` makes recipients due and kicks the circuit in one
@@ -300,26 +340,48 @@ class Engine:
             env = envs.get(cl.msg_id)
             if env is None:
                 continue
-            route = self.config.routing.match(sender=env.sender, recipient=cl.address,
-                                              client=env.client, listener=env.listener)
+            route = self.config.routing.match(
+                sender=env.sender, recipient=cl.address, client=env.client, listener=env.listener
+            )
             dname = cl.destination if route.mx else dispatch.first_open(self, route.via, now)
             job = jobs.get((cl.msg_id, dname))
             if job is None:
                 job = jobs[(cl.msg_id, dname)] = Job(
-                    msg_id=cl.msg_id, destination=dname, lane=cl.lane, identity=cl.identity,
-                    sender=env.sender, claims=[], envelope=env, route=route)
+                    msg_id=cl.msg_id,
+                    destination=dname,
+                    lane=cl.lane,
+                    identity=cl.identity,
+                    sender=env.sender,
+                    claims=[],
+                    envelope=env,
+                    route=route,
+                )
             job.claims.append(cl)
         immediate: list[ops.Outcome] = []
         for job in jobs.values():
             try:
                 immediate.extend(dispatch.dispatch(self, job, now, stored))
             except Exception as e:  # never strand a claim: wait a minute and try again
-                log_event(log, logging.ERROR, "engine_error", "dispatch failed",
-                          queue_id=job.msg_id, exc=e)
-                immediate.extend(ops.Outcome(
-                    rcpt_id=cl.rcpt_id, msg_id=job.msg_id, state=RcptState.DEFERRED,
-                    count_attempt=False, next_attempt_at=now + 60, last_reply=None,
-                    reason=f"internal error: {type(e).__name__}") for cl in job.claims)
+                log_event(
+                    log,
+                    logging.ERROR,
+                    "engine_error",
+                    "dispatch failed",
+                    queue_id=job.msg_id,
+                    exc=e,
+                )
+                immediate.extend(
+                    ops.Outcome(
+                        rcpt_id=cl.rcpt_id,
+                        msg_id=job.msg_id,
+                        state=RcptState.DEFERRED,
+                        count_attempt=False,
+                        next_attempt_at=now + 60,
+                        last_reply=None,
+                        reason=f"internal error: {type(e).__name__}",
+                    )
+                    for cl in job.claims
+                )
         if immediate:
             await attempt.record(self, immediate)
         return len(claims)
@@ -336,17 +398,41 @@ class Engine:
     def emit_dead(self, dead: list[DeadLetter], host: str | None = None) -> None:
         for d in dead:
             self.dead_times.append(self.clock())
-            self._alert_backlog.append(alerts.Event(
-                "dead_letter", "warning", d.destination, f"{d.state}: {d.reply}",
-                alerts.sample(d.queue_id, d.recipient, d.reply)))
+            self._alert_backlog.append(
+                alerts.Event(
+                    "dead_letter",
+                    "warning",
+                    d.destination,
+                    f"{d.state}: {d.reply}",
+                    alerts.sample(d.queue_id, d.recipient, d.reply),
+                )
+            )
             # the outcome itself (standard events bounced / failed / expired, see relay.logs),
             # then the dead letter it makes
-            log_event(log, logging.WARNING, d.state, "", queue_id=d.queue_id,
-                      rcpt=d.recipient, destination=d.destination, host=host,
-                      reply=d.reply, attempts=d.attempts)
-            log_event(log, logging.ERROR, "dead_letter", d.reason, queue_id=d.queue_id,
-                      rcpt=d.recipient, destination=d.destination, reply=d.reply,
-                      state=d.state, dedup_key=d.dedup_key)
+            log_event(
+                log,
+                logging.WARNING,
+                d.state,
+                "",
+                queue_id=d.queue_id,
+                rcpt=d.recipient,
+                destination=d.destination,
+                host=host,
+                reply=d.reply,
+                attempts=d.attempts,
+            )
+            log_event(
+                log,
+                logging.ERROR,
+                "dead_letter",
+                d.reason,
+                queue_id=d.queue_id,
+                rcpt=d.recipient,
+                destination=d.destination,
+                reply=d.reply,
+                state=d.state,
+                dedup_key=d.dedup_key,
+            )
             self.hook(d.as_doc())
 
     def hook(self, doc: dict[str, Any]) -> None:

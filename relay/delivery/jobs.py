@@ -23,8 +23,11 @@ from relay.config import Destination
 from relay.delivery.routes import Route, UpstreamHost
 from relay.spool import ops
 
-REASONS = {"bounced": "permanent address failure; address suppressed",
-           "failed": "permanent failure", "expired": "gave up: max_age reached"}
+REASONS = {
+    "bounced": "permanent address failure; address suppressed",
+    "failed": "permanent failure",
+    "expired": "gave up: max_age reached",
+}
 
 
 @dataclass(slots=True)
@@ -50,7 +53,8 @@ class DestState:
     breaker: shaping.Breaker
     upstream: UpstreamHost | None = None  # None: an MX destination (a recipient domain)
     queues: dict[str, deque[Job]] = field(
-        default_factory=lambda: {"transactional": deque(), "bulk": deque()})
+        default_factory=lambda: {"transactional": deque(), "bulk": deque()}
+    )
     workers: set[asyncio.Task[None]] = field(default_factory=set)
     active: dict[str, int] = field(default_factory=lambda: {"transactional": 0, "bulk": 0})
     suspended_until: float = 0.0
@@ -82,17 +86,34 @@ class DeadLetter:
         return REASONS[self.state]
 
     def as_doc(self) -> dict[str, Any]:
-        return {"event": "dead_letter", "queue_id": self.queue_id,
-                "recipient": self.recipient, "sender": self.sender,
-                "message_id": self.message_id, "state": self.state, "reply": self.reply,
-                "destination": self.destination, "attempts": self.attempts,
-                "reason": self.reason, "dedup_key": self.dedup_key, "at": self.at}
+        return {
+            "event": "dead_letter",
+            "queue_id": self.queue_id,
+            "recipient": self.recipient,
+            "sender": self.sender,
+            "message_id": self.message_id,
+            "state": self.state,
+            "reply": self.reply,
+            "destination": self.destination,
+            "attempts": self.attempts,
+            "reason": self.reason,
+            "dedup_key": self.dedup_key,
+            "at": self.at,
+        }
 
 
-def dead_letter(job: Job, cl: ops.Claim, state: str, reply: str, dest: str, now: float
-                ) -> DeadLetter:
+def dead_letter(
+    job: Job, cl: ops.Claim, state: str, reply: str, dest: str, now: float
+) -> DeadLetter:
     return DeadLetter(
-        queue_id=job.msg_id, recipient=cl.address, sender=job.sender,
-        message_id=job.envelope.message_id, state=state, reply=reply, destination=dest,
-        attempts=cl.attempts + 1, dedup_key=cl.dedup_key,
-        at=ops.iso_utc(now))
+        queue_id=job.msg_id,
+        recipient=cl.address,
+        sender=job.sender,
+        message_id=job.envelope.message_id,
+        state=state,
+        reply=reply,
+        destination=dest,
+        attempts=cl.attempts + 1,
+        dedup_key=cl.dedup_key,
+        at=ops.iso_utc(now),
+    )

@@ -42,15 +42,15 @@ class Ledger:
     def today(self, scope: str) -> int:
         return self.counts.get(scope, 0)
 
-    def limits(self, dest: str, dest_limit: int | None, identity: str,
-               ident: Identity | None, now: float) -> list[tuple[str, str, int]]:
+    def limits(
+        self, dest: str, dest_limit: int | None, identity: str, ident: Identity | None, now: float
+    ) -> list[tuple[str, str, int]]:
         """(scope, display name, limit) for each ceiling that applies."""
         out = []
         if dest_limit is not None:
             out.append((f"dest:{dest}", dest, dest_limit))
         if ident is not None:
-            lim = shaping.effective_daily_limit(ident.daily_limit,
-                                                self.warmup_limit(ident, now))
+            lim = shaping.effective_daily_limit(ident.daily_limit, self.warmup_limit(ident, now))
             if lim is not None:
                 out.append((f"id:{identity}", identity, lim))
         return out
@@ -61,12 +61,18 @@ class Ledger:
         if w is None:
             return None
         today = dt.datetime.fromtimestamp(now, self.tz).date()
-        return shaping.warmup_limit(shaping.Warmup(
-            start=w.start, schedule=w.schedule, initial=w.initial,
-            factor=w.factor, ceiling=w.ceiling), today)
+        return shaping.warmup_limit(
+            shaping.Warmup(
+                start=w.start,
+                schedule=w.schedule,
+                initial=w.initial,
+                factor=w.factor,
+                ceiling=w.ceiling,
+            ),
+            today,
+        )
 
-    def room(self, limits: list[tuple[str, str, int]], now: float
-             ) -> tuple[int, float, str] | None:
+    def room(self, limits: list[tuple[str, str, int]], now: float) -> tuple[int, float, str] | None:
         """How many recipients fit under every ceiling now, with the next window and the
         reason for the rest; None when no ceiling applies."""
         self.roll(now)
@@ -82,8 +88,15 @@ class Ledger:
         for scope in scopes:
             self.reserved[scope] = self.reserved.get(scope, 0) + n
 
-    def release(self, scopes: tuple[str, ...], n: int, delivered: int, now: float,
-                dest: str, dest_limited: bool) -> tuple[str, ...]:
+    def release(
+        self,
+        scopes: tuple[str, ...],
+        n: int,
+        delivered: int,
+        now: float,
+        dest: str,
+        dest_limited: bool,
+    ) -> tuple[str, ...]:
         """A job ended: its reservation goes, its deliveries count. Returns the scopes whose
         spool counters to bump by `delivered`."""
         self.roll(now)

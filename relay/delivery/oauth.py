@@ -48,8 +48,9 @@ class OAuthError(Exception):
 
 
 class TokenSource:
-    def __init__(self, conf: OAuthConf, clock: Callable[[], float] = time.time,
-                 margin: float = 60.0) -> None:
+    def __init__(
+        self, conf: OAuthConf, clock: Callable[[], float] = time.time, margin: float = 60.0
+    ) -> None:
         self.conf = conf
         self.clock = clock
         self.margin = margin
@@ -70,9 +71,11 @@ class TokenSource:
                 self._token, self._expires = token, self.clock() + expires_in
                 fut.set_result(token)
             except BaseException as e:
-                fut.set_exception(e if isinstance(e, OAuthError) else
-                                  OAuthError(f"token request failed: {type(e).__name__}",
-                                             True))
+                fut.set_exception(
+                    e
+                    if isinstance(e, OAuthError)
+                    else OAuthError(f"token request failed: {type(e).__name__}", True)
+                )
                 fut.exception()  # retrieved: no "never retrieved" warning if none waits
                 if not isinstance(e, OAuthError):
                     raise
@@ -99,8 +102,12 @@ class TokenSource:
     async def _command(self, command: str) -> tuple[str, float]:
         try:
             proc = await asyncio.create_subprocess_shell(
-                command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
         except OSError as e:
             raise OAuthError(f"token_command did not start: {e.strerror or e}", True) from None
         try:
@@ -108,8 +115,9 @@ class TokenSource:
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            raise OAuthError(f"token_command timed out after {self.conf.timeout:g}s",
-                             True) from None
+            raise OAuthError(
+                f"token_command timed out after {self.conf.timeout:g}s", True
+            ) from None
         if proc.returncode != 0:
             raise OAuthError(f"token_command exited {proc.returncode}", True)
         text = out.decode("utf-8", errors="replace").strip()
@@ -129,15 +137,19 @@ class TokenSource:
             form["refresh_token"] = c.refresh_token
         else:
             form["grant_type"] = "client_credentials"
-        for k, v in (("client_id", c.client_id), ("client_secret", c.client_secret),
-                     ("scope", c.scope)):
+        for k, v in (
+            ("client_id", c.client_id),
+            ("client_secret", c.client_secret),
+            ("scope", c.scope),
+        ):
             if v:
                 form[k] = v
         if self._client is None:
             self._client = httpx.AsyncClient(follow_redirects=False)
         try:
-            r = await self._client.post(c.token_url, data=form, timeout=c.timeout,
-                                        headers={"Accept": "application/json"})
+            r = await self._client.post(
+                c.token_url, data=form, timeout=c.timeout, headers={"Accept": "application/json"}
+            )
         except httpx.TimeoutException:
             raise OAuthError(f"token endpoint timed out after {c.timeout:g}s", True) from None
         except httpx.HTTPError as e:

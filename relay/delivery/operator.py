@@ -32,9 +32,14 @@ def command(e: Engine, action: str, name: str, now: float) -> None:
             st.breaker.kick(now)
         breaker_changed(e, st, before, now, f"operator {action}")
         if action == "reset":
-            log_event(log, logging.INFO, "destination_reset",
-                      "circuit closed and slow-down cleared by the operator",
-                      destination=st.name)
+            log_event(
+                log,
+                logging.INFO,
+                "destination_reset",
+                "circuit closed and slow-down cleared by the operator",
+                destination=st.name,
+            )
+
 
 def breaker_changed(e: Engine, st: DestState, before: str, now: float, why: str) -> None:
     """A log line for every change of a destination's circuit."""
@@ -44,14 +49,31 @@ def breaker_changed(e: Engine, st: DestState, before: str, now: float, why: str)
         return
     if after == "open":
         until = (st.breaker.opened_at or now) + st.breaker.cooldown
-        log_event(log, logging.WARNING, "circuit_open",
-                  "destination failing: no new connections until the cooldown ends",
-                  destination=st.name, reason=why, failures=st.breaker.failures,
-                  retry_at=ops.iso_utc(until))
+        log_event(
+            log,
+            logging.WARNING,
+            "circuit_open",
+            "destination failing: no new connections until the cooldown ends",
+            destination=st.name,
+            reason=why,
+            failures=st.breaker.failures,
+            retry_at=ops.iso_utc(until),
+        )
     elif after == "closed":
-        log_event(log, logging.INFO, "circuit_closed", "destination working again",
-                  destination=st.name, reason=why)
+        log_event(
+            log,
+            logging.INFO,
+            "circuit_closed",
+            "destination working again",
+            destination=st.name,
+            reason=why,
+        )
     else:
-        log_event(log, logging.INFO, "circuit_half_open",
-                  "cooldown over: one trial connection allowed", destination=st.name,
-                  reason=why)
+        log_event(
+            log,
+            logging.INFO,
+            "circuit_half_open",
+            "cooldown over: one trial connection allowed",
+            destination=st.name,
+            reason=why,
+        )

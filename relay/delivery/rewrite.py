@@ -24,8 +24,9 @@ from relay.delivery.routes import Rewrite
 from relay.spool.bodies import StoredBody
 
 
-async def apply(rw: Rewrite, sender: str, body: bytes | StoredBody
-                ) -> tuple[str, bytes | StoredBody]:
+async def apply(
+    rw: Rewrite, sender: str, body: bytes | StoredBody
+) -> tuple[str, bytes | StoredBody]:
     if rw.envelope_sender and sender not in ("", "<>"):
         sender = rw.envelope_sender
     if rw.from_addr or rw.reply_to_original:
@@ -55,7 +56,7 @@ def rewrite_headers(data: bytes, from_addr: str | None, reply_to_original: bool)
     end = data.find(b"\r\n\r\n")
     if end < 0:
         return data  # no body separator: no header block we can safely edit
-    head, rest = data[: end + 2], data[end + 2:]
+    head, rest = data[: end + 2], data[end + 2 :]
     fs = fields(head)
     froms = [f for f in fs if _name(f) == b"from"]
     if not froms:

@@ -84,8 +84,7 @@ class Routing:
     upstreams: Mapping[str, UpstreamHost]
     routes: tuple[Route, ...]
 
-    def match(self, *, sender: str, recipient: str, client: str, listener: str | None
-              ) -> Route:
+    def match(self, *, sender: str, recipient: str, client: str, listener: str | None) -> Route:
         """The first route whose conditions all hold. `client` is the dedup namespace
         (`listener:NAME` or `user:LOGIN`)."""
         s = sender.lower()
@@ -114,8 +113,15 @@ def default(mode: str, smarthost: UpstreamHost) -> Routing:
     return Routing({smarthost.name: smarthost}, (Route(0, (smarthost.name,)),))
 
 
-def parse(upstreams: object, routes: object, *, mode: str, smarthost: UpstreamHost,
-          base: Path, read_secret: Any) -> Routing:
+def parse(
+    upstreams: object,
+    routes: object,
+    *,
+    mode: str,
+    smarthost: UpstreamHost,
+    base: Path,
+    read_secret: Any,
+) -> Routing:
     """`read_secret(path, key) -> str` reads a secret file (the config loader's, so its
     errors look like every other config error)."""
     if upstreams is None and routes is None:
@@ -136,19 +142,21 @@ def parse(upstreams: object, routes: object, *, mode: str, smarthost: UpstreamHo
     for i, item in enumerate(routes):
         out.append(_route(i, item, ups))
     last = out[-1]
-    if any((last.sender, last.sender_domain, last.recipient_domain, last.listener,
-            last.auth_user)):
-        raise RouteConfigError(f"routes[{len(out) - 1}]: the last route must match every"
-                               " message (no conditions), so no mail is left without a way")
+    if any((last.sender, last.sender_domain, last.recipient_domain, last.listener, last.auth_user)):
+        raise RouteConfigError(
+            f"routes[{len(out) - 1}]: the last route must match every"
+            " message (no conditions), so no mail is left without a way"
+        )
     used = {n for r in out for n in r.via}
-    return Routing({n: u for n, u in ups.items() if n in used or n == "smarthost"},
-                   tuple(out))
+    return Routing({n: u for n, u in ups.items() if n in used or n == "smarthost"}, tuple(out))
 
 
 def _name(name: object, where: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise RouteConfigError(f"{where}.{name}: an upstream name is lowercase letters,"
-                               " digits, '-' and '_' (it names a destination too)")
+        raise RouteConfigError(
+            f"{where}.{name}: an upstream name is lowercase letters,"
+            " digits, '-' and '_' (it names a destination too)"
+        )
     return name
 
 
@@ -156,8 +164,17 @@ def _upstream(name: str, item: object, base: Path, read_secret: Any) -> Upstream
     key = f"upstreams.{name}"
     if not isinstance(item, Mapping):
         raise RouteConfigError(f"{key}: expected a mapping")
-    known = {"host", "port", "tls", "verify", "ca_file", "username", "password_file", "auth",
-             "oauth"}
+    known = {
+        "host",
+        "port",
+        "tls",
+        "verify",
+        "ca_file",
+        "username",
+        "password_file",
+        "auth",
+        "oauth",
+    }
     for k in item:
         if k not in known:
             hint = " (secrets go in password_file)" if k == "password" else ""
@@ -193,17 +210,33 @@ def _upstream(name: str, item: object, base: Path, read_secret: Any) -> Upstream
     elif user and password is None:
         raise RouteConfigError(f"{key}.password_file: required when username is set")
     ca = item.get("ca_file")
-    return UpstreamHost(name=name, host=host, port=port, tls=tls, verify=verify,
-                        ca_file=None if ca is None else _path(ca, base), username=user,
-                        password=password, auth=auth, oauth=oauth)
+    return UpstreamHost(
+        name=name,
+        host=host,
+        port=port,
+        tls=tls,
+        verify=verify,
+        ca_file=None if ca is None else _path(ca, base),
+        username=user,
+        password=password,
+        auth=auth,
+        oauth=oauth,
+    )
 
 
 def _oauth(key: str, item: object, base: Path, read_secret: Any) -> OAuthConf:
     k = f"{key}.oauth"
     if not isinstance(item, Mapping):
         raise RouteConfigError(f"{k}: required (token_url and credentials, or token_command)")
-    known = {"token_url", "client_id", "client_secret_file", "refresh_token_file", "scope",
-             "token_command", "timeout"}
+    known = {
+        "token_url",
+        "client_id",
+        "client_secret_file",
+        "refresh_token_file",
+        "scope",
+        "token_command",
+        "timeout",
+    }
     for x in item:
         if x not in known:
             hint = " (secrets go in *_file keys)" if "secret" in str(x) else ""
@@ -216,19 +249,23 @@ def _oauth(key: str, item: object, base: Path, read_secret: Any) -> OAuthConf:
         raise RouteConfigError(f"{k}.token_url: {url!r} is not an http(s) URL")
     secret = refresh = None
     if item.get("client_secret_file") is not None:
-        secret = read_secret(_path(item["client_secret_file"], base),
-                             f"{k}.client_secret_file")
+        secret = read_secret(_path(item["client_secret_file"], base), f"{k}.client_secret_file")
     if item.get("refresh_token_file") is not None:
-        refresh = read_secret(_path(item["refresh_token_file"], base),
-                              f"{k}.refresh_token_file")
+        refresh = read_secret(_path(item["refresh_token_file"], base), f"{k}.refresh_token_file")
     if url and not cmd and not item.get("client_id"):
         raise RouteConfigError(f"{k}.client_id: required with token_url")
     timeout = item.get("timeout", 10)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise RouteConfigError(f"{k}.timeout: expected seconds")
-    return OAuthConf(token_url=url, client_id=item.get("client_id"), client_secret=secret,
-                     refresh_token=refresh, scope=item.get("scope"), token_command=cmd,
-                     timeout=float(timeout))
+    return OAuthConf(
+        token_url=url,
+        client_id=item.get("client_id"),
+        client_secret=secret,
+        refresh_token=refresh,
+        scope=item.get("scope"),
+        token_command=cmd,
+        timeout=float(timeout),
+    )
 
 
 def _path(v: object, base: Path) -> Path:
@@ -251,8 +288,9 @@ def _route(i: int, item: object, ups: Mapping[str, UpstreamHost]) -> Route:
         raise RouteConfigError(f"{key}: expected a mapping")
     for k in item:
         if k not in (*CONDITIONS, "via", "rewrite"):
-            raise RouteConfigError(f"{key}.{k}: unknown key (conditions: "
-                                   f"{', '.join(CONDITIONS)}; then via, rewrite)")
+            raise RouteConfigError(
+                f"{key}.{k}: unknown key (conditions: {', '.join(CONDITIONS)}; then via, rewrite)"
+            )
     via_raw = item.get("via")
     if via_raw == "mx":
         via: tuple[str, ...] = ()
@@ -260,14 +298,17 @@ def _route(i: int, item: object, ups: Mapping[str, UpstreamHost]) -> Route:
         via = tuple(via_raw)
         for n in via:
             if n not in ups:
-                raise RouteConfigError(f"{key}.via: no upstream named {n!r} (upstreams: "
-                                       f"{', '.join(sorted(ups)) or 'none'})")
+                raise RouteConfigError(
+                    f"{key}.via: no upstream named {n!r} (upstreams: "
+                    f"{', '.join(sorted(ups)) or 'none'})"
+                )
         if len(set(via)) != len(via):
             raise RouteConfigError(f"{key}.via: an upstream is named twice")
     else:
         raise RouteConfigError(f"{key}.via: expected a list of upstream names, or mx")
     return Route(
-        index=i, via=via,
+        index=i,
+        via=via,
         sender=_values(item.get("sender"), f"{key}.sender"),
         sender_domain=_values(item.get("sender_domain"), f"{key}.sender_domain"),
         recipient_domain=_values(item.get("recipient_domain"), f"{key}.recipient_domain"),

@@ -27,8 +27,9 @@ class AdapterError(RuntimeError):
 
 def check() -> None:
     init = inspect.getsource(SMTPProtocol.__init__)
-    missing = [name for name in ("_command_lock", "_response_pending")
-               if f"self.{name}" not in init]
+    missing = [
+        name for name in ("_command_lock", "_response_pending") if f"self.{name}" not in init
+    ]
     for name in ("_drain_helper", "read_response", "write"):
         if not callable(getattr(SMTPProtocol, name, None)):
             missing.append(name)
@@ -36,7 +37,8 @@ def check() -> None:
         raise AdapterError(
             f"aiosmtplib {getattr(aiosmtplib, '__version__', '?')} lacks what relay relies on:"
             f" SMTPProtocol.{', SMTPProtocol.'.join(missing)}; install a supported version"
-            " (see pyproject.toml)")
+            " (see pyproject.toml)"
+        )
 
 
 @asynccontextmanager

@@ -77,8 +77,7 @@ class ConnectFailed(Exception):
 
 def _tls_context(policy: TlsPolicy) -> ssl.SSLContext:
     if policy.verify:
-        ctx = ssl.create_default_context(
-            cafile=str(policy.ca_file) if policy.ca_file else None)
+        ctx = ssl.create_default_context(cafile=str(policy.ca_file) if policy.ca_file else None)
     else:
         ctx = ssl.create_default_context()
         ctx.check_hostname = False
@@ -89,10 +88,20 @@ def _tls_context(policy: TlsPolicy) -> ssl.SSLContext:
 class Connection:
     """An open, greeted (and possibly TLS-upgraded and authenticated) SMTP session."""
 
-    def __init__(self, *, host: str, address: str, port: int, helo: str, tls: TlsPolicy,
-                 timeouts: Timeouts, username: str | None = None,
-                 password: str | None = None, auth: str = "auto",
-                 tokens: TokenSource | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        address: str,
+        port: int,
+        helo: str,
+        tls: TlsPolicy,
+        timeouts: Timeouts,
+        username: str | None = None,
+        password: str | None = None,
+        auth: str = "auto",
+        tokens: TokenSource | None = None,
+    ) -> None:
         self.host = host
         self.address = address
         self.port = port
@@ -121,9 +130,8 @@ class Connection:
         try:
             await self._open(self.tls.mode)
         except ConnectFailed as e:
-            if (self.tls.mode == "opportunistic" and e.phase == Phase.STARTTLS):
-                log.info("STARTTLS to %s failed (%s); retrying without TLS", self.label,
-                         e.reply)
+            if self.tls.mode == "opportunistic" and e.phase == Phase.STARTTLS:
+                log.info("STARTTLS to %s failed (%s); retrying without TLS", self.label, e.reply)
                 self.close()
                 await self._open("none")
                 return
@@ -136,12 +144,16 @@ class Connection:
             tls_ctx = _tls_context(self.tls) if mode == "implicit" else None
         except (OSError, ssl.SSLError) as e:
             reply = Reply(454, "4.7.0", f"TLS set-up failed: {e}")
-            raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, Phase.STARTTLS,
-                                True) from e
+            raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, Phase.STARTTLS, True) from e
         smtp = aiosmtplib.SMTP(
-            hostname=self.address, port=self.port, local_hostname=self.helo,
-            timeout=self.timeouts.command, use_tls=mode == "implicit", start_tls=False,
-            validate_certs=self.tls.verify, tls_context=tls_ctx,
+            hostname=self.address,
+            port=self.port,
+            local_hostname=self.helo,
+            timeout=self.timeouts.command,
+            use_tls=mode == "implicit",
+            start_tls=False,
+            validate_certs=self.tls.verify,
+            tls_context=tls_ctx,
         )
         self.smtp = smtp
         try:
@@ -153,11 +165,18 @@ class Connection:
             ):
                 phase = Phase.STARTTLS
                 if not smtp.supports_extension("starttls"):
-                    reply = Reply(454, "4.7.0", f"{self.label} does not offer STARTTLS, "
-                                  "which upstream tls: starttls requires")
+                    reply = Reply(
+                        454,
+                        "4.7.0",
+                        f"{self.label} does not offer STARTTLS, "
+                        "which upstream tls: starttls requires",
+                    )
                     raise ConnectFailed(classify(reply, Phase.STARTTLS), reply, phase, True)
-                await smtp.starttls(tls_context=_tls_context(self.tls),
-                                    server_hostname=self.host, timeout=self.timeouts.command)
+                await smtp.starttls(
+                    tls_context=_tls_context(self.tls),
+                    server_hostname=self.host,
+                    timeout=self.timeouts.command,
+                )
                 self.tls_active = True
                 phase = Phase.EHLO
                 await smtp.ehlo(timeout=self.timeouts.command)
@@ -172,8 +191,11 @@ class Connection:
         except Exception as e:
             self.close()
             verdict, reply = classify_exception(e, phase)
-            fault = is_operator_fault(e) or (phase == Phase.AUTH) or (
-                phase == Phase.STARTTLS and self.tls.verify)
+            fault = (
+                is_operator_fault(e)
+                or (phase == Phase.AUTH)
+                or (phase == Phase.STARTTLS and self.tls.verify)
+            )
             raise ConnectFailed(verdict, _with_host(reply, self.label), phase, fault) from e
 
     async def _authenticate(self, smtp: aiosmtplib.SMTP) -> None:
@@ -192,16 +214,22 @@ class Connection:
                 token = await self.tokens.token()
             except OAuthError as e:
                 reply = Reply(454, "4.7.0", f"no OAuth2 token: {e}")
-                raise ConnectFailed(Verdict(Outcome.TRANSIENT, True, False,
-                                            Scope.TRANSACTION), reply, Phase.AUTH,
-                                    not e.transient) from e
+                raise ConnectFailed(
+                    Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION),
+                    reply,
+                    Phase.AUTH,
+                    not e.transient,
+                ) from e
             try:
                 if self.auth == "xoauth2":
                     await smtp.auth_xoauth2(user, token, timeout=t)
                 else:
                     resp = await smtp.execute_command(
-                        b"AUTH", b"OAUTHBEARER",
-                        oauthbearer(user, token, self.host, self.port).encode(), timeout=t)
+                        b"AUTH",
+                        b"OAUTHBEARER",
+                        oauthbearer(user, token, self.host, self.port).encode(),
+                        timeout=t,
+                    )
                     if resp.code == 334:  # RFC 7628 §3.2.3: the error; answer %x01
                         resp = await smtp.execute_command(b"AQ==", timeout=t)
                     if resp.code != 235:
@@ -214,8 +242,9 @@ class Connection:
                 if last:
                     raise
 
-    async def send(self, sender: str, recipients: list[str],
-                   body: bytes | StoredBody) -> TransactionResult:
+    async def send(
+        self, sender: str, recipients: list[str], body: bytes | StoredBody
+    ) -> TransactionResult:
         """One transaction. Never raises for SMTP or network failures."""
         assert self.smtp is not None
         smtp = self.smtp
@@ -231,14 +260,18 @@ class Connection:
             # a stored (large) body is not scanned before MAIL: declaring 8BITMIME for 7-bit
             # content is allowed (RFC 6152 §3), sending 8-bit without it is not
             if smtp.supports_extension("8bitmime") and (
-                    isinstance(body, StoredBody) or not body.isascii()):
+                isinstance(body, StoredBody) or not body.isascii()
+            ):
                 opts.append(b"BODY=8BITMIME")
             utf8 = not (sender + "".join(recipients)).isascii()
             if utf8 and not smtp.supports_extension("smtputf8"):
                 # RFC 6531 §3.2: a non-ASCII address cannot be sent to a server without
                 # SMTPUTF8; waiting will not change that, so it is a permanent failure.
-                reply = Reply(553, "5.6.7", "non-ASCII address, but the upstream does not"
-                              " offer SMTPUTF8 (RFC 6531)")
+                reply = Reply(
+                    553,
+                    "5.6.7",
+                    "non-ASCII address, but the upstream does not offer SMTPUTF8 (RFC 6531)",
+                )
                 v = classify(reply, Phase.MAIL)
                 for r in recipients:
                     out.results[r] = RcptResult(v, reply, Phase.MAIL)
@@ -257,8 +290,8 @@ class Connection:
             # The addresses were checked at MAIL/RCPT (relay/address.py) and are sent exactly
             # as stored: never re-parsed into another address. "" is the null sender <>.
             resp = await smtp.execute_command(
-                b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts,
-                timeout=to.command)
+                b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts, timeout=to.command
+            )
             if resp.code != 250:
                 reply = Reply.parse(resp.code, resp.message)
                 v = classify(reply, Phase.MAIL)
@@ -270,8 +303,8 @@ class Connection:
             accepted: list[str] = []
             for r in recipients:
                 resp = await smtp.execute_command(
-                    b"RCPT", b"TO:<" + r.encode(enc) + b">",
-                    timeout=to.command)
+                    b"RCPT", b"TO:<" + r.encode(enc) + b">", timeout=to.command
+                )
                 reply = Reply.parse(resp.code, resp.message)
                 if resp.code in (250, 251, 252):
                     accepted.append(r)
@@ -399,5 +432,6 @@ def _with_host(reply: Reply, label: str) -> Reply:
 
 
 def _unsafe(address: str) -> bool:
-    return any(ord(ch) < 32 or ord(ch) == 127 for ch in address) or ">" in address.rpartition(
-        "@")[2]
+    return (
+        any(ord(ch) < 32 or ord(ch) == 127 for ch in address) or ">" in address.rpartition("@")[2]
+    )

@@ -25,11 +25,13 @@ def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
         out.append((st.name, circuit, st.breaker.failures, st.config_error, reopen))
     return out
 
+
 def dead_letters_last_hour(e: Engine) -> int:
     cutoff = e.clock() - 3600
     while e.dead_times and e.dead_times[0] < cutoff:
         e.dead_times.popleft()
     return len(e.dead_times)
+
 
 def snapshot(e: Engine) -> dict[str, Any]:
     now = e.clock()
@@ -45,7 +47,8 @@ def snapshot(e: Engine) -> dict[str, Any]:
             "queued_in_memory": st.queued(),
             "circuit": st.breaker.state(now),
             "suspended_until": ops.iso_utc(st.suspended_until)
-            if st.suspended_until > now else None,
+            if st.suspended_until > now
+            else None,
             "suspend_reason": st.suspend_reason if st.suspended_until > now else None,
             "delivered_today": e.ledger.today(f"dest:{name}"),
             "daily_limit": st.conf.daily_limit,
@@ -55,8 +58,15 @@ def snapshot(e: Engine) -> dict[str, Any]:
     idents = {}
     for key, ident in e.config.identities.items():
         warm = e.ledger.warmup_limit(ident, now)
-        idents[key] = {"today": e.ledger.today(f"id:{key}"),
-                       "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
-                       "warmup_limit": warm}
-    return {"destinations": out, "identities": idents, "day": e.ledger.day,
-            "inflight": e._inflight, "updated_at": ops.iso_utc(now)}
+        idents[key] = {
+            "today": e.ledger.today(f"id:{key}"),
+            "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
+            "warmup_limit": warm,
+        }
+    return {
+        "destinations": out,
+        "identities": idents,
+        "day": e.ledger.day,
+        "inflight": e._inflight,
+        "updated_at": ops.iso_utc(now),
+    }

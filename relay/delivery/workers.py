@@ -41,6 +41,7 @@ def spawn_workers(e: Engine, st: DestState) -> None:
         st.workers.add(task)
         task.add_done_callback(st.workers.discard)
 
+
 def next_job(e: Engine, st: DestState) -> Job | None:
     if st.queues["transactional"]:
         return st.queues["transactional"].popleft()
@@ -50,6 +51,7 @@ def next_job(e: Engine, st: DestState) -> Job | None:
         if st.active["bulk"] < cap:
             return st.queues["bulk"].popleft()
     return None
+
 
 async def worker(e: Engine, st: DestState) -> None:
     conn: Connection | None = None
@@ -73,17 +75,30 @@ async def worker(e: Engine, st: DestState) -> None:
             except Exception as ex:
                 # a bug or an unforeseen error must not strand the claim in memory
                 # (`sending` until restart): record it as a transient failure
-                log_event(log, logging.ERROR, "engine_error", "delivery attempt failed",
-                          queue_id=job.msg_id, destination=st.name, exc=ex)
+                log_event(
+                    log,
+                    logging.ERROR,
+                    "engine_error",
+                    "delivery attempt failed",
+                    queue_id=job.msg_id,
+                    destination=st.name,
+                    exc=ex,
+                )
                 if conn is not None:
                     conn.close()
                     conn = None
                 if not job.done:
                     reply = Reply(451, "4.3.0", f"internal error: {type(ex).__name__}")
                     v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
-                    await attempt.apply(e, st, job, {
-                        c.address: RcptResult(v, reply, Phase.CONNECT) for c in job.claims},
-                        host=None, duration=0.0, upstream_seen=False)
+                    await attempt.apply(
+                        e,
+                        st,
+                        job,
+                        {c.address: RcptResult(v, reply, Phase.CONNECT) for c in job.claims},
+                        host=None,
+                        duration=0.0,
+                        upstream_seen=False,
+                    )
             finally:
                 st.active[job.lane] -= 1
             if other_destination_starved(e, st):
@@ -95,9 +110,12 @@ async def worker(e: Engine, st: DestState) -> None:
             # this connection slot is free now: give it to whoever waits for one
             st.workers.discard(asyncio.current_task())
             # destinations with work and no connection at all come first
-            for d in sorted((d for d in e.dests.values() if d.queued()),
-                            key=lambda d: (bool(d.workers), d is not st)):
+            for d in sorted(
+                (d for d in e.dests.values() if d.queued()),
+                key=lambda d: (bool(d.workers), d is not st),
+            ):
                 spawn_workers(e, d)
+
 
 def other_destination_starved(e: Engine, st: DestState) -> bool:
     """With every connection slot (`delivery.workers`) taken, a destination with work
@@ -105,6 +123,7 @@ def other_destination_starved(e: Engine, st: DestState) -> bool:
     if sum(len(d.workers) for d in e.dests.values()) < e.config.delivery.workers:
         return False
     return any(d is not st and d.queued() and not d.workers for d in e.dests.values())
+
 
 async def wait_token(e: Engine, st: DestState) -> None:
     while st.bucket is not None:

@@ -97,7 +97,7 @@ class StoredBody:
                 if cut < 0:
                     carry = data
                     continue
-                carry = data[cut + 2:]
+                carry = data[cut + 2 :]
                 yield data[: cut + 2]
         if carry:
             yield carry

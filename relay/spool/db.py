@@ -153,7 +153,9 @@ def connect(spool_dir: Path, *, create: bool = True) -> sqlite3.Connection:
     elif not db_path(spool_dir).exists():
         raise FileNotFoundError(f"no spool at {db_path(spool_dir)}")
     conn = sqlite3.connect(
-        db_path(spool_dir), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+        db_path(spool_dir),
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
         check_same_thread=False,
     )
     conn.row_factory = sqlite3.Row

@@ -89,9 +89,7 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
             dupes.append(r.address)
             continue
         seen.add(r.dedup_key)
-        row = conn.execute(
-            "SELECT created_at FROM dedup WHERE key = ?", (r.dedup_key,)
-        ).fetchone()
+        row = conn.execute("SELECT created_at FROM dedup WHERE key = ?", (r.dedup_key,)).fetchone()
         if row is not None and row[0] > cutoff:
             dupes.append(r.address)
         else:
@@ -101,14 +99,37 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
     conn.execute(
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
         " identity, body, body_path, listener) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-        (msg.queue_id, msg.message_id, msg.sender, msg.size, msg.created_at, msg.client,
-         msg.peer, msg.lane, msg.identity, msg.body, msg.body_path, msg.listener),
+        (
+            msg.queue_id,
+            msg.message_id,
+            msg.sender,
+            msg.size,
+            msg.created_at,
+            msg.client,
+            msg.peer,
+            msg.lane,
+            msg.identity,
+            msg.body,
+            msg.body_path,
+            msg.listener,
+        ),
     )
     conn.executemany(
         "INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
         " next_attempt_at, dedup_key, updated_at) VALUES (?,?,?,?,?,0,?,?,?)",
-        [(msg.queue_id, r.address, r.destination, msg.lane_prio, RcptState.PENDING.value,
-          msg.created_at, r.dedup_key, msg.created_at) for r in fresh],
+        [
+            (
+                msg.queue_id,
+                r.address,
+                r.destination,
+                msg.lane_prio,
+                RcptState.PENDING.value,
+                msg.created_at,
+                r.dedup_key,
+                msg.created_at,
+            )
+            for r in fresh
+        ],
     )
     conn.executemany(
         "INSERT OR REPLACE INTO dedup (key, msg_id, created_at) VALUES (?,?,?)",
@@ -133,8 +154,9 @@ class Claim:
     dedup_key: str = ""
 
 
-def claim_due(conn: sqlite3.Connection, now: float, limit: int,
-              skip: Sequence[tuple[int, str | None]] = ()) -> list[Claim]:
+def claim_due(
+    conn: sqlite3.Connection, now: float, limit: int, skip: Sequence[tuple[int, str | None]] = ()
+) -> list[Claim]:
     """Mark up to `limit` due recipients `sending`, transactional lane first. `skip` lists
     (lane priority, recipient domain) pairs not to claim now (a domain of None: every
     domain): the engine's queue for them is full, and claiming more would only park
@@ -153,8 +175,9 @@ def claim_due(conn: sqlite3.Connection, now: float, limit: int,
         "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
         " coalesce(r.retry_base, m.created_at), m.lane,"
         " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
-        f" WHERE r.state IN {_DUE} AND r.next_attempt_at <= ?" + where +
-        " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
+        f" WHERE r.state IN {_DUE} AND r.next_attempt_at <= ?"
+        + where
+        + " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
         params,
     ).fetchall()
     if not rows:
@@ -188,7 +211,8 @@ def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str
         for row in conn.execute(
             f"SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
             f" listener FROM messages"
-            f" WHERE id IN ({q})", chunk,
+            f" WHERE id IN ({q})",
+            chunk,
         ):
             out[row[0]] = Envelope(*row)
     return out
@@ -219,8 +243,9 @@ class Outcome:
     counters: tuple[str, ...] = field(default=())  # daily_counts scopes to bump (with day)
 
 
-def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
-           day: str | None = None) -> int:
+def record(
+    conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float, day: str | None = None
+) -> int:
     """Apply outcomes of claimed recipients; returns how many rows changed."""
     changed = 0
     for o in outcomes:
@@ -230,8 +255,15 @@ def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
             "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
             " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?"
             f" WHERE id = ? AND state = '{RcptState.SENDING}'",
-            (o.state.value, 1 if o.count_attempt else 0, o.next_attempt_at, o.last_reply,
-             o.reason, now, o.rcpt_id),
+            (
+                o.state.value,
+                1 if o.count_attempt else 0,
+                o.next_attempt_at,
+                o.last_reply,
+                o.reason,
+                now,
+                o.rcpt_id,
+            ),
         )
         changed += cur.rowcount
         if cur.rowcount == 0:
@@ -240,13 +272,20 @@ def record(conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float,
             conn.execute(
                 "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
                 " duration) VALUES (?,?,?,?,?,?,?,?)",
-                (o.msg_id, o.rcpt_id, now, o.log.destination, o.log.host, o.log.outcome,
-                 o.log.reply, o.log.duration),
+                (
+                    o.msg_id,
+                    o.rcpt_id,
+                    now,
+                    o.log.destination,
+                    o.log.host,
+                    o.log.outcome,
+                    o.log.reply,
+                    o.log.duration,
+                ),
             )
         if o.suppress is not None:
             conn.execute(
-                "INSERT OR IGNORE INTO suppression (address, reason, created_at)"
-                " VALUES (?,?,?)",
+                "INSERT OR IGNORE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
                 (o.suppress[0].lower(), o.suppress[1], now),
             )
         for scope in o.counters:
@@ -268,29 +307,38 @@ def recover(conn: sqlite3.Connection, now: float) -> int:
     ).rowcount
 
 
-def prune(conn: sqlite3.Connection, now: float, dedup_window: float,
-          retention: float) -> list[str]:
+def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: float) -> list[str]:
     """Forget expired dedup keys and finished messages older than `retention`; returns the
     body files to delete (after the commit)."""
     conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
     conn.execute("DELETE FROM engine_commands WHERE at < ?", (now - 86400,))
-    conn.execute("DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
-                 (now - max(retention, 86400),))
+    conn.execute(
+        "DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
+        (now - max(retention, 86400),),
+    )
     finals = ",".join(f"'{s.value}'" for s in FINAL)
-    old = [r[0] for r in conn.execute(
-        f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
-        f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT 5000",
-        (now - retention,),
-    )]
+    old = [
+        r[0]
+        for r in conn.execute(
+            f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
+            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT 5000",
+            (now - retention,),
+        )
+    ]
     return delete_messages(conn, old)
 
 
 def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:
     """Messages every recipient of which is done, created before `cutoff`."""
     finals = ",".join(f"'{s.value}'" for s in FINAL)
-    return [r[0] for r in conn.execute(
-        f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
-        f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals}))", (cutoff,))]
+    return [
+        r[0]
+        for r in conn.execute(
+            f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
+            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals}))",
+            (cutoff,),
+        )
+    ]
 
 
 def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
@@ -308,29 +356,38 @@ def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
 
 
 def body_paths(conn: sqlite3.Connection) -> set[str]:
-    return {r[0] for r in conn.execute(
-        "SELECT body_path FROM messages WHERE body_path IS NOT NULL")}
+    return {
+        r[0] for r in conn.execute("SELECT body_path FROM messages WHERE body_path IS NOT NULL")
+    }
 
 
 # --- daily counters, destinations, runtime view -------------------------------------------
 
 
 def daily_counts(conn: sqlite3.Connection, day: str) -> dict[str, int]:
-    return {r[0]: r[1] for r in conn.execute(
-        "SELECT scope, count FROM daily_counts WHERE day = ?", (day,))}
+    return {
+        r[0]: r[1]
+        for r in conn.execute("SELECT scope, count FROM daily_counts WHERE day = ?", (day,))
+    }
 
 
 def suspensions(conn: sqlite3.Connection, now: float) -> dict[str, tuple[float, str]]:
-    return {r[0]: (r[1], r[2] or "") for r in conn.execute(
-        "SELECT name, suspended_until, reason FROM destinations WHERE suspended_until > ?",
-        (now,))}
+    return {
+        r[0]: (r[1], r[2] or "")
+        for r in conn.execute(
+            "SELECT name, suspended_until, reason FROM destinations WHERE suspended_until > ?",
+            (now,),
+        )
+    }
 
 
 def suspend_destination(conn: sqlite3.Connection, name: str, until: float, reason: str) -> None:
     conn.execute(
         "INSERT INTO destinations (name, suspended_until, reason) VALUES (?,?,?)"
         " ON CONFLICT (name) DO UPDATE SET suspended_until = excluded.suspended_until,"
-        " reason = excluded.reason", (name.lower(), until, reason))
+        " reason = excluded.reason",
+        (name.lower(), until, reason),
+    )
 
 
 def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
@@ -340,15 +397,18 @@ def resume_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
         f" WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = '{RcptState.DEFERRED}'"
-        " AND reason IS NOT NULL", (now, now, name, name)).rowcount
+        " AND reason IS NOT NULL",
+        (now, now, name, name),
+    ).rowcount
 
 
 def engine_command(conn: sqlite3.Connection, action: str, name: str, now: float) -> None:
     """A command for the running engine, read at its next claim (within a second):
     `reset` closes a destination's circuit and clears its slow-down; `kick` lets the next
     attempt through an open circuit (after `queue flush`, `destination resume`)."""
-    conn.execute("INSERT INTO engine_commands (at, action, name) VALUES (?,?,?)",
-                 (now, action, name.lower()))
+    conn.execute(
+        "INSERT INTO engine_commands (at, action, name) VALUES (?,?,?)", (now, action, name.lower())
+    )
 
 
 def reset_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
@@ -358,12 +418,18 @@ def reset_destination(conn: sqlite3.Connection, name: str, now: float) -> int:
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, reason = NULL, updated_at = ?"
         f" WHERE (destination = ? OR ? NOT LIKE '%.%') AND state = '{RcptState.DEFERRED}'"
-        " AND reason LIKE 'circuit open%'", (now, now, name, name)).rowcount
+        " AND reason LIKE 'circuit open%'",
+        (now, now, name, name),
+    ).rowcount
 
 
 def engine_commands(conn: sqlite3.Connection, after: int) -> list[tuple[int, str, str]]:
-    return [(r[0], r[1], r[2]) for r in conn.execute(
-        "SELECT id, action, name FROM engine_commands WHERE id > ? ORDER BY id", (after,))]
+    return [
+        (r[0], r[1], r[2])
+        for r in conn.execute(
+            "SELECT id, action, name FROM engine_commands WHERE id > ? ORDER BY id", (after,)
+        )
+    ]
 
 
 def last_engine_command(conn: sqlite3.Connection) -> int:
@@ -372,79 +438,103 @@ def last_engine_command(conn: sqlite3.Connection) -> int:
 
 def mark_delay_warned(conn: sqlite3.Connection, msg_id: str, now: float) -> bool:
     """True for the first caller only: one delay warning per message."""
-    return conn.execute(
-        "UPDATE messages SET delay_warned_at = ? WHERE id = ? AND delay_warned_at IS NULL",
-        (now, msg_id)).rowcount == 1
+    return (
+        conn.execute(
+            "UPDATE messages SET delay_warned_at = ? WHERE id = ? AND delay_warned_at IS NULL",
+            (now, msg_id),
+        ).rowcount
+        == 1
+    )
 
 
-def queue_health(conn: sqlite3.Connection, now: float, stall_after: float
-                 ) -> tuple[float | None, int]:
+def queue_health(
+    conn: sqlite3.Connection, now: float, stall_after: float
+) -> tuple[float | None, int]:
     """(age of the oldest waiting recipient, recipients overdue by more than `stall_after`:
     due and not taken, or taken and not finished). Held recipients are the operator's."""
     oldest = conn.execute(
         "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
-        f" WHERE r.state IN {_IN_QUEUE}").fetchone()[0]
+        f" WHERE r.state IN {_IN_QUEUE}"
+    ).fetchone()[0]
     cutoff = now - stall_after
     due = conn.execute(
-        f"SELECT count(*) FROM recipients WHERE state IN {_DUE}"
-        " AND next_attempt_at <= ?", (cutoff,)).fetchone()[0]
+        f"SELECT count(*) FROM recipients WHERE state IN {_DUE} AND next_attempt_at <= ?", (cutoff,)
+    ).fetchone()[0]
     stuck = conn.execute(
         f"SELECT count(*) FROM recipients WHERE state = '{RcptState.SENDING}' AND updated_at <= ?",
-        (cutoff,)).fetchone()[0]
+        (cutoff,),
+    ).fetchone()[0]
     return (None if oldest is None else max(0.0, now - oldest)), int(due) + int(stuck)
 
 
-def waiting_recipients(conn: sqlite3.Connection) -> list[tuple[str, str, str, str, str | None,
-                                                               float]]:
+def waiting_recipients(
+    conn: sqlite3.Connection,
+) -> list[tuple[str, str, str, str, str | None, float]]:
     """(destination, address, sender, client, listener, message created_at) of every
     unfinished recipient: for `queue summary` and `destination list`."""
-    return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in conn.execute(
-        "SELECT r.destination, r.address, m.sender, m.client, m.listener, m.created_at"
-        f" FROM recipients r JOIN messages m ON m.id = r.msg_id WHERE r.state IN"
-        f" {_UNFINISHED}")]
+    return [
+        (r[0], r[1], r[2], r[3], r[4], r[5])
+        for r in conn.execute(
+            "SELECT r.destination, r.address, m.sender, m.client, m.listener, m.created_at"
+            f" FROM recipients r JOIN messages m ON m.id = r.msg_id WHERE r.state IN"
+            f" {_UNFINISHED}"
+        )
+    ]
 
 
 def put_runtime(conn: sqlite3.Connection, name: str, value: Any, now: float) -> None:
     conn.execute(
         "INSERT INTO runtime (name, value, updated_at) VALUES (?,?,?) ON CONFLICT (name)"
         " DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
-        (name, json.dumps(value, sort_keys=True), now))
+        (name, json.dumps(value, sort_keys=True), now),
+    )
 
 
 def get_runtime(conn: sqlite3.Connection, name: str) -> tuple[Any, float] | None:
-    row = conn.execute("SELECT value, updated_at FROM runtime WHERE name = ?",
-                       (name,)).fetchone()
+    row = conn.execute("SELECT value, updated_at FROM runtime WHERE name = ?", (name,)).fetchone()
     return None if row is None else (json.loads(row[0]), row[1])
 
 
 def log_operator(conn: sqlite3.Connection, action: str, detail: Any, now: float) -> None:
-    conn.execute("INSERT INTO oplog (at, action, detail) VALUES (?,?,?)",
-                 (now, action, json.dumps(detail, sort_keys=True)))
+    conn.execute(
+        "INSERT INTO oplog (at, action, detail) VALUES (?,?,?)",
+        (now, action, json.dumps(detail, sort_keys=True)),
+    )
 
 
 # --- suppression ----------------------------------------------------------------------------
 
 
 def suppression_list(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    return [dict(address=r[0], reason=r[1], created_at=r[2]) for r in conn.execute(
-        "SELECT address, reason, created_at FROM suppression ORDER BY created_at, address")]
+    return [
+        dict(address=r[0], reason=r[1], created_at=r[2])
+        for r in conn.execute(
+            "SELECT address, reason, created_at FROM suppression ORDER BY created_at, address"
+        )
+    ]
 
 
 def suppression_get(conn: sqlite3.Connection, address: str) -> tuple[str, float] | None:
-    row = conn.execute("SELECT reason, created_at FROM suppression WHERE address = ?",
-                       (address.lower(),)).fetchone()
+    row = conn.execute(
+        "SELECT reason, created_at FROM suppression WHERE address = ?", (address.lower(),)
+    ).fetchone()
     return None if row is None else (row[0], row[1])
 
 
 def suppression_add(conn: sqlite3.Connection, address: str, reason: str, now: float) -> bool:
-    return conn.execute(
-        "INSERT OR REPLACE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
-        (address.lower(), reason, now)).rowcount > 0
+    return (
+        conn.execute(
+            "INSERT OR REPLACE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
+            (address.lower(), reason, now),
+        ).rowcount
+        > 0
+    )
 
 
 def suppression_remove(conn: sqlite3.Connection, address: str) -> bool:
-    return conn.execute("DELETE FROM suppression WHERE address = ?",
-                        (address.lower(),)).rowcount > 0
+    return (
+        conn.execute("DELETE FROM suppression WHERE address = ?", (address.lower(),)).rowcount > 0
+    )
 
 
 def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
@@ -457,9 +547,17 @@ def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
 # --- operator queue changes ---------------------------------------------------------------
 
 
-def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptState,
-               src: Iterable[str], now: float, *, due_now: bool, reset: bool,
-               skip_suppressed: bool = False) -> int:
+def _set_state(
+    conn: sqlite3.Connection,
+    ids: Sequence[str] | None,
+    dst: RcptState,
+    src: Iterable[str],
+    now: float,
+    *,
+    due_now: bool,
+    reset: bool,
+    skip_suppressed: bool = False,
+) -> int:
     src_list = list(src)
     sets = ["state = ?", "updated_at = ?", "reason = NULL"]
     params: list[Any] = [dst.value, now]
@@ -470,8 +568,9 @@ def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptSta
         sets.append("attempts = 0")
         sets.append("retry_base = ?")  # a fresh retry.max_age from now
         params.append(now)
-    sql = (f"UPDATE recipients SET {', '.join(sets)}"
-           f" WHERE state IN ({','.join('?' * len(src_list))})")
+    sql = (
+        f"UPDATE recipients SET {', '.join(sets)} WHERE state IN ({','.join('?' * len(src_list))})"
+    )
     params.extend(src_list)
     if skip_suppressed:
         sql += " AND lower(address) NOT IN (SELECT address FROM suppression)"
@@ -483,26 +582,40 @@ def _set_state(conn: sqlite3.Connection, ids: Sequence[str] | None, dst: RcptSta
     return conn.execute(sql, params).rowcount
 
 
-def retry(conn: sqlite3.Connection, ids: Sequence[str] | None, now: float,
-          failed_only: bool = False) -> int:
+def retry(
+    conn: sqlite3.Connection, ids: Sequence[str] | None, now: float, failed_only: bool = False
+) -> int:
     """Make recipients due now with attempts reset. With `failed_only` (or ids None): the dead
     letters (bounced/failed) come back; their dedup keys stay, so nothing is sent twice to
     a recipient already delivered."""
-    src = ({RcptState.BOUNCED.value, RcptState.FAILED.value} if failed_only
-           else {RcptState.DEFERRED.value, RcptState.PENDING.value, RcptState.BOUNCED.value,
-                 RcptState.FAILED.value, RcptState.SUPPRESSED.value, RcptState.HELD.value})
+    src = (
+        {RcptState.BOUNCED.value, RcptState.FAILED.value}
+        if failed_only
+        else {
+            RcptState.DEFERRED.value,
+            RcptState.PENDING.value,
+            RcptState.BOUNCED.value,
+            RcptState.FAILED.value,
+            RcptState.SUPPRESSED.value,
+            RcptState.HELD.value,
+        }
+    )
     # leaving the suppression list is a separate, explicit operator act: a recipient whose
     # address is still suppressed is left as it is (the CLI says so and how to lift it)
-    return _set_state(conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True,
-                      skip_suppressed=True)
+    return _set_state(
+        conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True, skip_suppressed=True
+    )
 
 
-def suppressed_recipients(conn: sqlite3.Connection, ids: Sequence[str] | None,
-                          failed_only: bool = False) -> list[tuple[str, str, str]]:
+def suppressed_recipients(
+    conn: sqlite3.Connection, ids: Sequence[str] | None, failed_only: bool = False
+) -> list[tuple[str, str, str]]:
     """(queue id, address, reason) of the recipients of these messages (or of every dead
     letter) whose address is on the suppression list: what `queue retry` leaves alone."""
-    sql = ("SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN suppression s"
-           f" ON s.address = lower(r.address) WHERE r.state != '{RcptState.DELIVERED}'")
+    sql = (
+        "SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN suppression s"
+        f" ON s.address = lower(r.address) WHERE r.state != '{RcptState.DELIVERED}'"
+    )
     params: list[Any] = []
     if failed_only or ids is None:
         sql += f" AND r.state IN {sql_in(FINAL - {RcptState.DELIVERED})}"
@@ -515,25 +628,27 @@ def suppressed_recipients(conn: sqlite3.Connection, ids: Sequence[str] | None,
 
 
 def hold(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
-    return _set_state(conn, ids, RcptState.HELD, sources_for(RcptState.HELD), now,
-                      due_now=False, reset=False)
+    return _set_state(
+        conn, ids, RcptState.HELD, sources_for(RcptState.HELD), now, due_now=False, reset=False
+    )
 
 
 def release(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
-    return _set_state(conn, ids, RcptState.DEFERRED, [RcptState.HELD.value], now,
-                      due_now=True, reset=False)
+    return _set_state(
+        conn, ids, RcptState.DEFERRED, [RcptState.HELD.value], now, due_now=True, reset=False
+    )
 
 
 def flush(conn: sqlite3.Connection, now: float) -> int:
     return conn.execute(
         "UPDATE recipients SET next_attempt_at = ?, updated_at = ?"
         f" WHERE state IN {_DUE} AND next_attempt_at > ?",
-        (now, now, now)).rowcount
+        (now, now, now),
+    ).rowcount
 
 
 def existing_ids(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
-    return [i for i in ids if conn.execute(
-        "SELECT 1 FROM messages WHERE id = ?", (i,)).fetchone()]
+    return [i for i in ids if conn.execute("SELECT 1 FROM messages WHERE id = ?", (i,)).fetchone()]
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -568,22 +683,29 @@ def list_messages(
         params.append(queue_id)
     finals = ",".join(f"'{s.value}'" for s in FINAL)
     if not include_finished and state not in ("sent", "failed"):
-        where.append(f"EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
-                     f" AND r.state NOT IN ({finals}))")
+        where.append(
+            f"EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+            f" AND r.state NOT IN ({finals}))"
+        )
     if recipient:
-        where.append("EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
-                     " AND lower(r.address) = ?)")
+        where.append(
+            "EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id AND lower(r.address) = ?)"
+        )
         params.append(recipient.lower())
     if domain:
-        where.append("EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
-                     " AND r.destination = ?)")
+        where.append(
+            "EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id AND r.destination = ?)"
+        )
         params.append(domain.lower())
     if older_than is not None:
         where.append("m.created_at <= ?")
         params.append(now - older_than)
-    sql = ("SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane, m.client,"
-           " m.listener FROM messages m"
-           + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY m.created_at, m.id")
+    sql = (
+        "SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane, m.client,"
+        " m.listener FROM messages m"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY m.created_at, m.id"
+    )
     msgs = conn.execute(sql, params).fetchall()
     out = []
     rcpts_by: dict[str, list[sqlite3.Row]] = {}
@@ -593,7 +715,8 @@ def list_messages(
         for r in conn.execute(
             f"SELECT msg_id, address, state, attempts, last_reply, next_attempt_at, reason,"
             f" destination FROM recipients WHERE msg_id IN ({','.join('?' * len(chunk))})"
-            f" ORDER BY id", chunk,
+            f" ORDER BY id",
+            chunk,
         ):
             rcpts_by.setdefault(r[0], []).append(r)
     for m in msgs:
@@ -602,33 +725,42 @@ def list_messages(
         if state and mstate.value != state:
             continue
         waiting = [r[5] for r in rc if r[2] in ("pending", "deferred") and r[5] is not None]
-        out.append({
-            "id": m[0],
-            "state": mstate.value,
-            "message_id": m[1],
-            "sender": m[2],
-            "size": m[3],
-            "created_at": _iso(m[4]),
-            "lane": m[5],
-            "client": m[6],
-            "listener": m[7],
-            "attempts": max((r[3] for r in rc), default=0),
-            "next_attempt_at": _iso(min(waiting)) if waiting else None,
-            "recipients": [
-                {"address": r[1], "state": r[2], "attempts": r[3], "last_reply": r[4],
-                 "destination": r[7], "next_attempt_at": _iso(r[5])
-                 if r[2] in ("pending", "deferred") else None, "reason": r[6]}
-                for r in rc
-            ],
-        })
+        out.append(
+            {
+                "id": m[0],
+                "state": mstate.value,
+                "message_id": m[1],
+                "sender": m[2],
+                "size": m[3],
+                "created_at": _iso(m[4]),
+                "lane": m[5],
+                "client": m[6],
+                "listener": m[7],
+                "attempts": max((r[3] for r in rc), default=0),
+                "next_attempt_at": _iso(min(waiting)) if waiting else None,
+                "recipients": [
+                    {
+                        "address": r[1],
+                        "state": r[2],
+                        "attempts": r[3],
+                        "last_reply": r[4],
+                        "destination": r[7],
+                        "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
+                        "reason": r[6],
+                    }
+                    for r in rc
+                ],
+            }
+        )
         if limit is not None and len(out) >= limit:
             break
     return out
 
 
 def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | None:
-    row = conn.execute("SELECT id, client, peer, identity, body, body_path FROM messages"
-                       " WHERE id = ?", (queue_id,)).fetchone()
+    row = conn.execute(
+        "SELECT id, client, peer, identity, body, body_path FROM messages WHERE id = ?", (queue_id,)
+    ).fetchone()
     if row is None:
         return None
     base = list_messages(conn, include_finished=True, queue_id=queue_id)
@@ -639,19 +771,27 @@ def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | No
     msg["peer"] = row[2]
     msg["identity"] = row[3]
     msg["attempt_log"] = [
-        {"at": _iso(a[0]), "recipient": a[1], "destination": a[2], "host": a[3],
-         "outcome": a[4], "reply": a[5], "duration": a[6]}
+        {
+            "at": _iso(a[0]),
+            "recipient": a[1],
+            "destination": a[2],
+            "host": a[3],
+            "outcome": a[4],
+            "reply": a[5],
+            "duration": a[6],
+        }
         for a in conn.execute(
             "SELECT a.at, r.address, a.destination, a.host, a.outcome, a.reply, a.duration"
             " FROM attempts a LEFT JOIN recipients r ON r.id = a.rcpt_id"
-            " WHERE a.msg_id = ? ORDER BY a.id", (queue_id,))
+            " WHERE a.msg_id = ? ORDER BY a.id",
+            (queue_id,),
+        )
     ]
     return msg
 
 
 def message_body(conn: sqlite3.Connection, queue_id: str) -> tuple[bytes | None, str | None]:
-    row = conn.execute("SELECT body, body_path FROM messages WHERE id = ?",
-                       (queue_id,)).fetchone()
+    row = conn.execute("SELECT body, body_path FROM messages WHERE id = ?", (queue_id,)).fetchone()
     return (None, None) if row is None else (row[0], row[1])
 
 
@@ -662,13 +802,15 @@ def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
         by_state[r[0]] = r[1]
     oldest = conn.execute(
         "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
-        f" WHERE r.state IN {_UNFINISHED}").fetchone()[0]
+        f" WHERE r.state IN {_UNFINISHED}"
+    ).fetchone()[0]
     msgs = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
     supp = conn.execute("SELECT count(*) FROM suppression").fetchone()[0]
     dedup = conn.execute("SELECT count(*) FROM dedup").fetchone()[0]
     by_dest: dict[str, dict[str, int]] = {}
-    for r in conn.execute("SELECT destination, state, count(*) FROM recipients"
-                          " GROUP BY destination, state"):
+    for r in conn.execute(
+        "SELECT destination, state, count(*) FROM recipients GROUP BY destination, state"
+    ):
         by_dest.setdefault(r[0], {})[r[1]] = r[2]
     return {
         "messages": msgs,
