@@ -18,6 +18,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check relay tests
+	$(BIN)/ruff format --check relay tests
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider
 

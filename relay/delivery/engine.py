@@ -39,7 +39,7 @@ from typing import Any
 
 from relay import alerts, shaping
 from relay.config import Config
-from relay.delivery import attempt, decide, dispatch, operator, views, workers
+from relay.delivery import attempt, deadletters, dispatch, operator, views, workers
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
@@ -239,53 +239,13 @@ class Engine:
         return skip
 
     async def stop(self, timeout: float) -> None:
-        """Stop claiming; let the deliveries under way finish up to `timeout` (each worker
-        finishes its current transaction and takes no new one); put the rest back."""
+        """Stop claiming; let the deliveries under way finish up to `timeout`; put the rest
+        back (relay/delivery/workers.py)."""
         self.stopping = True
         self._wake.set()
-        for st in self.dests.values():
-            st.wake.set()
-        deadline = time.monotonic() + timeout
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
-        workers = [t for st in self.dests.values() for t in st.workers]
-        for i, group in enumerate((workers, list(self._hooks))):  # then the DSN hooks
-            if not group:
-                continue
-            _done, pending = await asyncio.wait(
-                group, timeout=max(0.1, deadline - time.monotonic())
-            )
-            if pending and i == 0:
-                log_event(
-                    log,
-                    logging.WARNING,
-                    "shutdown",
-                    "deliveries still running at shutdown_timeout; they will be retried",
-                    connections=len(pending),
-                )
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        # queued but not started: back to deferred, due now
-        back: list[ops.Outcome] = []
-        now = self.clock()
-        for st in self.dests.values():
-            for q in st.queues.values():
-                while q:
-                    job = q.popleft()
-                    outs, dead = decide.wait(
-                        job,
-                        job.claims,
-                        now,
-                        "daemon stopped",
-                        now=now,
-                        max_age=self.config.retry.max_age,
-                    )
-                    self.emit_dead(dead)
-                    back.extend(outs)
-        if back:
-            await attempt.record(self, back)
-        await self.writer.run(lambda c: ops.recover(c, now))
+        await workers.drain(self, timeout, list(self._hooks))
 
     # --- claiming and dispatch ------------------------------------------------------------
 
@@ -396,43 +356,11 @@ class Engine:
     # --- dead letters, hooks, alerts --------------------------------------------------------
 
     def emit_dead(self, dead: list[DeadLetter], host: str | None = None) -> None:
+        """Log each dead letter, queue its alert for the next record, run the DSN hook."""
         for d in dead:
             self.dead_times.append(self.clock())
-            self._alert_backlog.append(
-                alerts.Event(
-                    "dead_letter",
-                    "warning",
-                    d.destination,
-                    f"{d.state}: {d.reply}",
-                    alerts.sample(d.queue_id, d.recipient, d.reply),
-                )
-            )
-            # the outcome itself (standard events bounced / failed / expired, see relay.logs),
-            # then the dead letter it makes
-            log_event(
-                log,
-                logging.WARNING,
-                d.state,
-                "",
-                queue_id=d.queue_id,
-                rcpt=d.recipient,
-                destination=d.destination,
-                host=host,
-                reply=d.reply,
-                attempts=d.attempts,
-            )
-            log_event(
-                log,
-                logging.ERROR,
-                "dead_letter",
-                d.reason,
-                queue_id=d.queue_id,
-                rcpt=d.recipient,
-                destination=d.destination,
-                reply=d.reply,
-                state=d.state,
-                dedup_key=d.dedup_key,
-            )
+            self._alert_backlog.append(deadletters.alert(d))
+            deadletters.log_lines(d, host)
             self.hook(d.as_doc())
 
     def hook(self, doc: dict[str, Any]) -> None:

@@ -27,9 +27,9 @@ import aiosmtplib
 from aiosmtplib.protocol import PERIOD_REGEX
 
 from relay import faults
-from relay.delivery import smtpclient_adapter
+from relay.delivery import smtpauth, smtpclient_adapter
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
-from relay.delivery.oauth import OAuthError, TokenSource, oauthbearer
+from relay.delivery.oauth import OAuthError, TokenSource
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict, classify
 from relay.spool.bodies import StoredBody
 
@@ -199,48 +199,21 @@ class Connection:
             raise ConnectFailed(verdict, _with_host(reply, self.label), phase, fault) from e
 
     async def _authenticate(self, smtp: aiosmtplib.SMTP) -> None:
-        user, t = self.username or "", self.timeouts.command
-        if self.auth not in ("xoauth2", "oauthbearer"):
-            if self.auth == "plain":
-                await smtp.auth_plain(user, self.password or "", timeout=t)
-            elif self.auth == "login":
-                await smtp.auth_login(user, self.password or "", timeout=t)
-            else:
-                await smtp.login(user, self.password or "", timeout=t)
-            return
-        assert self.tokens is not None
-        for last in (False, True):
-            try:
-                token = await self.tokens.token()
-            except OAuthError as e:
-                reply = Reply(454, "4.7.0", f"no OAuth2 token: {e}")
-                raise ConnectFailed(
-                    Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION),
-                    reply,
-                    Phase.AUTH,
-                    not e.transient,
-                ) from e
-            try:
-                if self.auth == "xoauth2":
-                    await smtp.auth_xoauth2(user, token, timeout=t)
-                else:
-                    resp = await smtp.execute_command(
-                        b"AUTH",
-                        b"OAUTHBEARER",
-                        oauthbearer(user, token, self.host, self.port).encode(),
-                        timeout=t,
-                    )
-                    if resp.code == 334:  # RFC 7628 §3.2.3: the error; answer %x01
-                        resp = await smtp.execute_command(b"AQ==", timeout=t)
-                    if resp.code != 235:
-                        raise aiosmtplib.SMTPAuthenticationError(resp.code, resp.message)
-                return
-            except aiosmtplib.SMTPAuthenticationError:
-                # the token may have been revoked or expired early: one fresh one, then
-                # the refusal stands (an operator's fault: critical in /health)
-                self.tokens.invalidate(token)
-                if last:
-                    raise
+        try:
+            await smtpauth.authenticate(
+                smtp,
+                self.auth,
+                self.username or "",
+                self.password,
+                self.tokens,
+                host=self.host,
+                port=self.port,
+                timeout=self.timeouts.command,
+            )
+        except OAuthError as e:
+            reply = Reply(454, "4.7.0", f"no OAuth2 token: {e}")
+            verdict = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+            raise ConnectFailed(verdict, reply, Phase.AUTH, not e.transient) from e
 
     async def send(
         self, sender: str, recipients: list[str], body: bytes | StoredBody

@@ -16,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
-from relay.delivery import attempt
+from relay.delivery import attempt, decide
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.transport import Connection, RcptResult
 from relay.logs import log_event
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.spool import ops
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine
@@ -131,3 +133,42 @@ async def wait_token(e: Engine, st: DestState) -> None:
         if st.bucket.try_take(now):
             return
         await asyncio.sleep(max(0.001, st.bucket.wait_time(now)))
+
+
+async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> None:
+    """At stop: each worker finishes its current transaction (up to `timeout`), then the
+    DSN hooks; jobs queued but not started go back to deferred, due now; claims still
+    `sending` are recovered."""
+    deadline = time.monotonic() + timeout
+    for st in e.dests.values():
+        st.wake.set()
+    tasks = [t for st in e.dests.values() for t in st.workers]
+    for i, group in enumerate((tasks, hooks)):
+        if not group:
+            continue
+        _done, pending = await asyncio.wait(group, timeout=max(0.1, deadline - time.monotonic()))
+        if pending and i == 0:
+            log_event(
+                log,
+                logging.WARNING,
+                "shutdown",
+                "deliveries still running at shutdown_timeout; they will be retried",
+                connections=len(pending),
+            )
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    back: list[ops.Outcome] = []
+    now = e.clock()
+    for st in e.dests.values():
+        for q in st.queues.values():
+            while q:
+                job = q.popleft()
+                outs, dead = decide.wait(
+                    job, job.claims, now, "daemon stopped", now=now, max_age=e.config.retry.max_age
+                )
+                e.emit_dead(dead)
+                back.extend(outs)
+    if back:
+        await attempt.record(e, back)
+    await e.writer.run(lambda c: ops.recover(c, now))

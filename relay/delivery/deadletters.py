@@ -1,0 +1,52 @@
+"""A dead letter's traces: the outcome line (bounced / failed / expired), the ERROR line
+`event=dead_letter`, and its alert (recorded with the outcome by relay/delivery/attempt.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from relay import alerts
+from relay.delivery.jobs import DeadLetter
+from relay.logs import log_event
+
+log = logging.getLogger("relay.delivery.engine")
+
+
+def alert(d: DeadLetter) -> alerts.Event:
+    return alerts.Event(
+        "dead_letter",
+        "warning",
+        d.destination,
+        f"{d.state}: {d.reply}",
+        alerts.sample(d.queue_id, d.recipient, d.reply),
+    )
+
+
+def log_lines(d: DeadLetter, host: str | None) -> None:
+    # the outcome itself (standard events bounced / failed / expired, see relay.logs), then
+    # the dead letter it makes
+    log_event(
+        log,
+        logging.WARNING,
+        d.state,
+        "",
+        queue_id=d.queue_id,
+        rcpt=d.recipient,
+        destination=d.destination,
+        host=host,
+        reply=d.reply,
+        attempts=d.attempts,
+    )
+    log_event(
+        log,
+        logging.ERROR,
+        "dead_letter",
+        d.reason,
+        queue_id=d.queue_id,
+        rcpt=d.recipient,
+        destination=d.destination,
+        reply=d.reply,
+        state=d.state,
+        dedup_key=d.dedup_key,
+    )
