@@ -1,17 +1,16 @@
 """Delivery lanes: classify each message as "transactional" (default) or "bulk" (pure).
 
 Rules:
-
-* Operator rules are tried in order; the first rule whose conditions ALL match wins.  A
+- Operator rules are tried in order; the first rule whose conditions ALL match wins.  A
   rule with no conditions matches every message (a catch-all).
-* Conditions: ``sender`` (regex searched case-insensitively in the envelope sender),
+- Conditions: ``sender`` (regex searched case-insensitively in the envelope sender),
   ``sender_domain`` (exact, case-insensitive domain of the envelope sender), ``header``
   (header present, name case-insensitive) optionally with ``header_value`` (regex searched
   case-insensitively in any occurrence of that header), ``listener`` (exact listener name).
-* When no rule matches, the built-in default applies: ``Precedence: bulk|list|junk`` or
+- When no rule matches, the built-in default applies: ``Precedence: bulk|list|junk`` or
   any ``List-Unsubscribe`` header makes the message "bulk"; everything else is
   "transactional".
-* Lower ``LANE_PRIORITY`` is served first.
+- Lower ``LANE_PRIORITY`` is served first.
 """
 
 from __future__ import annotations

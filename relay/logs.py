@@ -16,18 +16,18 @@ record as ``extra={"event": ..., "fields": {...}}`` and are rendered by the
 formatter, which is also where privacy rules are enforced, so a call site cannot
 forget them:
 
-* fields named ``rcpt``, ``rcpts``, ``recipient``, ``recipients``, ``sender``,
+- fields named ``rcpt``, ``rcpts``, ``recipient``, ``recipients``, ``sender``,
   ``senders``, ``address``, ``addresses``, ``mail_from`` and ``rcpt_to`` (a
   string or a list of strings) are masked with :func:`mask_address` unless
   logging was configured with ``unmask=True``;
-* fields named ``password``, ``passwd``, ``secret``, ``token``, ``api_key``,
+- fields named ``password``, ``passwd``, ``secret``, ``token``, ``api_key``,
   ``body`` or ``content`` (or ending in ``_password``, ``_secret``, ``_token``)
   are always replaced by ``"[redacted]"``, even with ``unmask=True``; ``bytes``
   values are never printed, only their length;
-* in masked mode, anything that looks like an e-mail address inside free text
+- in masked mode, anything that looks like an e-mail address inside free text
   (``msg``, exception text, other string fields such as an SMTP reply) is masked
   too; ``message_id`` is left alone;
-* exceptions are rendered as ``exc_type`` and ``exc`` (their ``str()``); the full
+- exceptions are rendered as ``exc_type`` and ``exc`` (their ``str()``); the full
   ``traceback`` is only included when the configured level is DEBUG.
 
 A field whose name collides with a reserved key (``ts``, ``level``, ``logger``,

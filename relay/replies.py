@@ -21,12 +21,12 @@ RCPT 550/551/553 otherwise (no enh, 5.0.0, 5.4.1, 5.5.0)  BOUNCE     RFC 5321 §
 other 5xx (5.2.2 full, 5.7.x, 552 5.3.4 size, 554, 5.6.x  FAIL       permanent, not about
   content, 500-504 syntax, 550 at DATA/DOT without 5.1.x)              the address
 
-* ``scope`` is ``recipient`` for RCPT replies and ``transaction`` for every other phase:
+- ``scope`` is ``recipient`` for RCPT replies and ``transaction`` for every other phase:
   MAIL/DATA/DOT and connection-level replies apply to every recipient of the transaction.
-* ``closes_connection``: 421 in any phase (RFC 5321 §3.8), 221 (the server is closing,
+- ``closes_connection``: 421 in any phase (RFC 5321 §3.8), 221 (the server is closing,
   §4.2.2), any non-positive reply at CONNECT/GREETING (§3.1, §4.3.2), and any unexpected
   code (§4.2: the client "SHOULD ... terminate the mail transaction").
-* ``throttled`` (4xx only; a 5xx is never retried, so there is nothing to slow down):
+- ``throttled`` (4xx only; a 5xx is never retried, so there is nothing to slow down):
   421 (unless enh is a 4.4.x network status), enh 4.4.5 (congestion), enh 4.7.x except the
   TLS/authentication details 4.7.3-4.7.27, or text such as "rate limit", "too many"
   (but not "too many recipients": that asks for a smaller transaction, RFC 5321
@@ -36,21 +36,21 @@ other 5xx (5.2.2 full, 5.7.x, 552 5.3.4 size, 554, 5.6.x  FAIL       permanent, 
 Decisions beyond the letter of RFC 3463, chosen so that a BOUNCE (which suppresses the
 address) only ever means "this recipient address is bad":
 
-* 5.1.x at MAIL is FAIL: MAIL FROM carries only the sender (RFC 5321 §3.3).  Replies
+- 5.1.x at MAIL is FAIL: MAIL FROM carries only the sender (RFC 5321 §3.3).  Replies
   before RCPT (GREETING, EHLO, STARTTLS) have seen no recipient either; CONNECT is kept
   because our resolver reports DNS facts about the recipient domain there.
   5.1.7/5.1.8 ("bad sender's mailbox/system address", RFC 3463 §3.2) are FAIL everywhere,
   and so is a reply whose text says the sender was rejected: Postfix checks the sender at
   RCPT time ("550 5.1.0 <s>: Sender address rejected: User unknown"), Exim too ("550
   Sender verify failed").
-* 5.2.2 mailbox full is FAIL: RFC 3463 §3.3 calls it a "persistent transient" condition of a
+- 5.2.2 mailbox full is FAIL: RFC 3463 §3.3 calls it a "persistent transient" condition of a
   valid mailbox; the server chose 5xx so we stop retrying, but we must not suppress it.
   5.2.1 mailbox disabled is BOUNCE (Gmail: "The email account ... is disabled").
-* At RCPT a 550/551/553 whose enh says the problem is not the address (5.2.2-5.2.4 mailbox
+- At RCPT a 550/551/553 whose enh says the problem is not the address (5.2.2-5.2.4 mailbox
   limits, 5.3.x system, 5.4.5 congestion, 5.6.x content, 5.7.x policy) is FAIL; other enh
   codes (5.0.0, 5.4.1 Microsoft "Recipient address rejected: Access denied", 5.5.0
   Microsoft "mailbox unavailable") keep the code's meaning: BOUNCE.
-* Unexpected codes are TRANSIENT: retrying risks at worst a duplicate or a delay, while
+- Unexpected codes are TRANSIENT: retrying risks at worst a duplicate or a delay, while
   treating an unknown positive code as success could silently lose mail and treating it as
   a failure could bounce deliverable mail.  At DOT only a 2xx proves delivery.
 """

@@ -1,17 +1,16 @@
 """Retry scheduling for transient delivery failures (pure, sans-I/O).
 
 Rules:
-
-* ``failures`` counts the transient failures so far (>= 1).  The backoff step is
+- ``failures`` counts the transient failures so far (>= 1).  The backoff step is
   ``schedule[min(failures - 1, len(schedule) - 1)]``: the last step repeats forever.
-* Full jitter (AWS "Exponential Backoff And Jitter"): the delay is drawn uniformly from
+- Full jitter (AWS "Exponential Backoff And Jitter"): the delay is drawn uniformly from
   ``[0, step]`` and floored at ``min(min_delay, step)``.  The step is the cap; a delay never
   exceeds it.
-* A message expires when ``now - created_at >= max_age``.  Expiry is judged *after* a failed
+- A message expires when ``now - created_at >= max_age``.  Expiry is judged *after* a failed
   attempt: ``next_attempt_at`` clamps the next attempt to ``created_at + max_age`` so one last
   attempt happens exactly at the deadline, and a failure at (or after) the deadline returns
   ``None`` (the recipient fails as expired).
-* The clock (``now``, Unix seconds) and the ``random.Random`` are always injected.
+- The clock (``now``, Unix seconds) and the ``random.Random`` are always injected.
 """
 
 from __future__ import annotations

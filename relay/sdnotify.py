@@ -4,11 +4,11 @@ The service manager passes ``$NOTIFY_SOCKET`` (a filesystem path, or an abstract
 socket name starting with ``@``) to ``Type=notify`` services; the service sends
 newline-separated ``KEY=VALUE`` assignments as single AF_UNIX datagrams:
 
-* ``READY=1`` once it is listening (and again after a reload completed),
-* ``RELOADING=1`` + ``MONOTONIC_USEC=...`` when a reload (SIGHUP) starts,
-* ``STOPPING=1`` when shutdown begins,
-* ``STATUS=...`` free-form status text shown by ``systemctl status``,
-* ``WATCHDOG=1`` keep-alive pings when ``WatchdogSec=`` is set
+- ``READY=1`` once it is listening (and again after a reload completed),
+- ``RELOADING=1`` + ``MONOTONIC_USEC=...`` when a reload (SIGHUP) starts,
+- ``STOPPING=1`` when shutdown begins,
+- ``STATUS=...`` free-form status text shown by ``systemctl status``,
+- ``WATCHDOG=1`` keep-alive pings when ``WatchdogSec=`` is set
   (``$WATCHDOG_USEC``, optionally restricted to ``$WATCHDOG_PID``).
 
 Everything here is best effort: when ``$NOTIFY_SOCKET`` is unset every call is a

@@ -1,29 +1,28 @@
 """Traffic shaping primitives (pure, sans-I/O; the clock ``now`` is always injected).
 
 Rules:
-
-* Rates are tokens per second (relay/config.py's ``parse_rate`` reads ``"50/s"``). A rate
+- Rates are tokens per second (relay/config.py's ``parse_rate`` reads ``"50/s"``). A rate
   of 0 / ``None`` means *unlimited* and is handled by the caller, which simply does not
   create a ``TokenBucket``; the bucket itself requires a positive rate.
-* ``TokenBucket`` starts full (``tokens = burst``), never holds more than ``burst`` nor less
+- ``TokenBucket`` starts full (``tokens = burst``), never holds more than ``burst`` nor less
   than 0, and a clock that goes backwards adds no tokens.
-* Daily windows start at local midnight in the configured time zone (default UTC).  DST days
+- Daily windows start at local midnight in the configured time zone (default UTC).  DST days
   are 23 or 25 hours long.  A fixed ``length`` (seconds) instead gives epoch-aligned windows
   ``floor(now / length) * length`` with key ``str(int(start))`` -- for tests and demos only.
-* Warm-up: day 1 is ``Warmup.start``; days before the start also count as day 1 (the most
+- Warm-up: day 1 is ``Warmup.start``; days before the start also count as day 1 (the most
   conservative limit).  An explicit ``schedule`` gives the limit for each day; after the list
   ends the warm-up is over and the limit is ``ceiling`` (``None`` = no warm-up limit).
   Without a schedule the limit is ``floor(initial * factor ** (day - 1))`` capped at
   ``ceiling`` (once reached, the ceiling stays); with no ceiling the curve grows without bound.
   The effective daily limit is the smaller of the configured daily limit and the warm-up limit.
-* AIMD (``Adaptive``): a throttle halves the multiplier (floored at ``min_factor``), at most
+- AIMD (``Adaptive``): a throttle halves the multiplier (floored at ``min_factor``), at most
   once per ``min_interval`` seconds, so a burst of 421s from concurrent connections counts
   once.  Every ``successes_per_step`` clean deliveries add ``step`` back (up to 1.0), but not
   within ``cooldown`` seconds of the last decrease, nor before a rule's hold has passed.
-* Shaping rules match SMTP reply text by case-insensitive regex search; the first match
+- Shaping rules match SMTP reply text by case-insensitive regex search; the first match
   wins.  ``suspend`` stops deliveries to the destination for ``duration`` seconds;
   ``throttle`` applies an AIMD decrease and holds recovery for ``duration`` seconds.
-* Circuit breaker per destination: ``threshold`` consecutive connection-level transient
+- Circuit breaker per destination: ``threshold`` consecutive connection-level transient
   failures open it for ``cooldown`` seconds; then exactly one half-open trial is allowed.
   Its success closes the breaker, its failure re-opens it with a fresh cooldown.  A trial
   whose outcome is never reported is replaced by a new trial after another ``cooldown``.

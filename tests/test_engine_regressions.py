@@ -142,7 +142,7 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
         await attempt.finish(
             e,
             j1,
-            [ops.Outcome(ids["M1"], "M1", RcptState.DELIVERED, True, None, "250")],
+            [ops.RcptUpdate(ids["M1"], "M1", RcptState.DELIVERED, True, None, "250")],
             delivered=1,
         )
         room2 = room(job(2))

@@ -195,9 +195,9 @@ def test_recipient_lifecycle(conn: sqlite3.Connection) -> None:
         assert ops.claim_due(conn, T0 + 10, 10) == []
     by = {c.address: c for c in claims}
 
-    def out(addr: str, state: RcptState, **kw: Any) -> ops.Outcome:
+    def out(addr: str, state: RcptState, **kw: Any) -> ops.RcptUpdate:
         c = by[addr]
-        return ops.Outcome(
+        return ops.RcptUpdate(
             rcpt_id=c.rcpt_id,
             msg_id="Q1",
             state=state,
@@ -303,14 +303,14 @@ def test_message_state_is_derived_from_recipients(conn: sqlite3.Connection) -> N
     with db.transaction(conn):
         ops.record(
             conn,
-            [ops.Outcome(claims[0].rcpt_id, "Q1", RcptState.DELIVERED, True, None, "250 ok")],
+            [ops.RcptUpdate(claims[0].rcpt_id, "Q1", RcptState.DELIVERED, True, None, "250 ok")],
             T0,
         )
     assert ops.list_messages(conn, now=T0)[0]["state"] == "queued"  # b still pending
     with db.transaction(conn):
         c2 = ops.claim_due(conn, T0, 1)
         ops.record(
-            conn, [ops.Outcome(c2[0].rcpt_id, "Q1", RcptState.FAILED, True, None, "554 no")], T0
+            conn, [ops.RcptUpdate(c2[0].rcpt_id, "Q1", RcptState.FAILED, True, None, "554 no")], T0
         )
     assert ops.list_messages(conn, now=T0) == []  # finished: not listed by default
     assert ops.list_messages(conn, include_finished=True, now=T0)[0]["state"] == "failed"
@@ -537,7 +537,7 @@ def test_prune_removes_old_finished_messages_and_expired_dedup_keys(
         ops.record(
             conn,
             [
-                ops.Outcome(
+                ops.RcptUpdate(
                     c.rcpt_id,
                     c.msg_id,
                     RcptState.DEFERRED if c.msg_id == "OLDWAIT1" else RcptState.DELIVERED,
@@ -734,7 +734,7 @@ def populated(tmp_path: Path, spool: Path) -> Path:
             ops.record(
                 c,
                 [
-                    ops.Outcome(
+                    ops.RcptUpdate(
                         claims["a@example.org"].rcpt_id,
                         "DEFER0000000001",
                         RcptState.DEFERRED,
@@ -749,7 +749,7 @@ def populated(tmp_path: Path, spool: Path) -> Path:
                             0.25,
                         ),
                     ),
-                    ops.Outcome(
+                    ops.RcptUpdate(
                         claims["b@example.org"].rcpt_id,
                         "DEFER0000000001",
                         RcptState.DELIVERED,
@@ -760,7 +760,7 @@ def populated(tmp_path: Path, spool: Path) -> Path:
                             "delivered", "250 2.0.0 ok", "smarthost", "up[127.0.0.1]:25", 0.2
                         ),
                     ),
-                    ops.Outcome(
+                    ops.RcptUpdate(
                         claims["c@example.org"].rcpt_id,
                         "SENT00000000001",
                         RcptState.DELIVERED,
@@ -768,7 +768,7 @@ def populated(tmp_path: Path, spool: Path) -> Path:
                         None,
                         "250 2.0.0 ok",
                     ),
-                    ops.Outcome(
+                    ops.RcptUpdate(
                         claims["d@example.org"].rcpt_id,
                         "HELD00000000001",
                         RcptState.DEFERRED,

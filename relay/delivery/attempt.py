@@ -172,7 +172,7 @@ async def apply(
         st.conf.ambiguous,
         e.config.retry.warn_after,
     )
-    outcomes: list[ops.Outcome] = []
+    outcomes: list[ops.RcptUpdate] = []
     dead: list[DeadLetter] = []
     delivered = 0
     throttled = False
@@ -354,7 +354,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     )
 
 
-async def finish(e: Engine, job: Job, outcomes: Sequence[ops.Outcome], delivered: int) -> None:
+async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
     if job.done:
         return
     job.done = True
@@ -376,7 +376,7 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.Outcome], delivered
         e.job_done(n)
 
 
-async def record(e: Engine, outcomes: Sequence[ops.Outcome]) -> None:
+async def record(e: Engine, outcomes: Sequence[ops.RcptUpdate]) -> None:
     now = e.clock()
     day = e.ledger.day_of(now)
     delay = min(RECORD_RETRY_FIRST, e.config.delivery.poll_interval)

@@ -47,7 +47,7 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    outcome: ops.Outcome
+    outcome: ops.RcptUpdate
     kind: str  # delivered | deferred | bounced | failed | expired
     logged: str  # the attempt log's outcome: the kind, or "ambiguous"
     dead: DeadLetter | None = None
@@ -81,8 +81,8 @@ def decide(
         text: str,
         nxt: float | None = None,
         suppress: tuple[str, str] | None = None,
-    ) -> ops.Outcome:
-        return ops.Outcome(
+    ) -> ops.RcptUpdate:
+        return ops.RcptUpdate(
             rcpt_id=cl.rcpt_id,
             msg_id=job.msg_id,
             state=state,
@@ -136,16 +136,16 @@ def decide(
 
 def wait(
     job: Job, claims: list[ops.Claim], until: float, reason: str, *, now: float, max_age: float
-) -> tuple[list[ops.Outcome], list[DeadLetter]]:
+) -> tuple[list[ops.RcptUpdate], list[DeadLetter]]:
     """Wait without burning an attempt, but never past a recipient's `retry.max_age`: one
     that is too old when it would wait again expires (failed, dead letter) like any other."""
-    outs: list[ops.Outcome] = []
+    outs: list[ops.RcptUpdate] = []
     dead: list[DeadLetter] = []
     for cl in claims:
         deadline = cl.created_at + max_age
         if now < deadline:
             outs.append(
-                ops.Outcome(
+                ops.RcptUpdate(
                     rcpt_id=cl.rcpt_id,
                     msg_id=job.msg_id,
                     state=RcptState.DEFERRED,
@@ -159,7 +159,7 @@ def wait(
         text = f"expired after {human(max_age)} in queue; still waiting: {reason}"
         dead.append(dead_letter(job, cl, "expired", text, job.destination, now))
         outs.append(
-            ops.Outcome(
+            ops.RcptUpdate(
                 rcpt_id=cl.rcpt_id,
                 msg_id=job.msg_id,
                 state=RcptState.FAILED,

@@ -39,11 +39,11 @@ def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
 
 def dispatch(
     e: Engine, job: Job, now: float, stored: dict[str, tuple[str, float] | None] | None = None
-) -> list[ops.Outcome]:
+) -> list[ops.RcptUpdate]:
     """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
     open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
     suppression entries for addresses the in-memory list calls suppressed."""
-    out: list[ops.Outcome] = []
+    out: list[ops.RcptUpdate] = []
     keep: list[ops.Claim] = []
     for cl in job.claims:
         supp = e.is_suppressed(cl.address)
@@ -63,7 +63,7 @@ def dispatch(
             reason=supp[0],
         )
         out.append(
-            ops.Outcome(
+            ops.RcptUpdate(
                 rcpt_id=cl.rcpt_id,
                 msg_id=job.msg_id,
                 state=RcptState.SUPPRESSED,

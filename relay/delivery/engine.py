@@ -317,7 +317,7 @@ class Engine:
                     route=route,
                 )
             job.claims.append(cl)
-        immediate: list[ops.Outcome] = []
+        immediate: list[ops.RcptUpdate] = []
         for job in jobs.values():
             try:
                 immediate.extend(dispatch.dispatch(self, job, now, stored))
@@ -331,7 +331,7 @@ class Engine:
                     exc=e,
                 )
                 immediate.extend(
-                    ops.Outcome(
+                    ops.RcptUpdate(
                         rcpt_id=cl.rcpt_id,
                         msg_id=job.msg_id,
                         state=RcptState.DEFERRED,

@@ -2,31 +2,31 @@
 
 Rules (``classify_exception(exc, phase)`` returns a ``(Verdict, Reply)``):
 
-* A server reply (``SMTPResponseException`` and subclasses) is classified by
+- A server reply (``SMTPResponseException`` and subclasses) is classified by
   :func:`relay.replies.classify`; the exception type fixes the phase where it is unambiguous
   (sender refused = MAIL, recipient refused = RCPT, HELO error = EHLO, bad banner = GREETING).
   An exception never means success: a positive or malformed code in one becomes a synthetic
   ``451 4.5.0`` (RFC 3463 X.5.0 other protocol status), TRANSIENT.
-* ``SMTPRecipientsRefused`` (every RCPT refused; it has no ``.code``) is summarised by its
+- ``SMTPRecipientsRefused`` (every RCPT refused; it has no ``.code``) is summarised by its
   least final refusal, TRANSIENT > FAIL > BOUNCE, so that no recipient is bounced for
   another one's reply; :func:`classify_refused_recipients` gives each recipient its own.
-* Transport failures are TRANSIENT, close the connection and apply to the whole transaction,
+- Transport failures are TRANSIENT, close the connection and apply to the whole transaction,
   with a synthetic reply: ``421 4.4.1`` when no connection was made (RFC 3463 X.4.1 "no
   answer from host"), ``451 4.4.2`` when it was lost or timed out (X.4.2 "bad connection"),
   ``451 4.4.3`` for a failed host name lookup (X.4.3 "directory server failure"),
   ``454 4.7.5`` for a TLS failure (X.7.5 "cryptographic failure"; 454 as in RFC 3207 §4).
-* Authentication refused by the smarthost (``SMTPAuthenticationError``, even 535) is TRANSIENT:
+- Authentication refused by the smarthost (``SMTPAuthenticationError``, even 535) is TRANSIENT:
   an operator's configuration fault must never bounce customers' mail.  So is a certificate
   verification failure.  :func:`is_operator_fault` tells the caller to log loudly.
-* ``ValueError`` (aiosmtplib refuses bad input before sending it): at RCPT ``553 5.1.3`` bad
+- ``ValueError`` (aiosmtplib refuses bad input before sending it): at RCPT ``553 5.1.3`` bad
   recipient address syntax (BOUNCE), at MAIL ``553 5.1.7`` bad sender address syntax (FAIL),
   at DATA/DOT ``554 5.6.0`` content (FAIL); non-ASCII input (``UnicodeError``) is ``553
   5.6.7`` (RFC 6531 §3.7.4.2, FAIL); before MAIL it is our own settings: ``451 4.3.5`` system
   incorrectly configured (TRANSIENT).
-* ``SMTPNotSupported`` (aiosmtplib: the message needs SMTPUTF8 the server lacks) is ``554
+- ``SMTPNotSupported`` (aiosmtplib: the message needs SMTPUTF8 the server lacks) is ``554
   5.6.7`` FAIL.  Other plain ``SMTPException`` and anything unknown are ``451 4.3.0``
   TRANSIENT: our own bugs must not bounce mail.
-* DNS errors raised by the MX resolver carry their reply: :class:`DnsPermanentError` is BOUNCE
+- DNS errors raised by the MX resolver carry their reply: :class:`DnsPermanentError` is BOUNCE
   (NXDOMAIN 5.1.2, RFC 7505 null MX 556 5.1.10), :class:`DnsTransientError` TRANSIENT.
 
 Ambiguity (RFC 5321 §6.1, RFC 1047): once the final "." is sent, a timeout or a lost

@@ -7,9 +7,9 @@ are pure functions that table tests can drive without DNS: :func:`order_mx`,
 
 Outcome of :meth:`Resolver.resolve` for a recipient domain:
 
-* a list of :class:`MxHost` in the order to try them, or
-* :class:`~relay.delivery.errors.DnsPermanentError` (bounce the recipient), or
-* :class:`~relay.delivery.errors.DnsTransientError` (defer and retry later).
+- a list of :class:`MxHost` in the order to try them, or
+- :class:`~relay.delivery.errors.DnsPermanentError` (bounce the recipient), or
+- :class:`~relay.delivery.errors.DnsTransientError` (defer and retry later).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> N
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    back: list[ops.Outcome] = []
+    back: list[ops.RcptUpdate] = []
     now = e.clock()
     for st in e.dests.values():
         for q in st.queues.values():

@@ -228,7 +228,7 @@ class AttemptLog:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class RcptUpdate:
     """What one attempt did to one recipient, as decided by the delivery engine."""
 
     rcpt_id: int
@@ -244,7 +244,7 @@ class Outcome:
 
 
 def record(
-    conn: sqlite3.Connection, outcomes: Sequence[Outcome], now: float, day: str | None = None
+    conn: sqlite3.Connection, outcomes: Sequence[RcptUpdate], now: float, day: str | None = None
 ) -> int:
     """Apply outcomes of claimed recipients; returns how many rows changed."""
     changed = 0
@@ -343,15 +343,15 @@ def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:
 
 def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
     paths: list[str] = []
-    for mid in ids:
-        row = conn.execute("SELECT body_path FROM messages WHERE id = ?", (mid,)).fetchone()
+    for qid in ids:
+        row = conn.execute("SELECT body_path FROM messages WHERE id = ?", (qid,)).fetchone()
         if row is None:
             continue
         if row[0]:
             paths.append(row[0])
-        conn.execute("DELETE FROM attempts WHERE msg_id = ?", (mid,))
-        conn.execute("DELETE FROM recipients WHERE msg_id = ?", (mid,))
-        conn.execute("DELETE FROM messages WHERE id = ?", (mid,))
+        conn.execute("DELETE FROM attempts WHERE msg_id = ?", (qid,))
+        conn.execute("DELETE FROM recipients WHERE msg_id = ?", (qid,))
+        conn.execute("DELETE FROM messages WHERE id = ?", (qid,))
     return paths
 
 
