@@ -411,3 +411,64 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
     finally:
         w.close()
     assert got == {"fresh@x.test": "deferred", "old@x.test": "failed"}
+
+
+# --- 0f92e41: a DSN reads a file-stored body off the event loop ---------------------------
+
+
+def test_a_dsn_reads_a_file_stored_body_in_a_thread(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from relay import dsn
+    from relay.spool import bodies
+
+    p = tmp_path / "relay.yaml"
+    p.write_text(yaml.safe_dump({"spool": {"path": "spool"}, "dsn": {"enabled": True}}))
+    cfg = load_config(str(p))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
+    body = b"Subject: big\r\nMessage-ID: <big@x.test>\r\n\r\n" + b"x" * 100 + b"\r\n"
+    rel = bodies.write_body(cfg.spool_path, "Q1BIG", body)
+    msg = ops.NewMessage(
+        "Q1BIG",
+        "big@x.test",
+        "s@y.test",
+        len(body),
+        1.0,
+        "c",
+        "p",
+        "transactional",
+        0,
+        "y.test",
+        b"",
+        rel,
+        (ops.NewRecipient("gone@x.test", "x.test", "k1"),),
+    )
+    threads: list[bool] = []
+    real = bodies.load
+
+    def spy(*a: object, **kw: object) -> bytes:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bodies, "load", spy)
+
+    async def main() -> str | None:
+        await w.run(lambda c: ops.accept(c, msg, 3600))
+        return await dsn.queue_dsn(
+            cfg,
+            w,
+            {
+                "queue_id": "Q1BIG",
+                "sender": "s@y.test",
+                "recipient": "gone@x.test",
+                "reply": "550 5.1.1 no such user",
+            },
+        )
+
+    try:
+        new = asyncio.run(main())
+    finally:
+        w.close()
+    assert new is not None
+    assert threads == [False]  # read once, not on the event loop's thread
