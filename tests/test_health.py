@@ -472,3 +472,104 @@ def test_a_dsn_reads_a_file_stored_body_in_a_thread(tmp_path: Path, monkeypatch)
         w.close()
     assert new is not None
     assert threads == [False]  # read once, not on the event loop's thread
+
+
+# --- exact texts: what a person reads ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("got", "want"),
+    [
+        (
+            health.disk(3.0, 10, 5),
+            (
+                "critical",
+                "3.0% free where the spool lives (critical at 5%):"
+                " new mail is refused with 452 4.3.1 until space"
+                " is freed",
+            ),
+        ),
+        (health.disk(8.0, 10, 5), ("warning", "8.0% free where the spool lives (warning at 10%)")),
+        (health.queue_age(None, 60, 120), ("ok", "nothing waiting")),
+        (
+            health.queue_age(90, 60, 120),
+            ("warning", "oldest waiting recipient queued 1m30s ago (warning at 1m0s)"),
+        ),
+        (health.stall(0, None, 600), ("ok", "the queue is moving")),
+        (health.stall(2, 5.0, 600), ("ok", "2 recipients overdue, but deliveries continue")),
+        (
+            health.stall(2, None, 600),
+            (
+                "warning",
+                "queue stalled: 2 recipients due for over 10m0s and no delivery (none since start)",
+            ),
+        ),
+        (
+            health.stall(2, 7300, 600),
+            (
+                "warning",
+                "queue stalled: 2 recipients due for over 10m0s and no delivery (last 2h1m ago)",
+            ),
+        ),
+        (health.dead_letters(3, 50), ("ok", "3 dead letters in the last hour")),
+        (
+            health.destination("d", "closed", 0, "h: 535 bad", None),
+            (
+                "critical",
+                "d: upstream refused our configuration: h: 535 bad; mail is kept; fix the"
+                " config and reload",
+            ),
+        ),
+    ],
+)
+def test_details_read_right(got: tuple[str, str], want: tuple[str, str]) -> None:
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (5, "5s"),
+        (59, "59s"),
+        (60, "1m0s"),
+        (3599, "59m59s"),
+        (3600, "1h0m"),
+        (86399, "23h59m"),
+        (86400, "1d0h"),
+        (90061, "1d1h"),
+    ],
+)
+def test_human(seconds: float, text: str) -> None:
+    assert health.human(seconds) == text
+
+
+def test_check_document_and_worst() -> None:
+    m = health.Model()
+    m.update("a", "warning", "slow", 5.0)
+    assert m.checks["a"].as_dict(lambda t: f"T{t:g}") == {
+        "name": "a",
+        "status": "warning",
+        "since": "T5",
+        "detail": "slow",
+    }
+    assert health.worst(["ok", "critical", "warning"]) == "critical"
+    assert health.worst(["warning", "ok"]) == "warning"
+    assert health.worst([]) == "ok"
+
+
+def test_plugin_output_lists_every_check() -> None:
+    doc = {
+        "status": "warning",
+        "checks": [
+            {"name": "a", "status": "ok", "since": "S1", "detail": "fine"},
+            {"name": "b", "status": "warning", "since": "S2", "detail": "slow"},
+        ],
+    }
+    code, text = health.plugin_output(doc)
+    assert code == 1
+    assert text.splitlines() == [
+        "WARNING: b: slow",
+        "ok       a                        since S1  fine",
+        "warning  b                        since S2  slow",
+    ]
+    assert health.plugin_output({"status": "ok"}) == (0, "OK: all checks ok")

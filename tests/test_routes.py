@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from relay import retry
 from relay.config import ConfigError, load_config
 from relay.delivery import decide
 from relay.delivery.jobs import Job
@@ -331,6 +332,79 @@ def test_decide(
     if kind == "bounced":
         assert d.outcome.suppress == ("u@x.test", str(result.reply) if result else "")
     assert (d.logged == "ambiguous") == bool(result and result.ambiguous)
+    reply = str((result or decide.NO_REPLY).reply)
+    # what the spool records: the reply (or why it expired), and the attempt log line
+    want_reply = reply if kind != "expired" else (f"expired after 1h in queue; last reply: {reply}")
+    assert d.outcome.last_reply == want_reply
+    assert d.outcome.log == ops.AttemptLog(d.logged, reply, "smarthost", "h", 0.5)
+    assert d.outcome.rcpt_id == 1 and d.outcome.msg_id == "M"
+    if dead:
+        assert d.dead is not None
+        assert (d.dead.reply, d.dead.destination, d.dead.recipient) == (
+            want_reply,
+            "smarthost",
+            "u@x.test",
+        )
+        assert d.dead.at == ops.iso_utc(NOW) and d.dead.attempts == cl.attempts + 1
+
+
+def test_decide_schedules_from_the_recipients_attempts_and_min_delay() -> None:
+    policy = decide.Policy((10.0, 1000.0, 5000.0), 1e9, 7.0, "retry", 0.0)
+    for attempts in (0, 1, 2):
+        cl = claim(attempts=attempts)
+        d = decide.decide(
+            job(),
+            cl,
+            res(451, Outcome.TRANSIENT),
+            now=NOW,
+            policy=policy,
+            rng=random.Random(3),
+            dest="d",
+            host=None,
+            duration=0.0,
+        )
+        want = retry.next_attempt_at(
+            NOW,
+            cl.created_at,
+            attempts + 1,
+            policy.schedule,
+            policy.max_age,
+            random.Random(3),
+            policy.min_delay,
+        )
+        assert d.outcome.next_attempt_at == want
+    # min_delay is a floor: the first step is 10 s, never less than 7 s
+    lows = [
+        decide.decide(
+            job(),
+            claim(),
+            res(451, Outcome.TRANSIENT),
+            now=NOW,
+            policy=policy,
+            rng=random.Random(i),
+            dest="d",
+            host=None,
+            duration=0.0,
+        ).outcome.next_attempt_at
+        for i in range(50)
+    ]
+    assert min(x for x in lows if x is not None) >= NOW + 7.0
+
+
+@pytest.mark.parametrize(("age", "warn"), [(599.0, False), (600.0, True), (601.0, True)])
+def test_the_delay_warning_boundary(age: float, warn: bool) -> None:
+    d = decide.decide(
+        job(),
+        claim(age=age),
+        res(451, Outcome.TRANSIENT),
+        now=NOW,
+        policy=POLICY,
+        rng=random.Random(1),
+        dest="d",
+        host=None,
+        duration=0.0,
+    )
+    assert d.warn_delay is warn
 
 
 def test_decide_warns_once_per_message() -> None:
@@ -433,3 +507,140 @@ def test_ledger_reserves_counts_and_rolls_over() -> None:
     assert led.room(limits, 1100.0)[0] == 2  # a new window: counts reset, the job in flight
     assert led.release((), 0, 4, 1100.0, "e", False) == ("dest:e",)  # counted for stats
     assert led.today("dest:e") == 4
+
+
+def test_wait_records_exactly_what_the_spool_needs() -> None:
+    fresh, old = claim(age=10), claim(age=3600)  # old: exactly at max_age
+    j = job()
+    outs, dead = decide.wait(j, [fresh, old], NOW + 60, "why", now=NOW, max_age=3600.0)
+    assert outs[0] == ops.RcptUpdate(
+        rcpt_id=1,
+        msg_id="M",
+        state=RcptState.DEFERRED,
+        count_attempt=False,
+        next_attempt_at=NOW + 60,
+        last_reply=None,
+        reason="why",
+    )
+    text = "expired after 1h in queue; still waiting: why"
+    assert outs[1] == ops.RcptUpdate(
+        rcpt_id=1,
+        msg_id="M",
+        state=RcptState.FAILED,
+        count_attempt=False,
+        next_attempt_at=None,
+        last_reply=text,
+        log=ops.AttemptLog("expired", text, "smarthost", None, None),
+    )
+    assert [(d.reply, d.destination, d.at) for d in dead] == [(text, "smarthost", ops.iso_utc(NOW))]
+
+
+def test_admit_waits_carry_their_times() -> None:
+    args = {"suspend_reason": "operator: maint", "room": None}
+    w = decide.admit(3, name="d", now=NOW, suspended_until=NOW + 60, circuit_until=None, **args)
+    assert w == decide.Wait(
+        NOW + 60, f"destination d suspended until {ops.iso_utc(NOW + 60)} (operator: maint)"
+    )
+    w = decide.admit(
+        3, name="d", now=NOW, suspended_until=NOW, circuit_until=NOW + 30, **args
+    )  # a suspension that ends now is over
+    assert w == decide.Wait(NOW + 30, f"circuit open for d until {ops.iso_utc(NOW + 30)}")
+
+
+def test_breaker_counts_a_refused_mail_only_when_nothing_was_delivered() -> None:
+    refused = {"a": tr(451, Phase.MAIL)}
+    assert (
+        decide.breaker_action(refused, 0, upstream_seen=True, connection_failed=False) == "failure"
+    )
+    assert (
+        decide.breaker_action(refused, 1, upstream_seen=True, connection_failed=False) == "success"
+    )
+
+
+def test_ledger_limits_room_and_counts_per_scope() -> None:
+    import datetime as dt
+
+    from relay.config import Identity, WarmupConf
+
+    utc = zoneinfo.ZoneInfo("UTC")
+    led = Ledger(utc, None)
+    now = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC).timestamp()
+    warm = Identity("shop.test", 1000, WarmupConf(dt.date(2026, 12, 2), None, 50, 2.0, None))
+    assert led.day_of(now) == "2026-12-03"
+    assert led.warmup_limit(warm, now) == 100  # day 2 of 50 x 2^(n-1)
+    limits = led.limits("d", 500, "shop.test", warm, now)
+    assert limits == [("dest:d", "d", 500), ("id:shop.test", "shop.test", 100)]
+    assert led.limits("d", None, "x", Identity("x", None, None), now) == []
+    led.load("2026-12-03", {"dest:d": 10, "id:shop.test": 95})
+    room = led.room(limits, now)
+    nxt = dt.datetime(2026, 12, 4, tzinfo=dt.UTC).timestamp()
+    assert room == (5, nxt, shaping_reason(100, "shop.test", nxt))  # the tighter ceiling
+    led.reserve(("dest:d", "id:shop.test"), 3)
+    led.reserve(("id:shop.test",), 1)
+    assert led.reserved == {"dest:d": 3, "id:shop.test": 4}
+    assert led.room(limits, now)[0] == 1
+    bumps = led.release(("dest:d", "id:shop.test"), 3, 2, now, "d", True)
+    assert bumps == ("dest:d", "id:shop.test")
+    assert led.reserved == {"dest:d": 0, "id:shop.test": 1}
+    assert (led.today("dest:d"), led.today("id:shop.test")) == (12, 97)
+    assert led.today("nothing") == 0
+    # a scope never reserved (a reload added a ceiling) starts from zero, never negative
+    led.release(("id:new",), 2, 1, now, "d", True)
+    assert led.reserved["id:new"] == 0 and led.today("id:new") == 1
+
+
+def shaping_reason(limit: int, name: str, nxt: float) -> str:
+    from relay import shaping
+
+    return shaping.ceiling_reason(limit, name, nxt)
+
+
+def test_defaults_and_the_classic_smarthost_beside_named_upstreams(tmp_path: Path) -> None:
+    cfg = load(tmp_path, {})
+    (only,) = cfg.routing.routes
+    assert (only.index, only.via) == (0, ("smarthost",))
+    assert set(cfg.routing.upstreams) == {"smarthost"}
+    mx = load(tmp_path, {"upstream": {"mode": "mx"}})
+    assert [(r.index, r.via) for r in mx.routing.routes] == [(0, ())]
+    assert dict(mx.routing.upstreams) == {}
+    # named upstreams without routes: the mode's route; in MX mode no smarthost is made up
+    named = load(tmp_path, {"upstream": {"mode": "mx"}, "upstreams": UPS})
+    assert named.routing.routes[0].mx and "smarthost" not in named.routing.upstreams
+    # routes may still name the classic one
+    both = load(
+        tmp_path,
+        {
+            "upstreams": UPS,
+            "routes": [{"sender": "a@b.test", "via": ["smarthost"]}, {"via": ["a"]}],
+        },
+    )
+    assert set(both.routing.upstreams) == {"smarthost", "a"}  # unused "b" is dropped
+    assert both.routing.upstreams["smarthost"].host == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"no upstream named 'x' \(upstreams: none\)"):
+        load(tmp_path, {"upstream": {"mode": "mx"}, "routes": [{"via": ["x"]}]})
+    with pytest.raises(ConfigError, match=r"\(upstreams: a, b, smarthost\)"):
+        load(tmp_path, {"upstreams": UPS, "routes": [{"via": ["x"]}]})
+    with pytest.raises(ConfigError, match=r"routes: expected a non-empty list"):
+        load(tmp_path, {"upstreams": UPS, "routes": []})
+
+
+def test_match_reads_the_listener_from_old_messages_and_quoted_local_parts(tmp_path: Path) -> None:
+    cfg = load(
+        tmp_path,
+        {
+            "upstreams": UPS,
+            "routes": [
+                {"listener": "cron", "via": ["b"]},
+                {"sender_domain": "x.test", "via": ["b"]},
+                {"recipient_domain": "y.test", "via": ["b"]},
+                {"via": ["a"]},
+            ],
+        },
+    )
+    m = cfg.routing.match
+    # a message spooled before listeners were recorded: its namespace names it
+    assert m(sender="", recipient="u@z.test", client="listener:cron", listener=None).index == 0
+    assert m(sender="", recipient="u@z.test", client="user:cron", listener=None).index == 3
+    assert m(sender='"a@b"@X.test', recipient="u@z.test", client="", listener="").index == 1
+    assert m(sender="nodomain", recipient="u@z.test", client="", listener="").index == 3
+    assert m(sender="", recipient='"u@q"@Y.TEST', client="", listener="").index == 2
