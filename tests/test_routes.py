@@ -15,7 +15,7 @@ import yaml
 
 from relay import retry
 from relay.config import ConfigError, load_config
-from relay.delivery import decide
+from relay.delivery import decide, routes
 from relay.delivery.jobs import Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.rewrite import rewrite_headers
@@ -644,3 +644,163 @@ def test_match_reads_the_listener_from_old_messages_and_quoted_local_parts(tmp_p
     assert m(sender='"a@b"@X.test', recipient="u@z.test", client="", listener="").index == 1
     assert m(sender="nodomain", recipient="u@z.test", client="", listener="").index == 3
     assert m(sender="", recipient='"u@q"@Y.TEST', client="", listener="").index == 2
+
+
+def test_every_upstream_and_route_field_is_read(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("pass\n")
+    (tmp_path / "cs").write_text("csec\n")
+    (tmp_path / "rt").write_text("rtok\n")
+    (tmp_path / "ca.pem").write_text("x")
+    cfg = load(
+        tmp_path,
+        {
+            "upstreams": {
+                "p": {
+                    "host": "p.test",
+                    "port": 2525,
+                    "tls": "none",
+                    "verify": False,
+                    "ca_file": "ca.pem",
+                    "username": "u",
+                    "password_file": "pw",
+                    "auth": "login",
+                },
+                "o": {
+                    "host": "o.test",
+                    "tls": "implicit",
+                    "username": "me@o.test",
+                    "auth": "oauthbearer",
+                    "oauth": {
+                        "token_url": "https://t.test/tok",
+                        "client_id": "cid",
+                        "client_secret_file": "cs",
+                        "refresh_token_file": "rt",
+                        "scope": "sc",
+                        "timeout": 3,
+                    },
+                },
+                "c": {
+                    "host": "c.test",
+                    "username": "x@c.test",
+                    "auth": "xoauth2",
+                    "oauth": {"token_command": "get-token"},
+                },
+            },
+            "routes": [
+                {
+                    "sender": "a@b.test",
+                    "via": ["o", "c"],
+                    "rewrite": {
+                        "envelope_sender": "e@v.test",
+                        "from": "f@v.test",
+                        "reply_to_original": True,
+                    },
+                },
+                {"via": ["p"], "rewrite": {"from": "g@v.test"}},
+            ],
+        },
+    )
+    ups = cfg.routing.upstreams
+    assert ups["p"] == routes.UpstreamHost(
+        name="p",
+        host="p.test",
+        port=2525,
+        tls="none",
+        verify=False,
+        ca_file=(tmp_path / "ca.pem").resolve(),
+        username="u",
+        password="pass",
+        auth="login",
+        oauth=None,
+    )
+    o = ups["o"]
+    assert (o.name, o.host, o.port, o.tls, o.verify, o.ca_file, o.password) == (
+        "o",
+        "o.test",
+        465,
+        "implicit",
+        True,
+        None,
+        None,
+    )
+    assert o.oauth == routes.OAuthConf(
+        token_url="https://t.test/tok",
+        client_id="cid",
+        client_secret="csec",
+        refresh_token="rtok",
+        scope="sc",
+        token_command=None,
+        timeout=3.0,
+    )
+    assert ups["c"].port == 587 and ups["c"].oauth == routes.OAuthConf(
+        token_command="get-token", timeout=10.0
+    )
+    r0, r1 = cfg.routing.routes
+    assert r0.rewrite == routes.Rewrite("e@v.test", "f@v.test", True)
+    assert r1.rewrite == routes.Rewrite(None, "g@v.test", False)
+    assert r0.sender == frozenset({"a@b.test"}) and r0.describe() == "o -> c"
+
+
+@pytest.mark.parametrize(
+    ("up", "msg"),
+    [
+        ({"port": 70000}, "upstreams.u.port: expected a port number"),
+        ({"port": True}, "upstreams.u.port"),
+        ({"tls": "ssl"}, "upstreams.u.tls: 'ssl' is not one of"),
+        ({"verify": "yes"}, "upstreams.u.verify: expected true or false"),
+        ({"auth": "cram-md5"}, "upstreams.u.auth: 'cram-md5' is not one of"),
+        ({"username": 5}, "upstreams.u.username: expected a string"),
+        ({"host": ""}, "upstreams.u.host: required"),
+        ({"oauth": {"token_command": "x"}}, "upstreams.u.oauth: only with auth"),
+        ({"bogus": 1}, r"upstreams.u.bogus: unknown key$"),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"client_id": "x"}},
+            "token_url or token_command is required",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_url": "ftp://x"}},
+            "oauth.token_url: 'ftp://x' is not an http",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_url": "https://x"}},
+            "oauth.client_id: required with token_url",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_command": "x", "timeout": 0}},
+            "oauth.timeout: expected seconds",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_command": "x", "timeout": True}},
+            "oauth.timeout: expected seconds",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_command": "x", "timeout": "1"}},
+            "oauth.timeout: expected seconds",
+        ),
+        (
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_command": "x", "nope": 1}},
+            r"oauth.nope: unknown key$",
+        ),
+        (
+            {"auth": "oauthbearer", "oauth": {"token_command": "x"}},
+            "upstreams.u.username: required with auth: oauthbearer",
+        ),
+    ],
+)
+def test_bad_upstreams(tmp_path: Path, up: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load(tmp_path, {"upstreams": {"u": {"host": "h.test", **up}}, "routes": [{"via": ["u"]}]})
+
+
+@pytest.mark.parametrize(
+    ("rw", "msg"),
+    [
+        ({"reply_to_original": "yes"}, "rewrite.reply_to_original: expected true or false"),
+        ({"envelope_sender": "bad"}, r"routes\[0\].rewrite.envelope_sender"),
+        ({"sender": "x@y.test"}, r"routes\[0\].rewrite.sender: unknown key"),
+        ("x", r"routes\[0\].rewrite: expected a mapping"),
+    ],
+)
+def test_bad_rewrites(tmp_path: Path, rw: object, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load(tmp_path, {"upstreams": UPS, "routes": [{"via": ["a"], "rewrite": rw}]})
