@@ -243,7 +243,7 @@ class Daemon:
     async def _write_runtime(self) -> None:
         if self.engine is None:
             return
-        snap = self.engine.snapshot()
+        snap = self.engine.snapshot().as_json()
         snap["pid"] = os.getpid()
         snap["started_at"] = ops.iso_utc(self.started_at)
         snap["inbound"] = {

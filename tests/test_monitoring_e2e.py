@@ -302,6 +302,10 @@ def test_disk_below_the_critical_threshold_refuses_at_mail_and_fails_readiness(
     c = check(r, "disk")
     assert c["status"] == "critical" and "452 4.3.1" in c["detail"]
     assert r.cli("status").returncode == 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{r.admin_port}/metrics", timeout=10) as m:
+        metrics = m.read().decode()
+    assert 'relay_health_status{check="disk"} 2.0' in metrics
+    assert 'relay_health_status{check="spool"} 0.0' in metrics
     # space freed (here: thresholds back to normal): mail is taken again
     cfg = r.config
     cfg["health"] = {"disk_free_warning": "0%", "disk_free_critical": "0%"}

@@ -391,3 +391,25 @@ def test_a_route_rewrites_the_envelope_sender_and_from(upstream, relay) -> None:
     plain_got = other.wait_for(1)[0]
     assert plain_got.mail_from == SENDER and b"X-Original-From" not in plain_got.data
     wait_delivered(r, 2)
+
+
+def test_replies_of_an_upstream_that_answered_are_final_for_the_attempt(upstream, relay) -> None:
+    primary, backup = upstream(), upstream()
+    primary.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("gone") else None
+    primary.data_reply = lambda env: "451 4.3.0 try later"
+    r = relay(
+        config=routed(
+            {"primary": plain(primary), "backup": plain(backup)},
+            [{"via": ["primary", "backup"]}],
+        )
+    )
+    assert send(r.port, SENDER, ["gone@example.org", "ok@example.org"], make_message(1)) == {}
+    r.wait_until(
+        lambda: (
+            r.recipient_states().get("gone@example.org") == "bounced"
+            and r.recipient_states().get("ok@example.org") in ("deferred", "sending")
+        ),
+        what="bounced at the primary, the other deferred",
+    )
+    assert backup.connections == 0 and backup.received == []  # never asked the backup
+    assert not events(r, "failover")

@@ -400,5 +400,9 @@ class Engine:
     def dead_letters_last_hour(self) -> int:
         return views.dead_letters_last_hour(self)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> views.Snapshot:
         return views.snapshot(self)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight

@@ -2,17 +2,24 @@
 Workspace), and the SASL strings that carry them.
 
 Rules:
-- A token comes from `token_command` (run through `/bin/sh -c`, killed after `timeout`;
-  its stdout is the token, or JSON with `access_token` and `expires_in`), or from an HTTP
-  POST to `token_url`: the refresh-token grant when a refresh token is configured, else the
-  client-credentials grant (RFC 6749 §6, §4.4), form-encoded, over httpx.
-- A token is cached until `margin` seconds before it expires. However many connections ask
-  at once, one request is made (single flight); they all get its token or its error.
+- A token comes from `token_command` (run through `/bin/sh -c` in its own process group,
+  the whole group killed after `timeout`; its stdout is the token on the first line, or JSON
+  with `access_token` and optional `expires_in`), or from an HTTP POST to `token_url`: the
+  refresh-token grant when a refresh token is configured, else the client-credentials grant
+  (RFC 6749 §6, §4.4), form-encoded, over httpx, the whole request bounded by `timeout`.
+  `expires_in` defaults to 3600 s.
+- A token is cached until `margin` seconds before it expires (counted from when its request
+  began). However many connections ask at once, one request is made (single flight, in a
+  task of its own: a caller that gives up does not cancel it for the others); they all get
+  its token or its error. An error is not cached: the next `token()` asks again.
 - `invalidate(token)`: the upstream refused it (revoked, expired early): the next `token()`
   fetches a new one. A stale token's invalidation never drops a newer one.
-- Errors say what failed in one line and never carry a secret, a refresh token or an
-  access token. 5xx, 429, timeouts and network errors are transient; a refusal of our
-  credentials (400/401/403) is the operator's to fix.
+- Errors (`OAuthError`) say what failed in one line and never carry the client secret, the
+  refresh token or an access token (nor the token command, which may hold secrets, nor its
+  output). HTTP 5xx, 408, 429, timeouts, network errors and token-command failures are
+  transient; any other refusal (400/401/403: invalid_client, invalid_grant, ...) is the
+  operator's to fix.
+- A token must be printable ASCII without spaces: it goes into SASL strings framed by %x01.
 """
 
 from __future__ import annotations
@@ -20,14 +27,24 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
+import math
+import os
+import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 DEFAULT_EXPIRES = 3600.0
+REAP_GRACE = 1.0  # seconds to wait for a killed token command's pipes to close
+_TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space, no %x01
+_CODE_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what may be echoed of a server's error code
+_TRANSIENT_CODES = frozenset({"temporarily_unavailable", "server_error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +54,15 @@ class OAuthConf:
     client_secret: str | None = field(default=None, repr=False)
     refresh_token: str | None = field(default=None, repr=False)
     scope: str | None = None
-    token_command: str | None = None
+    token_command: str | None = field(default=None, repr=False)
     timeout: float = 10.0
 
 
 class OAuthError(Exception):
+    """Getting a token failed. `transient`: worth retrying as is; else a configuration fault."""
+
     def __init__(self, message: str, transient: bool) -> None:
-        super().__init__(message)
+        super().__init__(" ".join(message.split()))  # one line
         self.transient = transient
 
 
@@ -54,50 +73,67 @@ class TokenSource:
         self.conf = conf
         self.clock = clock
         self.margin = margin
-        self.fetches = 0
+        self.fetches = 0  # grant requests made / token commands run
         self._token: str | None = None
         self._expires = 0.0
-        self._inflight: asyncio.Future[str] | None = None
+        self._inflight: asyncio.Task[str] | None = None
         self._client: httpx.AsyncClient | None = None
 
     async def token(self) -> str:
         if self._token is not None and self.clock() < self._expires - self.margin:
             return self._token
-        if self._inflight is None:
-            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            self._inflight = fut
-            try:
-                token, expires_in = await self._fetch()
-                self._token, self._expires = token, self.clock() + expires_in
-                fut.set_result(token)
-            except BaseException as e:
-                fut.set_exception(
-                    e
-                    if isinstance(e, OAuthError)
-                    else OAuthError(f"token request failed: {type(e).__name__}", True)
-                )
-                fut.exception()  # retrieved: no "never retrieved" warning if none waits
-                if not isinstance(e, OAuthError):
-                    raise
-            finally:
-                self._inflight = None
-            return await fut
-        return await asyncio.shield(self._inflight)
+        task = self._inflight
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._refresh())
+            task.add_done_callback(_retrieve)
+            self._inflight = task
+        return await asyncio.shield(task)
 
     def invalidate(self, token: str) -> None:
         if token == self._token:
             self._token, self._expires = None, 0.0
 
     async def aclose(self) -> None:
+        task, self._inflight = self._inflight, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def _refresh(self) -> str:
+        started = self.clock()
+        try:
+            token, expires_in = await self._fetch()
+        except OAuthError as e:
+            raise self._scrubbed(e) from None
+        except Exception as e:
+            raise OAuthError(f"token request failed: {type(e).__name__}", True) from None
+        finally:
+            self._inflight = None
+        if not _TOKEN_RE.fullmatch(token):
+            raise OAuthError("the access token has spaces or control characters", False)
+        self._token, self._expires = token, started + expires_in
+        return token
 
     async def _fetch(self) -> tuple[str, float]:
-        self.fetches += 1
         if self.conf.token_command:
+            self.fetches += 1
             return await self._command(self.conf.token_command)
-        return await self._post()
+        if not self.conf.token_url:
+            raise OAuthError("neither token_url nor token_command is configured", False)
+        self.fetches += 1
+        return await self._post(self.conf.token_url)
+
+    def _scrubbed(self, e: OAuthError) -> OAuthError:
+        """The same error, with any configured secret that slipped into it masked."""
+        msg = str(e)
+        for secret in (self.conf.client_secret, self.conf.refresh_token):
+            if secret and secret in msg:
+                msg = msg.replace(secret, "***")
+        return e if msg == str(e) else OAuthError(msg, e.transient)
 
     async def _command(self, command: str) -> tuple[str, float]:
         try:
@@ -105,19 +141,20 @@ class TokenSource:
                 command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: a timeout kills all of it
             )
         except OSError as e:
             raise OAuthError(f"token_command did not start: {e.strerror or e}", True) from None
         try:
-            out, _err = await asyncio.wait_for(proc.communicate(), self.conf.timeout)
+            out, _ = await asyncio.wait_for(proc.communicate(), self.conf.timeout)
         except TimeoutError:
-            proc.kill()
-            await proc.wait()
             raise OAuthError(
                 f"token_command timed out after {self.conf.timeout:g}s", True
             ) from None
+        finally:
+            if proc.returncode is None:  # timed out or cancelled
+                await _kill_group(proc)
         if proc.returncode != 0:
             raise OAuthError(f"token_command exited {proc.returncode}", True)
         text = out.decode("utf-8", errors="replace").strip()
@@ -128,9 +165,8 @@ class TokenSource:
             raise OAuthError("token_command printed no token", True)
         return token, DEFAULT_EXPIRES
 
-    async def _post(self) -> tuple[str, float]:
+    async def _post(self, url: str) -> tuple[str, float]:
         c = self.conf
-        assert c.token_url is not None
         form: dict[str, str] = {}
         if c.refresh_token:
             form["grant_type"] = "refresh_token"
@@ -147,38 +183,67 @@ class TokenSource:
         if self._client is None:
             self._client = httpx.AsyncClient(follow_redirects=False)
         try:
-            r = await self._client.post(
-                c.token_url, data=form, timeout=c.timeout, headers={"Accept": "application/json"}
-            )
-        except httpx.TimeoutException:
+            async with asyncio.timeout(c.timeout):  # the whole request, however it trickles
+                r = await self._client.post(
+                    url, data=form, timeout=c.timeout, headers={"Accept": "application/json"}
+                )
+        except (TimeoutError, httpx.TimeoutException):
             raise OAuthError(f"token endpoint timed out after {c.timeout:g}s", True) from None
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol):
+            raise OAuthError("token_url is not a usable http(s) URL", False) from None
         except httpx.HTTPError as e:
             raise OAuthError(f"token endpoint unreachable: {type(e).__name__}", True) from None
         if r.status_code != 200:
-            code = ""
-            try:
-                doc = r.json()
-                if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-                    code = f" ({doc['error'][:60]})"
-            except ValueError:
-                pass
-            transient = r.status_code >= 500 or r.status_code == 429
-            raise OAuthError(f"token endpoint answered HTTP {r.status_code}{code}", transient)
+            code = _error_code(r)
+            transient = (
+                r.status_code >= 500 or r.status_code in (408, 429) or code in _TRANSIENT_CODES
+            )
+            detail = f" ({code})" if code else ""
+            raise OAuthError(f"token endpoint answered HTTP {r.status_code}{detail}", transient)
         return _from_json(r.text, "token endpoint")
+
+
+def _retrieve(task: asyncio.Task[str]) -> None:
+    # an error nobody waited for (every caller gave up) is not "never retrieved"
+    if not task.cancelled():
+        task.exception()
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    # the shell leads its own group (start_new_session): this kills it and all it started
+    # (not proc.kill(): Popen polls first and could reap the pid under asyncio's watcher)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    # a child that left the group may still hold stdout open: don't wait on it forever
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), REAP_GRACE)
+
+
+def _error_code(r: httpx.Response) -> str:
+    """The RFC 6749 §5.2 `error` code of a refusal, reduced to safe characters; "" if none."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return ""
+    code = doc.get("error") if isinstance(doc, dict) else None
+    return _CODE_UNSAFE.sub("", code)[:60] if isinstance(code, str) else ""
 
 
 def _from_json(text: str, what: str) -> tuple[str, float]:
     try:
         doc = json.loads(text)
     except ValueError:
-        raise OAuthError(f"{what}: not JSON", True) from None
-    token = doc.get("access_token") if isinstance(doc, dict) else None
-    if not isinstance(token, str) or not token:
+        raise OAuthError(f"{what}: the answer is not JSON", True) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("access_token"), str):
         raise OAuthError(f"{what}: no access_token in the answer", True)
-    exp = doc.get("expires_in", DEFAULT_EXPIRES)
+    token: str = doc["access_token"]
+    if not token:
+        raise OAuthError(f"{what}: an empty access_token in the answer", True)
     try:
-        expires = float(exp)
+        expires = float(doc.get("expires_in", DEFAULT_EXPIRES))
     except (TypeError, ValueError):
+        expires = DEFAULT_EXPIRES
+    if not math.isfinite(expires):
         expires = DEFAULT_EXPIRES
     return token, max(0.0, expires)
 
@@ -187,22 +252,29 @@ def _from_json(text: str, what: str) -> tuple[str, float]:
 
 
 def xoauth2(user: str, token: str) -> str:
-    """The XOAUTH2 initial response (Google, Microsoft)."""
+    """The XOAUTH2 initial response (Google, Microsoft), base64."""
+    _no_separator(user, token)
     raw = f"user={user}\x01auth=Bearer {token}\x01\x01"
     return base64.b64encode(raw.encode()).decode()
 
 
 def oauthbearer(user: str, token: str, host: str, port: int) -> str:
-    """The OAUTHBEARER initial client response (RFC 7628 §3.1, GS2 header RFC 5801)."""
+    """The OAUTHBEARER initial client response (RFC 7628 §3.1; GS2 header, RFC 5801), base64."""
+    _no_separator(user, token, host)
     saslname = user.replace("=", "=3D").replace(",", "=2C")
     raw = f"n,a={saslname},\x01host={host}\x01port={port}\x01auth=Bearer {token}\x01\x01"
     return base64.b64encode(raw.encode()).decode()
 
 
-def parse_oauthbearer_error(b64_challenge: str) -> dict[str, object]:
+def parse_oauthbearer_error(b64_challenge: str) -> dict[str, Any]:
     """The JSON error a server sends in its 334 challenge (RFC 7628 §3.2.2); {} if none."""
     try:
-        doc = json.loads(base64.b64decode(b64_challenge, validate=True))
+        doc = json.loads(base64.b64decode(b64_challenge.strip(), validate=True))
     except (binascii.Error, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def _no_separator(*fields: str) -> None:
+    if any("\x01" in f for f in fields):
+        raise ValueError("a SASL field holds %x01, the separator")

@@ -4,6 +4,7 @@ read."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from relay import shaping
@@ -33,40 +34,73 @@ def dead_letters_last_hour(e: Engine) -> int:
     return len(e.dead_times)
 
 
-def snapshot(e: Engine) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class DestinationView:
+    """One destination as `relay stats` and `relay destination list` show it."""
+
+    effective_rate: float | None
+    configured_rate: float | None
+    effective_connections: int
+    max_connections: int
+    active_connections: int
+    queued_in_memory: int
+    circuit: str
+    suspended_until: str | None
+    suspend_reason: str | None
+    delivered_today: int
+    daily_limit: int | None
+    upstream: str | None  # host:port of an upstream; None for an MX destination
+    config_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityView:
+    today: int
+    limit: int | None
+    warmup_limit: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The engine's runtime view, written to the spool's `runtime` table every 2 s."""
+
+    destinations: dict[str, DestinationView]
+    identities: dict[str, IdentityView]
+    day: str
+    inflight: int
+    updated_at: str
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def snapshot(e: Engine) -> Snapshot:
     now = e.clock()
-    out: dict[str, Any] = {}
+    dests = {}
     for name, st in e.dests.items():
         up = st.upstream
-        out[name] = {
-            "effective_rate": st.adaptive.effective_rate() or None,
-            "configured_rate": st.conf.rate,
-            "effective_connections": st.adaptive.effective_connections(),
-            "max_connections": st.conf.max_connections,
-            "active_connections": len(st.workers),
-            "queued_in_memory": st.queued(),
-            "circuit": st.breaker.state(now),
-            "suspended_until": ops.iso_utc(st.suspended_until)
-            if st.suspended_until > now
-            else None,
-            "suspend_reason": st.suspend_reason if st.suspended_until > now else None,
-            "delivered_today": e.ledger.today(f"dest:{name}"),
-            "daily_limit": st.conf.daily_limit,
-            "upstream": None if up is None else f"{up.host}:{up.port}",
-            "config_error": st.config_error,
-        }
+        suspended = st.suspended_until > now
+        dests[name] = DestinationView(
+            effective_rate=st.adaptive.effective_rate() or None,
+            configured_rate=st.conf.rate,
+            effective_connections=st.adaptive.effective_connections(),
+            max_connections=st.conf.max_connections,
+            active_connections=len(st.workers),
+            queued_in_memory=st.queued(),
+            circuit=st.breaker.state(now),
+            suspended_until=ops.iso_utc(st.suspended_until) if suspended else None,
+            suspend_reason=st.suspend_reason if suspended else None,
+            delivered_today=e.ledger.today(f"dest:{name}"),
+            daily_limit=st.conf.daily_limit,
+            upstream=None if up is None else f"{up.host}:{up.port}",
+            config_error=st.config_error,
+        )
     idents = {}
     for key, ident in e.config.identities.items():
         warm = e.ledger.warmup_limit(ident, now)
-        idents[key] = {
-            "today": e.ledger.today(f"id:{key}"),
-            "limit": shaping.effective_daily_limit(ident.daily_limit, warm),
-            "warmup_limit": warm,
-        }
-    return {
-        "destinations": out,
-        "identities": idents,
-        "day": e.ledger.day,
-        "inflight": e._inflight,
-        "updated_at": ops.iso_utc(now),
-    }
+        idents[key] = IdentityView(
+            today=e.ledger.today(f"id:{key}"),
+            limit=shaping.effective_daily_limit(ident.daily_limit, warm),
+            warmup_limit=warm,
+        )
+    return Snapshot(dests, idents, e.ledger.day, e.inflight, ops.iso_utc(now))
