@@ -143,6 +143,14 @@ def due(conn: sqlite3.Connection, now: float, limit: int = 50) -> list[dict[str,
     ]
 
 
+def retry_now(conn: sqlite3.Connection, now: float) -> int:
+    return conn.execute(
+        "UPDATE alerts SET next_try_at = ? WHERE sent_at IS NULL AND attempts > 0"
+        " AND next_try_at > ?",
+        (now, now),
+    ).rowcount
+
+
 def next_due_at(conn: sqlite3.Connection) -> float | None:
     row = conn.execute("SELECT min(next_try_at) FROM alerts WHERE sent_at IS NULL").fetchone()
     return None if row is None or row[0] is None else float(row[0])
@@ -303,6 +311,11 @@ class Dispatcher:
             self.wake()
 
     async def run(self) -> None:
+        now = self.clock()
+        try:  # a restart is a fresh try for alerts a sink refused (not for open windows)
+            await self.writer.run(lambda c: retry_now(c, now))
+        except Exception as e:
+            log_event(log, logging.ERROR, "alert_failed", "alert outbox unreadable", exc=e)
         try:
             while True:
                 try:

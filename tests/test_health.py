@@ -573,3 +573,12 @@ def test_plugin_output_lists_every_check() -> None:
         "warning  b                        since S2  slow",
     ]
     assert health.plugin_output({"status": "ok"}) == (0, "OK: all checks ok")
+
+
+def test_a_restart_retries_refused_alerts_at_once_but_keeps_open_windows(conn) -> None:
+    refused = alerts.record(conn, dead(1), 10.0, 0.0, ["webhook"])
+    alerts.mark(conn, refused, ["webhook"], 11.0, "webhook: refused", 71.0)  # backoff 60 s
+    window = alerts.record(conn, dead(2, "other.test"), 12.0, 300.0, ["webhook"])
+    assert alerts.retry_now(conn, 20.0) == 1
+    assert [r["id"] for r in alerts.due(conn, 20.0)] == [refused]
+    assert window not in [r["id"] for r in alerts.due(conn, 299.0)]
