@@ -293,6 +293,20 @@ class _Handler:
         return "250 2.0.0 OK queued"
 
 
+def _sasl_kv(b64: str) -> dict[str, str]:
+    """key=value fields split by %x01 (XOAUTH2, OAUTHBEARER); a first field without `=`
+    (OAUTHBEARER's GS2 header) is kept under the key ""."""
+    raw = base64.b64decode(b64).decode() if b64 else ""
+    out: dict[str, str] = {}
+    for i, item in enumerate(raw.split("\x01")):
+        if i == 0 and not item.startswith(("user=", "auth=")) and item:
+            out[""] = item
+        elif "=" in item:
+            k, _sep, v = item.partition("=")
+            out[k] = v
+    return out
+
+
 class _OAuthHandler(_Handler):
     """XOAUTH2 (Google/Microsoft) and OAUTHBEARER (RFC 7628) against `Upstream.oauth`."""
 
@@ -313,17 +327,15 @@ class _OAuthHandler(_Handler):
         )
 
     async def auth_XOAUTH2(self, server: SMTP, args: list[str]) -> AuthResult:
-        raw = base64.b64decode(args[1]).decode() if len(args) > 1 else ""
-        parts = dict(p.split("=", 1) for p in raw.split("\x01") if "=" in p)
+        parts = _sasl_kv(args[1] if len(args) > 1 else "")
         token = parts.get("auth", "").removeprefix("Bearer ")
         return await self._check(server, "XOAUTH2", parts.get("user", ""), token)
 
     async def auth_OAUTHBEARER(self, server: SMTP, args: list[str]) -> AuthResult:
-        raw = base64.b64decode(args[1]).decode() if len(args) > 1 else ""
-        gs2, _sep, kvs = raw.partition("\x01")
+        parts = _sasl_kv(args[1] if len(args) > 1 else "")
+        gs2 = parts.pop("", "")  # the GS2 header: n,a=USER,
         user = next((p[2:] for p in gs2.split(",") if p.startswith("a=")), "")
         user = user.replace("=2C", ",").replace("=3D", "=")
-        parts = dict(p.split("=", 1) for p in kvs.split("\x01") if "=" in p)
         token = parts.get("auth", "").removeprefix("Bearer ")
         return await self._check(server, "OAUTHBEARER", user, token)
 
@@ -513,6 +525,23 @@ def server_context(ca: Any, *names: str) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert(*(names or ("127.0.0.1",))).configure_cert(ctx)
     return ctx
+
+
+def fast_config(timeout: str = "1s") -> dict[str, Any]:
+    """Short timeouts and retries so a test takes seconds, not minutes. The circuit breaker
+    (default: open for 60 s after 5 connection failures) is kept out of the way: a test that
+    lets a few attempts fail sees the recovery at once (the breaker's own tests set it)."""
+    return {
+        "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
+        "destinations": {
+            "*": {
+                "command_timeout": timeout,
+                "data_timeout": timeout,
+                "connect_timeout": timeout,
+                "circuit_failures": 100,
+            }
+        },
+    }
 
 
 def smarthost_config(up: Upstream, **extra: Any) -> dict[str, Any]:

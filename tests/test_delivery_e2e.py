@@ -17,26 +17,13 @@ from typing import Any
 import pytest
 import trustme
 
-from tests.harness import RelayProcess, deep_merge, free_port, make_message, send
+from tests.harness import RelayProcess, deep_merge, fast_config, free_port, make_message, send
 
 pytestmark = pytest.mark.slow
 
 SENDER = "app@example.com"
 
-# Short timeouts and retries so a test takes seconds, not minutes. The circuit breaker
-# (default: open for 60 s after 5 connection failures) is kept out of the way except in
-# its own test, so that a test that lets a few attempts fail sees the recovery at once.
-FAST: dict[str, Any] = {
-    "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
-    "destinations": {
-        "*": {
-            "command_timeout": "1s",
-            "data_timeout": "1s",
-            "connect_timeout": "1s",
-            "circuit_failures": 100,
-        }
-    },
-}
+FAST: dict[str, Any] = fast_config("1s")
 
 
 def fast(**extra: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import pytest
 from tests.harness import (
     RelayProcess,
     deep_merge,
+    fast_config,
     make_message,
     send,
     server_context,
@@ -32,17 +33,7 @@ pytestmark = pytest.mark.slow
 SENDER = "app@example.com"
 SECRET = b"hook-secret-123"
 
-FAST: dict[str, Any] = {
-    "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
-    "destinations": {
-        "*": {
-            "command_timeout": "2s",
-            "data_timeout": "2s",
-            "connect_timeout": "2s",
-            "circuit_failures": 100,
-        }
-    },
-}
+FAST: dict[str, Any] = fast_config("2s")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -45,6 +46,7 @@ class Answer:
     doc: dict[str, Any] | None = None  # None: a fresh token "tok-<n>"
     raw: bytes | None = None  # this body instead of JSON
     delay: float = 0.0
+    trickle: float = 0.0  # seconds between the body's bytes
 
 
 @dataclass
@@ -106,7 +108,12 @@ class Endpoint:
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(out)))
                     self.end_headers()
-                    self.wfile.write(out)
+                    if not a.trickle:
+                        self.wfile.write(out)
+                    for i in range(len(out) if a.trickle else 0):
+                        self.wfile.write(out[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(a.trickle)
                 except OSError:
                     pass  # the client gave up (a timeout test)
 
@@ -379,6 +386,10 @@ def test_a_hostile_error_code_is_one_line_and_secret_free(ep: Endpoint) -> None:
     e = run(failure(TokenSource(conf(ep, refresh_token=REFRESH))))
     assert not e.transient and "HTTP 400 (invalid_client" in str(e)
     assert_clean(e)
+    # only a code's own characters are echoed, and not many
+    ep.default = Answer(status=400, doc={"error": "invalid_client <b>see</b> " + "x" * 200})
+    e = run(failure(TokenSource(conf(ep))))
+    assert re.fullmatch(r"token endpoint answered HTTP 400 \(invalid_client[\w.:-]{1,46}\)", str(e))
 
 
 @pytest.mark.parametrize(
@@ -410,6 +421,15 @@ def test_slow_endpoint_times_out_transient(ep: Endpoint) -> None:
     started = time.monotonic()
     e = run(failure(TokenSource(conf(ep, timeout=0.3))))
     assert time.monotonic() - started < 1.5
+    assert e.transient and "timed out" in str(e)
+
+
+def test_trickling_endpoint_is_bounded_by_the_timeout_as_a_whole(ep: Endpoint) -> None:
+    # every byte comes well within a read timeout, the whole answer does not
+    ep.default = Answer(trickle=0.1)
+    started = time.monotonic()
+    e = run(failure(TokenSource(conf(ep, timeout=0.5))))
+    assert time.monotonic() - started < 2.0
     assert e.transient and "timed out" in str(e)
 
 

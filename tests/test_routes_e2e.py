@@ -18,6 +18,7 @@ from tests.harness import (
     RelayProcess,
     Upstream,
     deep_merge,
+    fast_config,
     free_port,
     make_message,
     send,
@@ -28,17 +29,7 @@ from tests.webhook import Post, Receiver
 pytestmark = pytest.mark.slow
 
 SENDER = "app@example.com"
-FAST: dict[str, Any] = {
-    "retry": {"schedule": ["1s"], "max_age": "1h", "min_delay": "0.2s"},
-    "destinations": {
-        "*": {
-            "command_timeout": "2s",
-            "data_timeout": "2s",
-            "connect_timeout": "2s",
-            "circuit_failures": 100,
-        }
-    },
-}
+FAST: dict[str, Any] = fast_config("2s")
 
 
 def plain(up: Upstream | int, **extra: Any) -> dict[str, Any]:
