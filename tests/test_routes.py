@@ -804,3 +804,53 @@ def test_bad_upstreams(tmp_path: Path, up: dict, msg: str) -> None:
 def test_bad_rewrites(tmp_path: Path, rw: object, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         load(tmp_path, {"upstreams": UPS, "routes": [{"via": ["a"], "rewrite": rw}]})
+
+
+@pytest.mark.parametrize(("port", "ok"), [(1, True), (65535, True), (0, False), (65536, False)])
+def test_upstream_port_bounds(tmp_path: Path, port: int, ok: bool) -> None:
+    extra = {"upstreams": {"u": {"host": "h.test", "port": port}}, "routes": [{"via": ["u"]}]}
+    if ok:
+        assert load(tmp_path, extra).routing.upstreams["u"].port == port
+    else:
+        with pytest.raises(ConfigError, match=r"upstreams\.u\.port"):
+            load(tmp_path, extra)
+
+
+@pytest.mark.parametrize(
+    ("value", "msg"),
+    [
+        ([""], r"routes\[0\].sender: expected a value or a list of values"),
+        ([], r"routes\[0\].sender: expected a value or a list of values"),
+        ([5], r"routes\[0\].sender: expected a value or a list of values"),
+    ],
+)
+def test_route_condition_values(tmp_path: Path, value: object, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load(
+            tmp_path,
+            {"upstreams": UPS, "routes": [{"sender": value, "via": ["a"]}, {"via": ["a"]}]},
+        )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (86400, "1d"),
+        (172800, "2d"),
+        (3600, "1h"),
+        (7200, "2h"),
+        (60, "1m"),
+        (120, "2m"),
+        (90, "90s"),
+        (3601, "3601s"),
+        (0.5, "0.5s"),
+        (86460, "1441m"),
+    ],
+)
+def test_decide_human(seconds: float, text: str) -> None:
+    assert decide.human(seconds) == text
+
+
+def test_route_description() -> None:
+    assert routes.Route(0, ()).describe() == "mx"
+    assert routes.Route(0, ("a", "b")).describe() == "a -> b"
