@@ -22,11 +22,14 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import os
 import random
+import signal
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -249,7 +252,10 @@ async def run_command(command: str, doc: dict[str, Any], timeout: float) -> str 
     try:
         _out, err = await asyncio.wait_for(proc.communicate(payload), timeout)
     except TimeoutError:
-        proc.kill()
+        # the whole process group: `sh -c` forks its commands, and a child left alive
+        # would keep the pipes (and this await) open until it ends
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         return f"alert command timed out after {timeout:g}s"
     if proc.returncode != 0:

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,26 @@ def test_run_command_reports_failures() -> None:
     assert err == "alert command exited 3: boom"
     err = asyncio.run(alerts.run_command("sleep 5", doc, 0.2))
     assert err is not None and "timed out" in err
+
+
+def test_a_hanging_alert_command_is_killed_with_its_children(tmp_path: Path) -> None:
+    import os
+
+    pidfile = tmp_path / "pid"
+    t0 = time.monotonic()
+    err = asyncio.run(alerts.run_command(f"sleep 30 & echo $! > {pidfile}; wait", {}, 0.5))
+    # alerts.timeout is the bound (0.5 s here; 10 s of margin for a loaded 2-core machine),
+    # not the child's own 30 s
+    assert time.monotonic() - t0 < 10.0
+    assert err is not None and "timed out" in err
+    child = int(pidfile.read_text())
+    for _ in range(50):  # the orphan is reaped by init shortly after the kill
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the command's child {child} outlived the timeout")
 
 
 # --- config ----------------------------------------------------------------------------------
