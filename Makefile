@@ -17,8 +17,8 @@ run: $(STAMP)
 	$(BIN)/relay serve -c conf/relay.yaml
 
 test: $(STAMP)
-	$(BIN)/ruff check relay tests
-	$(BIN)/ruff format --check relay tests
+	$(BIN)/ruff check relay tests bench
+	$(BIN)/ruff format --check relay tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider
 
@@ -47,8 +47,8 @@ mutate: $(STAMP)
 	$(BIN)/mutmut run; $(BIN)/mutmut results
 
 lint: $(STAMP)
-	$(BIN)/ruff check relay tests
-	$(BIN)/ruff format --check relay tests
+	$(BIN)/ruff check relay tests bench
+	$(BIN)/ruff format --check relay tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -50,7 +50,7 @@ class HashingSink:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         data = envelope.original_content or b""
         m = _RECEIVED.match(data)
-        body = data[m.end():] if m else data
+        body = data[m.end() :] if m else data
         mid = re.search(rb"^Message-ID: <([^>]+)>", body, re.M)
         with self.lock:
             self.hashes[mid.group(1).decode() if mid else "?"] = hashlib.sha256(body).hexdigest()
@@ -61,8 +61,8 @@ class HashingSink:
 
         async def boot() -> None:
             await self._loop.create_server(
-                lambda: SMTP(self, data_size_limit=None, decode_data=False),
-                "127.0.0.1", self.port)
+                lambda: SMTP(self, data_size_limit=None, decode_data=False), "127.0.0.1", self.port
+            )
 
         self._loop.run_until_complete(boot())
         self._loop.run_forever()
@@ -73,8 +73,10 @@ class HashingSink:
 
 
 def message(i: int, size: int) -> bytes:
-    head = (f"From: app@example.com\r\nTo: big{i}@example.org\r\nSubject: big {i}\r\n"
-            f"Message-ID: <mem-{i}@bench>\r\n\r\n").encode()
+    head = (
+        f"From: app@example.com\r\nTo: big{i}@example.org\r\nSubject: big {i}\r\n"
+        f"Message-ID: <mem-{i}@bench>\r\n\r\n"
+    ).encode()
     line = f"{i:06d} ".encode() + b"m" * 70 + b"\r\n"
     dotted = b".starts with a dot " + f"{i}".encode() + b"\r\n"
     block = (line * 49 + dotted) * 64
@@ -94,22 +96,35 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--size-mib", type=int, default=20)
     ap.add_argument("--max-connections", type=int, default=10)
-    ap.add_argument("--relay-tree", default=None,
-                    help="run the daemon from another checkout (e.g. an older commit, for a"
-                         " before/after comparison): its folder goes first on PYTHONPATH")
+    ap.add_argument(
+        "--relay-tree",
+        default=None,
+        help="run the daemon from another checkout (e.g. an older commit, for a"
+        " before/after comparison): its folder goes first on PYTHONPATH",
+    )
     args = ap.parse_args()
     size = args.size_mib << 20
 
     sink = HashingSink().start()
     work = Path(tempfile.mkdtemp(prefix="relay-memory-"))
-    relay = RelayProcess(work, deep_merge({
-        "upstream": {"mode": "smarthost",
-                     "smarthost": {"host": "127.0.0.1", "port": sink.port, "tls": "none"}},
-        "limits": {"max_message_size": f"{args.size_mib + 5}MiB"},
-        "destinations": {"*": {"rate": "unlimited",
-                               "max_connections": args.max_connections}},
-        "log": {"level": "info"},
-    }, {}), env={"PYTHONPATH": args.relay_tree} if args.relay_tree else None).start()
+    relay = RelayProcess(
+        work,
+        deep_merge(
+            {
+                "upstream": {
+                    "mode": "smarthost",
+                    "smarthost": {"host": "127.0.0.1", "port": sink.port, "tls": "none"},
+                },
+                "limits": {"max_message_size": f"{args.size_mib + 5}MiB"},
+                "destinations": {
+                    "*": {"rate": "unlimited", "max_connections": args.max_connections}
+                },
+                "log": {"level": "info"},
+            },
+            {},
+        ),
+        env={"PYTHONPATH": args.relay_tree} if args.relay_tree else None,
+    ).start()
     assert relay.proc is not None
     pid = relay.proc.pid
     idle_kib = vm_hwm_kib(pid)
@@ -152,10 +167,14 @@ def main() -> int:
     relay.stop()
     with sink.lock:
         exact = sum(1 for k, v in expected.items() if sink.hashes.get(k) == v)
-    print(f"clients={args.clients} size={args.size_mib}MiB "
-          f"max_connections={args.max_connections} tree={args.relay_tree or ROOT}")
-    print(f"accepted={accepted}/{args.clients} in {accepted_s:.1f}s; delivered byte for byte="
-          f"{exact}/{args.clients} after {delivered_s:.1f}s")
+    print(
+        f"clients={args.clients} size={args.size_mib}MiB "
+        f"max_connections={args.max_connections} tree={args.relay_tree or ROOT}"
+    )
+    print(
+        f"accepted={accepted}/{args.clients} in {accepted_s:.1f}s; delivered byte for byte="
+        f"{exact}/{args.clients} after {delivered_s:.1f}s"
+    )
     print(f"daemon peak RSS (VmHWM): {peak_kib / 1024:.0f} MiB (idle {idle_kib / 1024:.0f} MiB)")
     failed = [r for r in replies.values() if r[0] != 250]
     if failed:
