@@ -22,14 +22,11 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
-import os
 import random
-import signal
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from relay import shell
 from relay.config import Alerts as AlertsConf
 from relay.logs import log_event, mask_address
 from relay.spool import ops
@@ -240,27 +238,14 @@ async def run_command(command: str, doc: dict[str, Any], timeout: float) -> str 
     """Run the alert command; None when it worked, else what went wrong."""
     payload = json.dumps(doc, sort_keys=True).encode() + b"\n"
     try:
-        proc = await asyncio.create_subprocess_shell(
-            command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        done = await shell.run(command, timeout, stdin=payload, stderr=True)
+    except TimeoutError:  # (an OSError too: first)
+        return f"alert command timed out after {timeout:g}s"
     except OSError as e:
         return f"alert command did not start: {e}"
-    try:
-        _out, err = await asyncio.wait_for(proc.communicate(payload), timeout)
-    except TimeoutError:
-        # the whole process group: `sh -c` forks its commands, and a child left alive
-        # would keep the pipes (and this await) open until it ends
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        return f"alert command timed out after {timeout:g}s"
-    if proc.returncode != 0:
-        text = (err or b"")[:300].decode(errors="replace").strip()
-        return f"alert command exited {proc.returncode}" + (f": {text}" if text else "")
+    if done.returncode != 0:
+        text = done.stderr[:300].decode(errors="replace").strip()
+        return f"alert command exited {done.returncode}" + (f": {text}" if text else "")
     return None
 
 

@@ -30,9 +30,7 @@ import binascii
 import contextlib
 import json
 import math
-import os
 import re
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +38,9 @@ from typing import Any
 
 import httpx
 
+from relay import shell
+
 DEFAULT_EXPIRES = 3600.0
-REAP_GRACE = 1.0  # seconds to wait for a killed token command's pipes to close
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space, no %x01
 _CODE_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what may be echoed of a server's error code
 _TRANSIENT_CODES = frozenset({"temporarily_unavailable", "server_error"})
@@ -137,26 +136,16 @@ class TokenSource:
 
     async def _command(self, command: str) -> tuple[str, float]:
         try:
-            proc = await asyncio.create_subprocess_shell(
-                command,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: a timeout kills all of it
-            )
-        except OSError as e:
-            raise OAuthError(f"token_command did not start: {e.strerror or e}", True) from None
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self.conf.timeout)
-        except TimeoutError:
+            done = await shell.run(command, self.conf.timeout, stdout=True)
+        except TimeoutError:  # (an OSError too: first)
             raise OAuthError(
                 f"token_command timed out after {self.conf.timeout:g}s", True
             ) from None
-        finally:
-            if proc.returncode is None:  # timed out or cancelled
-                await _kill_group(proc)
-        if proc.returncode != 0:
-            raise OAuthError(f"token_command exited {proc.returncode}", True)
+        except OSError as e:
+            raise OAuthError(f"token_command did not start: {e.strerror or e}", True) from None
+        out = done.stdout
+        if done.returncode != 0:
+            raise OAuthError(f"token_command exited {done.returncode}", True)
         text = out.decode("utf-8", errors="replace").strip()
         if text.startswith("{"):
             return _from_json(text, "token_command")
@@ -207,16 +196,6 @@ def _retrieve(task: asyncio.Task[str]) -> None:
     # an error nobody waited for (every caller gave up) is not "never retrieved"
     if not task.cancelled():
         task.exception()
-
-
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    # the shell leads its own group (start_new_session): this kills it and all it started
-    # (not proc.kill(): Popen polls first and could reap the pid under asyncio's watcher)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    # a child that left the group may still hold stdout open: don't wait on it forever
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), REAP_GRACE)
 
 
 def _error_code(r: httpx.Response) -> str:
