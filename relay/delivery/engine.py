@@ -55,6 +55,15 @@ from relay.spool.writer import SpoolWriter
 log = logging.getLogger(__name__)
 
 DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
+# one claim transaction: operator commands, claims, their envelopes, suspensions, and the
+# spool's suppression entries of claimed addresses
+_Claimed = tuple[
+    list[tuple[int, str, str]],
+    list[ops.Claim],
+    dict[str, ops.Envelope],
+    dict[str, tuple[float, str]],
+    dict[str, tuple[str, float] | None],
+]
 
 
 class Engine:
@@ -256,20 +265,15 @@ class Engine:
         now = self.clock()
         skip = self._full_queues()
 
-        def commands(c: Any) -> list[tuple[int, str, str]]:
+        def claim(c: Any) -> _Claimed:
+            # operator commands in the same transaction: a `queue flush` makes recipients
+            # due and kicks the circuit in one commit, and the kick is applied (below)
+            # before those recipients are dispatched
             if self._cmd_seen is None:  # at start: only what comes from now on
                 self._cmd_seen = ops.last_engine_command(c)
-                return []
-            return ops.engine_commands(c, self._cmd_seen)
-
-        def claim(
-            c: Any,
-        ) -> tuple[
-            list[ops.Claim],
-            dict[str, ops.Envelope],
-            dict[str, Any],
-            dict[str, tuple[str, float] | None],
-        ]:
+                cmds: list[tuple[int, str, str]] = []
+            else:
+                cmds = ops.engine_commands(c, self._cmd_seen)
             claims = ops.claim_due(c, now, cap, skip)
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
@@ -280,14 +284,12 @@ class Engine:
                 for cl in claims
                 if self.is_suppressed(cl.address) is not None
             }
-            return claims, envs, ops.suspensions(c, now), stored
+            return cmds, claims, envs, ops.suspensions(c, now), stored
 
-        # commands first: a `queue flush` makes recipients due and kicks the circuit in one
-        # transaction, and the kick must be seen before those recipients are dispatched
-        for cid, action, name in await self.writer.run(commands):
+        cmds, claims, envs, susp, stored = await self.writer.run(claim)
+        for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
             operator.command(self, action, name, now)
-        claims, envs, susp, stored = await self.writer.run(claim)
         for name, (until, reason) in susp.items():
             st = self.dest(name)
             if until > st.suspended_until or st.suspend_reason.startswith("operator"):
