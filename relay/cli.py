@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 from relay import __version__
 from relay.address import AddressError, check_mailbox, printable
 from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
+from relay.dedup import normalize_message_id
+from relay.feedback.apply import rates as feedback_rates
 from relay.logs import log_event, setup_logging
 from relay.spool import bodies, db, ops
 
@@ -65,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     al = sub.add_parser("alerts", parents=[common], help="the newest alerts and their sinks")
     al.add_argument("--limit", type=int, default=20)
+    fb = sub.add_parser(
+        "feedback", help="bounces and complaints after the 250 (webhooks, feedback mail)"
+    ).add_subparsers(dest="fcmd", required=True)
+    fe = fb.add_parser("events", parents=[common], help="the newest feedback events")
+    fe.add_argument("--limit", type=int, default=50)
+    fm = fb.add_parser("mail", parents=[common], help="feedback mail received (unread: kept)")
+    fm.add_argument("--unread", action="store_true", help="only mail that could not be read")
+    fm.add_argument("--limit", type=int, default=50)
+    fs = fb.add_parser("show", parents=[common], help="one feedback mail, as received")
+    fs.add_argument("id", type=int)
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
         dest="qcmd", required=True
@@ -75,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
     ql.add_argument("--recipient", help="only messages to this address")
     ql.add_argument("--domain", help="only messages with a recipient at this domain")
     ql.add_argument("--older-than", help="only messages older than this (e.g. 1h)")
+    qf = q.add_parser(
+        "find",
+        parents=[common],
+        help="messages (finished too) by Message-ID, upstream id or recipient",
+    )
+    qf.add_argument("--message-id", help="the Message-ID header, with or without <>")
+    qf.add_argument("--upstream-id", help="the id the upstream gave at its 250")
+    qf.add_argument("--recipient", help="a recipient address")
     qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
     qs.add_argument("id")
     qs.add_argument("--body", action="store_true", help="also print the message itself")
@@ -113,8 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     sa = s.add_parser("add", parents=[common])
     sa.add_argument("address")
     sa.add_argument("--reason", default="added by operator")
+    sa.add_argument(
+        "--scope",
+        default="global",
+        help="global (default), or one sending identity (shaping.identity_by)",
+    )
     sr = s.add_parser("remove", parents=[common])
     sr.add_argument("address")
+    sr.add_argument(
+        "--scope", default=None, help="lift only this scope's entry (default: every entry)"
+    )
 
     d = sub.add_parser("destination", help="per-destination state and controls").add_subparsers(
         dest="dcmd", required=True
@@ -256,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
     if args.cmd == "check-config":
+        for warning in config.warnings():
+            print(f"relay: warning: {warning}", file=sys.stderr)
         if args.json:
             print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
         else:
@@ -370,6 +400,8 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
     now = time.time()
     if args.cmd == "stats":
         return _stats(args, conn, now)
+    if args.cmd == "feedback":
+        return _feedback(args, conn)
     if args.cmd == "alerts":
         from relay.alerts import recent
 
@@ -422,6 +454,29 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         else:
             _print_mailq(msgs)
         return EXIT_OK
+    if c == "find":
+        if not (args.message_id or args.upstream_id or args.recipient):
+            print(
+                "relay: queue find: give --message-id, --upstream-id or --recipient",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        msgs = ops.list_messages(
+            conn,
+            include_finished=True,
+            recipient=args.recipient,
+            message_id=normalize_message_id(args.message_id) if args.message_id else None,
+            upstream_id=args.upstream_id.strip().strip("<>") if args.upstream_id else None,
+            now=now,
+        )
+        _destinations_as_delivered(args, msgs)
+        if args.json:
+            _print_json(msgs)
+        elif msgs:
+            _print_mailq(msgs)
+        else:
+            print("relay: no message matches", file=sys.stderr)
+        return EXIT_OK if msgs else EXIT_FAIL
     if c == "show":
         msg = ops.show_message(conn, args.id)
         if msg is None:
@@ -576,6 +631,41 @@ def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> 
     return EXIT_OK
 
 
+# --- feedback ---------------------------------------------------------------------------
+
+
+def _feedback(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
+    if args.fcmd == "show":
+        data = ops.feedback_mail_body(conn, args.id)
+        if data is None:
+            raise CliError(f"no such feedback mail: {args.id}")
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        return EXIT_OK
+    if args.fcmd == "events":
+        rows = ops.feedback_events(conn, max(1, args.limit))
+    else:
+        rows = ops.feedback_mail(conn, max(1, args.limit), unread=args.unread)
+    for r in rows:
+        r["at"] = _iso(r["at"])
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    for r in rows:
+        if args.fcmd == "events":
+            print(
+                f"{r['at']}  {r['provider']:<9} {r['type']:<12} {printable(r['recipient']):<36}"
+                f" {r['outcome']:<11} {r['msg_id'] or '-'}  {printable(r['reason'] or '')[:80]}"
+            )
+        else:
+            what = f"{r['events']} event(s)" if r["error"] is None else f"UNREAD: {r['error']}"
+            print(
+                f"{r['id']:>6}  {r['at']}  from {printable(r['sender'] or '<>')}"
+                f" ({r['size']} bytes)  {printable(what)[:120]}"
+            )
+    print(f"-- {len(rows)} {'event' if args.fcmd == 'events' else 'message'}(s)")
+    return EXIT_OK
+
+
 # --- suppression, destinations, stats ---------------------------------------------------
 
 
@@ -591,8 +681,8 @@ def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
                 # printable(): an address or reason spooled before addresses were checked
                 # may hold control characters; never write them raw to a terminal.
                 print(
-                    f"{printable(r['address']):<40} {r['created_at']}  "
-                    f"{printable(r['reason'] or '')}"
+                    f"{printable(r['address']):<40} {printable(r['scope']):<20}"
+                    f" {r['created_at']}  {printable(r['reason'] or '')}"
                 )
             print(f"-- {len(rows)} suppressed address{'es' if len(rows) != 1 else ''}")
         return EXIT_OK
@@ -602,23 +692,34 @@ def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
     except AddressError as e:
         print(f"relay: '{printable(args.address)}' is not an email address: {e}", file=sys.stderr)
         return EXIT_USAGE
+    scope = args.scope
+    stored = None if scope is None else ("" if scope.lower() == "global" else scope.lower())
+    detail = {"address": addr} if scope is None else {"address": addr, "scope": scope}
     if args.scmd == "add":
+        assert stored is not None
         ok = _act(
             conn,
             "suppression_add",
-            {"address": addr},
-            lambda x: ops.suppression_add(x, addr, args.reason, now),
+            detail,
+            lambda x: ops.suppression_add(x, addr, args.reason, now, stored),
         )
     else:
         ok = _act(
-            conn, "suppression_remove", {"address": addr}, lambda x: ops.suppression_remove(x, addr)
+            conn,
+            "suppression_remove",
+            detail,
+            lambda x: ops.suppression_remove(x, addr, stored),
         )
     if args.json:
-        _print_json({"action": args.scmd, "address": addr, "changed": ok})
+        doc = {"action": args.scmd, "address": addr, "changed": ok}
+        if scope is not None:
+            doc["scope"] = scope
+        _print_json(doc)
     elif ok:
-        print(f"{args.scmd}: {addr}")
+        print(f"{args.scmd}: {addr}" + ("" if scope is None else f" (scope {scope})"))
     if not ok:
-        print(f"relay: {addr} is not on the suppression list", file=sys.stderr)
+        where = "" if scope is None else f" (scope {scope})"
+        print(f"relay: {addr} is not on the suppression list{where}", file=sys.stderr)
         return EXIT_FAIL
     return EXIT_OK
 
@@ -714,6 +815,7 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
         }
     else:
         st["daemon"] = None
+    st["feedback"] = feedback_rates(conn, now)
     if args.json:
         _print_json(st)
         return EXIT_OK
@@ -751,7 +853,27 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
             )
     else:
         print("daemon: no snapshot (not running yet?)")
+    if st["feedback"]:
+        print("feedback per identity (24h | 7d): delivered, bounces, complaints")
+    for f in st["feedback"]:
+        parts = []
+        for span in ("24h", "7d"):
+            x = f[span]
+            parts.append(
+                f"{x['delivered']}, {x['bounced']} ({_pct(x['bounce_rate'])}),"
+                f" {x['complained']} ({_pct(x['complaint_rate'])})"
+            )
+        worst = f["24h"]["complaint_rate"] or 0.0
+        flag = "  COMPLAINTS OVER 0.3%" if worst > COMPLAINT_LIMIT else ""
+        print(f"  identity {printable(str(f['identity']))}: {' | '.join(parts)}{flag}")
     return EXIT_OK
+
+
+COMPLAINT_LIMIT = 0.003  # Gmail's and Yahoo's bulk-sender ceiling (2024)
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.2f}%"
 
 
 # --- printing -----------------------------------------------------------------------------
@@ -812,6 +934,8 @@ def _print_show(msg: dict[str, Any]) -> None:
         )
         if r["last_reply"]:
             print(f"      last reply: {printable(r['last_reply'])}")
+        if r.get("upstream_id"):
+            print(f"      upstream id: {printable(r['upstream_id'])}")
         if r.get("reason"):
             print(f"      waiting: {r['reason']}")
     print("attempt log:")

@@ -116,6 +116,14 @@ DEFAULTS: dict[str, Any] = {
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
     "admin": {"listen": "127.0.0.1:9025"},
+    "feedback": {
+        "listen": None,
+        "address": None,
+        "verp": False,
+        "verp_secret_file": None,
+        "max_body": "1MiB",
+        "providers": {},
+    },
     "log": {"level": "info", "format": "json", "unmask": False},
     "shutdown_timeout": "30s",
 }
@@ -661,6 +669,93 @@ def parse_aliases(text: str, domain: str, key: str) -> dict[str, tuple[str, ...]
     return entries
 
 
+FEEDBACK_PROVIDERS = ("ses", "postmark", "sendgrid", "mailgun", "generic")
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackProvider:
+    """One provider's webhook: HTTP basic auth whose password is `token`, plus the
+    provider's own signature where it signs offline."""
+
+    name: str
+    token: str = field(repr=False)
+    signing_key: bytes | None = field(default=None, repr=False)  # mailgun: HMAC key
+    public_key: bytes | None = None  # sendgrid: the signed event webhook's ECDSA key
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackConf:
+    listen: tuple[str, int] | None = None  # its own HTTP listener; None: admin.listen
+    address: str | None = None  # bounces@relay.example.com: mail to it is feedback
+    verp: bool = False
+    verp_secret: bytes | None = field(default=None, repr=False)  # None: a key in the spool
+    max_body: int = 1024 * 1024
+    providers: Mapping[str, FeedbackProvider] = field(default_factory=dict)
+
+    @property
+    def local(self) -> str:
+        return (self.address or "").rpartition("@")[0]
+
+    @property
+    def domain(self) -> str:
+        return (self.address or "").rpartition("@")[2]
+
+
+def _feedback(item: object, base: Path) -> FeedbackConf:
+    from relay.address import AddressError, check_mailbox
+
+    r = _Reader(item, "feedback")
+    listen_s = r.opt_str("listen")
+    listen = None if not listen_s else parse_hostport(listen_s, "feedback.listen")
+    address = r.opt_str("address")
+    if address is not None:
+        try:
+            check_mailbox(address)
+        except AddressError as e:
+            raise ConfigError(f"feedback.address: {address!r}: {e}") from None
+        if "+" in address.rpartition("@")[0]:
+            raise ConfigError("feedback.address: no '+' in the local part (VERP adds one)")
+    verp = r.boolean("verp")
+    if verp and address is None:
+        raise ConfigError("feedback.verp: needs feedback.address (the bounce address)")
+    secret_path = r.path_("verp_secret_file", base)
+    verp_secret = None
+    if secret_path is not None:
+        verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
+    max_body = parse_size(r.get("max_body"), "feedback.max_body")
+    raw = r.get("providers") or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("feedback.providers: expected a mapping of provider names")
+    providers: dict[str, FeedbackProvider] = {}
+    for name, conf in raw.items():
+        key = f"feedback.providers.{name}"
+        if name not in FEEDBACK_PROVIDERS:
+            close = difflib.get_close_matches(str(name), FEEDBACK_PROVIDERS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{key}: unknown provider{hint}; known: {', '.join(FEEDBACK_PROVIDERS)}"
+            )
+        pr = _Reader(conf, key)
+        token_path = pr.path_("token_file", base)
+        if token_path is None:
+            raise ConfigError(f"{key}.token_file: required (the webhook's basic-auth password)")
+        token = _read_secret(token_path, f"{key}.token_file").strip()
+        signing = public = None
+        if name == "mailgun":
+            sp = pr.path_("signing_key_file", base)
+            if sp is None:
+                raise ConfigError(f"{key}.signing_key_file: required (Mailgun signs every call)")
+            signing = _read_secret(sp, f"{key}.signing_key_file").strip().encode()
+        if name == "sendgrid":
+            pp = pr.path_("public_key_file", base)
+            if pp is not None:
+                public = _read_secret(pp, f"{key}.public_key_file").strip().encode()
+        pr.finish()
+        providers[str(name)] = FeedbackProvider(str(name), token, signing, public)
+    r.finish()
+    return FeedbackConf(listen, address, verp, verp_secret, max_body, providers)
+
+
 @dataclass(frozen=True, slots=True)
 class Dsn:
     enabled: bool
@@ -702,6 +797,32 @@ class Config:
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
     health: Health = field(default_factory=Health)
     routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
+    feedback: FeedbackConf = field(default_factory=FeedbackConf)
+
+    def warnings(self) -> list[str]:
+        """Settings that work but are probably not what the operator wants (check-config
+        prints them; the daemon logs them at start)."""
+        out = []
+        if self.dedup_window < self.retry.max_age:
+            out.append(
+                f"dedup.window ({self.dedup_window:g}s) is shorter than retry.max_age"
+                f" ({self.retry.max_age:g}s): an app that resubmits a message still being"
+                " retried after the window gets it sent twice"
+            )
+        sg = self.feedback.providers.get("sendgrid")
+        if sg is not None and sg.public_key is None:
+            out.append(
+                "feedback.providers.sendgrid: no public_key_file: events are checked by the"
+                " basic-auth token only (enable SendGrid's Signed Event Webhook)"
+            )
+        if self.feedback.providers and self.feedback.listen is None and self.admin_listen:
+            host = self.admin_listen[0]
+            if host not in ("127.0.0.1", "::1", "localhost"):
+                out.append(
+                    "feedback endpoints share admin.listen, which is not loopback: /metrics"
+                    " and /health face the same network; set feedback.listen"
+                )
+        return out
 
     def destination(self, name: str) -> Destination:
         return self.destinations.get(name) or self.destinations["*"]
@@ -1028,6 +1149,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
     ad.finish()
 
+    feedback = _feedback(top.get("feedback"), base_dir)
+
     lg = _Reader(top.get("log"), "log")
     log = LogConf(
         level=lg.string("level", ("debug", "info", "warning", "error")),
@@ -1066,6 +1189,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         retention=retention,
         health=health,
         routing=route_table,
+        feedback=feedback,
     )
 
 

@@ -44,7 +44,9 @@ from relay.config import Config, ConfigError, ListenerTLS, load_config
 from relay.delivery import smtpclient_adapter
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
+from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
+from relay.httpd import HttpServer
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
@@ -79,6 +81,7 @@ class Daemon:
         self.servers: list[asyncio.Server] = []
         self.engine: Engine | None = None
         self.admin: AdminServer | None = None
+        self.feedback_http: HttpServer | None = None
         self.notifier = Notifier()
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
@@ -104,6 +107,17 @@ class Daemon:
         st = os.stat(db.db_path(self.config.spool_path))
         self._spool_id = (st.st_dev, st.st_ino)
         await self.suppressions.refresh(self.writer)
+        self.feedback = FeedbackService(
+            lambda: self.config,
+            self.writer,
+            self.metrics,
+            lambda: (self.config.alerts.coalesce, alerts.sinks_of(self.config.alerts)),
+            self.suppressions.add_local,
+            faults.now,
+        )
+        await self.feedback.start()
+        for warning in self.config.warnings():
+            log_event(log, logging.WARNING, "config_warning", warning)
         self.engine = Engine(
             self.config,
             self.writer,
@@ -113,6 +127,7 @@ class Daemon:
             on_suppressed=self.suppressions.add_local,
             clock=faults.now,
         )
+        self.engine.verp_sender = self.feedback.verp_sender
         for lst in self.config.listen:
             h = InboundHandler(
                 self.config,
@@ -123,6 +138,7 @@ class Daemon:
                 stats=self.stats,
                 guard=self.guard,
                 gate=self._refusal,
+                feedback=self.feedback,
             )
             tls: dict[str, Any] = {}
             if lst.tls is not None and lst.tls.implicit:  # RFC 8314 §3
@@ -141,10 +157,22 @@ class Daemon:
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
+            # the feedback endpoints share the admin listener unless they have their own
+            shared = self.feedback.http if self.config.feedback.listen is None else None
             self.admin = AdminServer(
-                self.metrics, self.writer, self.readiness_problems, self.health_doc
+                self.metrics,
+                self.writer,
+                self.readiness_problems,
+                self.health_doc,
+                shared,
+                self.config.feedback.max_body,
             )
             await self.admin.start(*self.config.admin_listen)
+        if self.config.feedback.listen is not None:
+            self.feedback_http = HttpServer(
+                self.feedback.http, self.config.feedback.max_body, name="feedback"
+            )
+            await self.feedback_http.start(*self.config.feedback.listen)
         for sig, fn in (
             (signal.SIGTERM, self._stop.set),
             (signal.SIGINT, self._stop.set),
@@ -215,6 +243,8 @@ class Daemon:
             (self.config.spool_path / HEALTH_FILE).unlink()
         if self.admin is not None:
             await self.admin.stop()
+        if self.feedback_http is not None:
+            await self.feedback_http.stop()
         await asyncio.to_thread(self.writer.close)
         self.guard.close()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")

@@ -8,6 +8,9 @@ Rules:
   lowercased (domains are case-insensitive, RFC 5321 §2.4); the local part keeps its case.
 - Recipients compare lowercased: in practice no provider has two mailboxes that differ only
   in case, and a false "new" would send a duplicate.
+- An `Idempotency-Key` header, when present, takes the Message-ID's place in the key (an app
+  whose mail library makes a new Message-ID per retry keeps one key); a second message with
+  the same key but other content is refused, never dropped (relay/inbound.py).
 - A message without a Message-ID gets one derived from a hash of its content (headers minus
   trace headers, plus the body), so a byte-identical resubmission gets the same key.
 """
@@ -38,6 +41,24 @@ def dedup_key(namespace: str, message_id: str, recipient: str) -> str:
         h.update(part.encode("utf-8", errors="surrogateescape"))
         h.update(b"\x00")
     return h.hexdigest()[:40]
+
+
+def idempotency_dedup_key(namespace: str, key: str, recipient: str) -> str:
+    """An `Idempotency-Key` header's dedup key: in place of the Message-ID, compared exactly
+    (a key is the app's own token: no case folding), still per namespace and recipient."""
+    h = hashlib.sha256(b"idempotency-key\x00")
+    for part in (namespace, key, normalize_address(recipient)):
+        h.update(part.encode("utf-8", errors="surrogateescape"))
+        h.update(b"\x00")
+    return h.hexdigest()[:40]
+
+
+IDEMPOTENCY_KEY_MAX = 200
+
+
+def valid_idempotency_key(value: str) -> bool:
+    """1 to 200 printable ASCII characters (space allowed inside)."""
+    return 0 < len(value) <= IDEMPOTENCY_KEY_MAX and all(" " <= ch <= "~" for ch in value)
 
 
 def content_message_id(header_block: bytes, body: bytes, hostname: str) -> str:

@@ -39,6 +39,7 @@ import errno
 import ipaddress
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,16 +60,19 @@ from relay import dedup, faults, longlines, smtpd_adapter
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
+from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard, is_allowed
 from relay.lanes import LANE_PRIORITY, classify_lane
 from relay.logs import log_event
 from relay.message import (
+    content_hash,
     date_header,
     header,
     parse_headers,
     qualify_header_block,
     qualify_headers,
     received_header,
+    strip_header,
 )
 from relay.metrics import Metrics
 from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch, TooManyErrors
@@ -143,25 +147,36 @@ class InboundStats:
 
 class Suppressions:
     """An in-memory copy of the suppression list, refreshed from the spool (so that a CLI
-    change takes effect within the refresh interval)."""
+    change takes effect within the refresh interval). An entry's scope is '' (every sender)
+    or one sending identity (a complaint, an unsubscribe)."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, tuple[str, float]] = {}
+        self.entries: dict[tuple[str, str], tuple[str, float]] = {}
         self.version: tuple[int, int, float] | None = None
 
-    def get(self, address: str) -> tuple[str, float] | None:
-        return self.entries.get(address.lower())
+    def get(self, address: str, identity: str | None = None) -> tuple[str, float] | None:
+        addr = address.lower()
+        hit = self.entries.get((addr, ""))
+        if hit is None and identity:
+            hit = self.entries.get((addr, identity.lower()))
+        return hit
 
     async def refresh(self, writer: SpoolWriter) -> None:
         version = await writer.run(ops.suppression_version)
         if version == self.version:
             return
         rows = await writer.run(ops.suppression_list)
-        self.entries = {r["address"]: (r["reason"], r["created_at"]) for r in rows}
+        self.entries = {
+            (r["address"], "" if r["scope"] == "global" else r["scope"]): (
+                r["reason"],
+                r["created_at"],
+            )
+            for r in rows
+        }
         self.version = version
 
-    def add_local(self, address: str, reason: str, when: float) -> None:
-        self.entries[address.lower()] = (reason, when)
+    def add_local(self, address: str, reason: str, when: float, scope: str = "") -> None:
+        self.entries[(address.lower(), scope.lower())] = (reason, when)
         # The entries no longer match the version they were loaded at: reload at the next
         # refresh. Otherwise an operator `suppression remove` before that refresh brings the
         # spool back to the remembered version and the address stays suppressed here.
@@ -519,8 +534,11 @@ class InboundHandler(AuthMechanisms):
         stats: InboundStats | None = None,
         guard: InboundGuard | None = None,
         gate: Callable[[], str | None] = lambda: None,
+        feedback: FeedbackService | None = None,
     ) -> None:
         self.config = config
+        # mail to feedback.address: bounces and complaints, read here, never relayed
+        self.feedback = feedback
         # the daemon's health says the spool or the disk cannot keep mail: this reply
         # (451 4.3.0 / 452 4.3.1) at MAIL and at the end of DATA instead of a 250
         self.gate = gate
@@ -605,6 +623,11 @@ class InboundHandler(AuthMechanisms):
         address: str,
         rcpt_options: list[str],
     ) -> str:
+        if self.feedback is not None and self.feedback.is_feedback_rcpt(address):
+            # not relaying: a bounce or complaint for us, from anyone (no open relay)
+            if address.lower() not in (r.lower() for r in envelope.rcpt_tos):
+                envelope.rcpt_tos.append(address)
+            return "250 2.1.5 OK (feedback address)"
         if not self._peer_allowed(session):
             self.stats.reject("relay_denied")
             return "554 5.7.1 Relay access denied: authenticate or connect from an allowed network"
@@ -618,8 +641,9 @@ class InboundHandler(AuthMechanisms):
             return "452 4.5.3 Too many recipients"
         refusal = ""
         accepted = 0
+        identity = self.identity_of(str(envelope.mail_from or ""))
         for target in targets:
-            supp = self.suppressions.get(target)
+            supp = self.suppressions.get(target, identity)
             if supp is not None:
                 self.stats.reject("suppressed")
                 since = ops.iso_utc(supp[1])
@@ -734,6 +758,20 @@ class InboundHandler(AuthMechanisms):
         head = incoming.header_block()
         headers = parse_headers(head)
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
+        rcpts = list(envelope.rcpt_tos)
+        if self.feedback is not None:
+            fb = [r for r in rcpts if self.feedback.is_feedback_rcpt(r)]
+            if fb:
+                try:
+                    data = await asyncio.to_thread(_whole, incoming)
+                    await self.feedback.mail(data, peer=peer_ip, sender=sender, rcpts=fb)
+                except (SpoolError, OSError, sqlite3.Error) as e:
+                    incoming.discard()
+                    return self.spool_failed(queue_id, e)
+                rcpts = [r for r in rcpts if r not in fb]
+                if not rcpts:
+                    incoming.discard()
+                    return "250 2.0.0 Ok: feedback received"
         if nuls:
             log_event(
                 log,
@@ -745,6 +783,29 @@ class InboundHandler(AuthMechanisms):
                 peer=peer_ip,
             )
 
+        ikey = header(headers, IDEMPOTENCY_KEY)
+        chash: str | None = None
+        if ikey is not None:
+            ikey = ikey.strip()
+            if not dedup.valid_idempotency_key(ikey):
+                incoming.discard()
+                self.stats.reject("bad_idempotency_key")
+                return (
+                    "554 5.6.0 Idempotency-Key must be 1 to"
+                    f" {dedup.IDEMPOTENCY_KEY_MAX} printable ASCII characters"
+                )
+            hashed: list[str] = []
+
+            def strip_key(data: bytes) -> bytes | None:
+                hashed.append(content_hash(data))
+                return strip_header(data, IDEMPOTENCY_KEY)
+
+            try:  # the key is ours, not the recipient's: removed before relaying
+                await incoming.rewrite(strip_key)
+            except OSError as e:
+                return self.spool_failed(queue_id, e)
+            chash = hashed[0]
+
         added = b""
         mid = header(headers, "Message-ID")
         if not mid or not dedup.normalize_message_id(mid):
@@ -752,7 +813,6 @@ class InboundHandler(AuthMechanisms):
             added = f"Message-ID: {mid}\r\n".encode()
         if header(headers, "Date") is None:
             added += date_header(now)  # after the content id: a resubmission keeps its id
-        rcpts = list(envelope.rcpt_tos)
         trace = received_header(
             helo=session.host_name or "unknown",
             peer_ip=peer_ip,
@@ -772,15 +832,16 @@ class InboundHandler(AuthMechanisms):
             ops.NewRecipient(
                 address=r,
                 destination=r.rpartition("@")[2].lower(),
-                dedup_key=dedup.dedup_key(namespace, mid, r),
+                dedup_key=(
+                    dedup.dedup_key(namespace, mid, r)
+                    if ikey is None
+                    else dedup.idempotency_dedup_key(namespace, ikey, r)
+                ),
+                content_hash=chash,
             )
             for r in rcpts
         )
-        identity = (
-            sender.rpartition("@")[2].lower()
-            if cfg.shaping.identity_by == "sender_domain"
-            else sender.lower()
-        ) or "<>"
+        identity = self.identity_of(sender)
         body_path: str | None = None
         try:
             if incoming.on_disk:
@@ -816,6 +877,23 @@ class InboundHandler(AuthMechanisms):
                 bodies.delete_bodies(cfg.spool_path, [body_path])
             incoming.discard()
             return self.spool_failed(queue_id, e)
+        if result.conflicts:
+            if body_path:
+                bodies.delete_bodies(cfg.spool_path, [body_path])
+            self.stats.reject("idempotency_conflict")
+            log_event(
+                log,
+                logging.WARNING,
+                "idempotency_conflict",
+                "Idempotency-Key reused for other content; refused",
+                idempotency_key=ikey,
+                rcpts=list(result.conflicts),
+                client=namespace,
+            )
+            return (
+                f"554 5.6.0 Idempotency-Key {_printable(ikey or '')!s:.60} was already used"
+                " for a message with other content; use a new key for a new message"
+            )
         if result.queue_id is None:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -842,6 +920,7 @@ class InboundHandler(AuthMechanisms):
             "message queued",
             queue_id=queue_id,
             message_id=mid,
+            idempotency_key=ikey,
             sender=sender or "<>",
             rcpts=list(result.queued),
             duplicates=len(result.duplicates),
@@ -869,6 +948,16 @@ class InboundHandler(AuthMechanisms):
         if full:
             return "452 4.3.1 Insufficient system storage; try again later"
         return "451 4.3.0 Spool unavailable; message not accepted, try again later"
+
+    def identity_of(self, sender: str) -> str:
+        """The sending identity of an envelope sender (`shaping.identity_by`): daily ceilings,
+        scoped suppression (complaints, unsubscribes) and feedback rates are kept per identity."""
+        sender = "" if sender == "<>" else sender
+        return (
+            sender.rpartition("@")[2].lower()
+            if self.config.shaping.identity_by == "sender_domain"
+            else sender.lower()
+        ) or "<>"
 
     def _namespace(self, session: Session) -> str:
         user = getattr(session, "auth_data", None)
@@ -928,6 +1017,15 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+IDEMPOTENCY_KEY = "Idempotency-Key"
+
+
+def _whole(incoming: IncomingBody) -> bytes:
+    """The message as received (feedback mail is read whole; it is bounded by the size limit)."""
+    path = incoming.tmp_path
+    return incoming.inline() if path is None else path.read_bytes()
 
 
 def _storable(text: str) -> str:

@@ -11,6 +11,7 @@ Rules:
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import re
 import time
 from datetime import UTC, datetime
@@ -145,3 +146,58 @@ def qualify_header_block(data: bytes, domain: str) -> bytes | None:
     if new == lines:
         return None
     return b"\r\n".join(new) + b"\r\n\r\n" + body
+
+
+def strip_header(data: bytes, name: str) -> bytes | None:
+    """`data` (a whole message) without every field `name` of its header block (with its
+    continuation lines); None when it has none. The body and every other line are kept byte
+    for byte."""
+    head, sep, _ = data.partition(_HEADER_END)
+    if not sep:
+        head = data
+    low = name.lower().encode() + b":"
+    lines = head.split(b"\r\n")
+    kept: list[bytes] = []
+    dropping = False
+    for line in lines:
+        if line[:1] in (b" ", b"\t") and dropping:
+            continue
+        dropping = line[: len(low)].lower() == low
+        if not dropping:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return None
+    return b"\r\n".join(kept) + data[len(head) :]
+
+
+# What makes "the same message" for an Idempotency-Key (RFC-free, the chapter's rule): the
+# body and the headers a reader sees as content. Message-ID, Date and trace headers may
+# change between two submissions of one message and are left out.
+CONTENT_HEADERS = (
+    "from",
+    "sender",
+    "to",
+    "cc",
+    "reply-to",
+    "subject",
+    "mime-version",
+    "content-type",
+    "content-transfer-encoding",
+)
+
+
+def content_hash(data: bytes) -> str:
+    """A hash of `data`'s CONTENT_HEADERS (in that order, each occurrence) and its body."""
+    head, body = split_message(data)
+    headers = parse_headers(head)
+    h = hashlib.sha256()
+    for name in CONTENT_HEADERS:
+        for n, v in headers:
+            if n.lower() == name:
+                h.update(
+                    name.encode() + b":" + " ".join(v.split()).encode("utf-8", "surrogateescape")
+                )
+                h.update(b"\r\n")
+    h.update(b"\r\n")
+    h.update(body)
+    return h.hexdigest()[:40]

@@ -12,6 +12,12 @@ class Metrics:
         self.accepted = Counter(
             "relay_accepted_messages", "Messages accepted and spooled", ["lane"], registry=r
         )
+        self.feedback_events = Counter(
+            "relay_feedback_events",
+            "Bounces and complaints received after the 250 (webhooks, feedback mail)",
+            ["provider", "type"],
+            registry=r,
+        )
         self.deduplicated = Counter(
             "relay_deduplicated_messages",
             "Resubmissions answered 250 and not queued again",

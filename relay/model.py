@@ -79,7 +79,8 @@ TRANSITIONS: dict[RcptState, frozenset[RcptState]] = {
     RcptState.BOUNCED: frozenset({RcptState.DEFERRED}),
     RcptState.FAILED: frozenset({RcptState.DEFERRED}),
     RcptState.SUPPRESSED: frozenset({RcptState.DEFERRED}),
-    RcptState.DELIVERED: frozenset(),
+    # a late bounce (relay/feedback/): the upstream said 250, the mailbox said no later
+    RcptState.DELIVERED: frozenset({RcptState.BOUNCED}),
 }
 
 

@@ -93,6 +93,8 @@ class Upstream:
     mail_reply: Callable[[str], Reply] = lambda s: None
     rcpt_reply: Callable[[str], Reply] = lambda a: None
     data_reply: Callable[[Envelope], Reply] = lambda e: None
+    # the 250 to the final dot of a message it keeps (e.g. with a queue id, like Postfix)
+    ok_reply: Callable[[Envelope], str] = lambda e: "250 2.0.0 OK queued"
     stall: dict[str, float] = field(default_factory=dict)
     disconnect_after_dot: bool = False
     received: list[Received] = field(default_factory=list)
@@ -290,7 +292,7 @@ class _Handler:
                 time.time(),
             )
         )
-        return "250 2.0.0 OK queued"
+        return self.up.ok_reply(envelope)
 
 
 def _sasl_kv(b64: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from relay.logs import log_event
 from relay.model import RcptState
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import bodies, ops
+from relay.upstream_ids import upstream_id
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine
@@ -192,7 +193,10 @@ async def apply(
             duration=duration,
         )
         reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
-        outcomes.append(d.outcome)
+        uid = upstream_id(reply) if d.kind == "delivered" else None
+        outcomes.append(
+            d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid)
+        )
         e.metrics.attempts.labels(st.name, d.logged).inc()
         if d.logged == "ambiguous":
             log_event(
@@ -224,6 +228,7 @@ async def apply(
                 destination=st.name,
                 host=host,
                 reply=reply,
+                upstream_id=uid,
                 duration=round(duration, 3),
             )
         elif d.kind == "deferred":

@@ -38,7 +38,10 @@ def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
 
 
 def dispatch(
-    e: Engine, job: Job, now: float, stored: dict[str, tuple[str, float] | None] | None = None
+    e: Engine,
+    job: Job,
+    now: float,
+    stored: dict[tuple[str, str], tuple[str, float] | None] | None = None,
 ) -> list[ops.RcptUpdate]:
     """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
     open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
@@ -46,9 +49,9 @@ def dispatch(
     out: list[ops.RcptUpdate] = []
     keep: list[ops.Claim] = []
     for cl in job.claims:
-        supp = e.is_suppressed(cl.address)
-        if supp is not None and stored is not None and cl.address in stored:
-            supp = stored[cl.address]
+        supp = e.is_suppressed(cl.address, cl.identity)
+        if supp is not None and stored is not None and (cl.address, cl.identity) in stored:
+            supp = stored[(cl.address, cl.identity)]
         if supp is None:
             keep.append(cl)
             continue

@@ -62,7 +62,7 @@ _Claimed = tuple[
     list[ops.Claim],
     dict[str, ops.Envelope],
     dict[str, tuple[float, str]],
-    dict[str, tuple[str, float] | None],
+    dict[tuple[str, str], tuple[str, float] | None],  # (address, identity)
 ]
 
 
@@ -77,7 +77,7 @@ class Engine:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         on_dead_letter: DeadLetterHook | None = None,
-        is_suppressed: Callable[[str], tuple[str, float] | None] = lambda a: None,
+        is_suppressed: Callable[[str, str | None], tuple[str, float] | None] = lambda a, i: None,
         on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
     ) -> None:
         self.writer = writer
@@ -86,6 +86,8 @@ class Engine:
         self.rng = rng or random.Random()
         self.on_dead_letter = on_dead_letter
         self.is_suppressed = is_suppressed
+        # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
+        self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
         self.on_suppressed = on_suppressed
         self.dests: dict[str, DestState] = {}
         self._wake = asyncio.Event()
@@ -280,9 +282,9 @@ class Engine:
             # recipient is made `suppressed` (final), ask the spool, so that an operator's
             # `suppression remove` followed at once by `queue retry` is not undone.
             stored = {
-                cl.address: ops.suppression_get(c, cl.address)
+                (cl.address, cl.identity): ops.suppression_get(c, cl.address, cl.identity)
                 for cl in claims
-                if self.is_suppressed(cl.address) is not None
+                if self.is_suppressed(cl.address, cl.identity) is not None
             }
             return cmds, claims, envs, ops.suspensions(c, now), stored
 
@@ -297,7 +299,7 @@ class Engine:
         for st in self.dests.values():
             if st.suspend_reason.startswith("operator") and st.name not in susp:
                 st.suspended_until, st.suspend_reason = 0.0, ""
-        jobs: dict[tuple[str, str], Job] = {}
+        jobs: dict[tuple[str, str, int], Job] = {}
         for cl in claims:
             env = envs.get(cl.msg_id)
             if env is None:
@@ -306,14 +308,17 @@ class Engine:
                 sender=env.sender, recipient=cl.address, client=env.client, listener=env.listener
             )
             dname = cl.destination if route.mx else dispatch.first_open(self, route.via, now)
-            job = jobs.get((cl.msg_id, dname))
+            # feedback.verp: an envelope sender per recipient, so one transaction each
+            verp = self.verp_sender(cl.msg_id, cl.rcpt_id) if env.sender else None
+            key = (cl.msg_id, dname, cl.rcpt_id if verp else 0)
+            job = jobs.get(key)
             if job is None:
-                job = jobs[(cl.msg_id, dname)] = Job(
+                job = jobs[key] = Job(
                     msg_id=cl.msg_id,
                     destination=dname,
                     lane=cl.lane,
                     identity=cl.identity,
-                    sender=env.sender,
+                    sender=verp or env.sender,
                     claims=[],
                     envelope=env,
                     route=route,

@@ -139,6 +139,63 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE messages ADD COLUMN listener TEXT;
     """,
+    # 4 -> 5: feedback after the 250 (relay/feedback/): suppression entries get a scope
+    # ('' = every sender, else one sending identity: a complaint or an unsubscribe) and a
+    # source; the upstream's id of each delivered recipient; webhook and mail events, once
+    # each; feedback mail that could not be read, kept for the operator; per identity and
+    # hour, delivered / bounced / complained counts (rates in `relay stats`); and the
+    # content hash behind an Idempotency-Key.
+    """
+    CREATE TABLE suppression_scoped (
+        address     TEXT NOT NULL,
+        scope       TEXT NOT NULL DEFAULT '',  -- '' = global, else a sending identity
+        reason      TEXT NOT NULL,
+        created_at  REAL NOT NULL,
+        source      TEXT NOT NULL DEFAULT '',  -- smtp, operator, feedback:<provider>, ...
+        PRIMARY KEY (address, scope)
+    );
+    INSERT INTO suppression_scoped (address, scope, reason, created_at)
+        SELECT address, '', reason, created_at FROM suppression;
+    DROP TABLE suppression;
+    ALTER TABLE suppression_scoped RENAME TO suppression;
+    ALTER TABLE recipients ADD COLUMN upstream_id TEXT;
+    CREATE INDEX recipients_upstream ON recipients(upstream_id) WHERE upstream_id IS NOT NULL;
+    CREATE INDEX messages_message_id ON messages(message_id);
+    CREATE TABLE feedback_events (
+        provider    TEXT NOT NULL,
+        event_id    TEXT NOT NULL,
+        recipient   TEXT NOT NULL,             -- lowercased
+        at          REAL NOT NULL,
+        type        TEXT NOT NULL,             -- bounce | soft_bounce | complaint
+        msg_id      TEXT,                      -- the matched recipient, if any
+        rcpt_id     INTEGER,
+        identity    TEXT,
+        outcome     TEXT NOT NULL,             -- what it did: suppressed, logged, unmatched
+        reason      TEXT,
+        PRIMARY KEY (provider, event_id, recipient)
+    ) WITHOUT ROWID;
+    CREATE INDEX feedback_events_at ON feedback_events(at);
+    CREATE TABLE feedback_mail (
+        id          INTEGER PRIMARY KEY,
+        at          REAL NOT NULL,
+        peer        TEXT NOT NULL,
+        sender      TEXT NOT NULL,
+        rcpt        TEXT NOT NULL,
+        size        INTEGER NOT NULL,
+        body        BLOB NOT NULL,
+        events      INTEGER NOT NULL,          -- how many events it gave
+        error       TEXT                       -- why it could not be read (kept), or NULL
+    );
+    CREATE TABLE identity_hours (
+        identity    TEXT NOT NULL,
+        hour        INTEGER NOT NULL,          -- unix time // 3600
+        delivered   INTEGER NOT NULL DEFAULT 0,
+        bounced     INTEGER NOT NULL DEFAULT 0,
+        complained  INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (identity, hour)
+    ) WITHOUT ROWID;
+    ALTER TABLE dedup ADD COLUMN content_hash TEXT;
+    """,
 ]
 
 

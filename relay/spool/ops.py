@@ -51,6 +51,7 @@ class NewRecipient:
     address: str
     destination: str
     dedup_key: str
+    content_hash: str | None = None  # with an Idempotency-Key: what the key stands for
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,24 +77,34 @@ class AcceptResult:
     queue_id: str | None  # None when every recipient was a duplicate
     queued: tuple[str, ...]
     duplicates: tuple[str, ...]
+    conflicts: tuple[str, ...] = ()  # same Idempotency-Key, other content: nothing queued
 
 
 def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> AcceptResult:
-    """Queue the recipients whose dedup key was not seen within the window."""
+    """Queue the recipients whose dedup key was not seen within the window. A key seen with
+    another content hash (an Idempotency-Key reused for other content) queues nothing."""
     cutoff = msg.created_at - dedup_window
     fresh: list[NewRecipient] = []
     dupes: list[str] = []
+    conflicts: list[str] = []
     seen: set[str] = set()
     for r in msg.recipients:
         if r.dedup_key in seen:
             dupes.append(r.address)
             continue
         seen.add(r.dedup_key)
-        row = conn.execute("SELECT created_at FROM dedup WHERE key = ?", (r.dedup_key,)).fetchone()
+        row = conn.execute(
+            "SELECT created_at, content_hash FROM dedup WHERE key = ?", (r.dedup_key,)
+        ).fetchone()
         if row is not None and row[0] > cutoff:
-            dupes.append(r.address)
+            if r.content_hash is not None and row[1] is not None and row[1] != r.content_hash:
+                conflicts.append(r.address)
+            else:
+                dupes.append(r.address)
         else:
             fresh.append(r)
+    if conflicts:
+        return AcceptResult(None, (), tuple(dupes), tuple(conflicts))
     if not fresh:
         return AcceptResult(None, (), tuple(dupes))
     conn.execute(
@@ -132,8 +143,8 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
         ],
     )
     conn.executemany(
-        "INSERT OR REPLACE INTO dedup (key, msg_id, created_at) VALUES (?,?,?)",
-        [(r.dedup_key, msg.queue_id, msg.created_at) for r in fresh],
+        "INSERT OR REPLACE INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)",
+        [(r.dedup_key, msg.queue_id, msg.created_at, r.content_hash) for r in fresh],
     )
     return AcceptResult(msg.queue_id, tuple(r.address for r in fresh), tuple(dupes))
 
@@ -241,6 +252,7 @@ class RcptUpdate:
     log: AttemptLog | None = None
     suppress: tuple[str, str] | None = None  # (address, reason)
     counters: tuple[str, ...] = field(default=())  # daily_counts scopes to bump (with day)
+    upstream_id: str | None = None  # the id the upstream gave at its 250 (delivered)
 
 
 def record(
@@ -253,7 +265,8 @@ def record(
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
         cur = conn.execute(
             "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
-            " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?"
+            " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
+            " upstream_id = coalesce(?, upstream_id)"
             f" WHERE id = ? AND state = '{RcptState.SENDING}'",
             (
                 o.state.value,
@@ -262,12 +275,20 @@ def record(
                 o.last_reply,
                 o.reason,
                 now,
+                o.upstream_id,
                 o.rcpt_id,
             ),
         )
         changed += cur.rowcount
         if cur.rowcount == 0:
             continue  # deleted or changed by an operator meanwhile
+        if o.state is RcptState.DELIVERED:  # the denominator of bounce and complaint rates
+            conn.execute(
+                "INSERT INTO identity_hours (identity, hour, delivered)"
+                " SELECT identity, ?, 1 FROM messages WHERE id = ?"
+                " ON CONFLICT (identity, hour) DO UPDATE SET delivered = delivered + 1",
+                (int(now // 3600), o.msg_id),
+            )
         if o.log is not None:
             conn.execute(
                 "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
@@ -285,7 +306,8 @@ def record(
             )
         if o.suppress is not None:
             conn.execute(
-                "INSERT OR IGNORE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
+                "INSERT OR IGNORE INTO suppression (address, scope, reason, created_at, source)"
+                " VALUES (?,'',?,?,'smtp')",
                 (o.suppress[0].lower(), o.suppress[1], now),
             )
         for scope in o.counters:
@@ -307,11 +329,19 @@ def recover(conn: sqlite3.Connection, now: float) -> int:
     ).rowcount
 
 
+FEEDBACK_EVENT_DAYS = 30
+
+
 def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: float) -> list[str]:
     """Forget expired dedup keys and finished messages older than `retention`; returns the
     body files to delete (after the commit)."""
     conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
     conn.execute("DELETE FROM engine_commands WHERE at < ?", (now - 86400,))
+    # feedback: events are remembered 30 days (a provider's redelivery stays a no-op), the
+    # hourly rates 8 days, feedback mail as long as finished messages
+    conn.execute("DELETE FROM feedback_events WHERE at < ?", (now - FEEDBACK_EVENT_DAYS * 86400,))
+    conn.execute("DELETE FROM identity_hours WHERE hour < ?", (int(now // 3600) - 8 * 24,))
+    conn.execute("DELETE FROM feedback_mail WHERE at < ?", (now - max(retention, 86400),))
     conn.execute(
         "DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
         (now - max(retention, 86400),),
@@ -505,36 +535,60 @@ def log_operator(conn: sqlite3.Connection, action: str, detail: Any, now: float)
 # --- suppression ----------------------------------------------------------------------------
 
 
+GLOBAL = ""  # the scope of a suppression entry that holds for every sender
+
+
 def suppression_list(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     return [
-        dict(address=r[0], reason=r[1], created_at=r[2])
+        dict(address=r[0], scope=r[1] or "global", reason=r[2], created_at=r[3], source=r[4])
         for r in conn.execute(
-            "SELECT address, reason, created_at FROM suppression ORDER BY created_at, address"
+            "SELECT address, scope, reason, created_at, source FROM suppression"
+            " ORDER BY created_at, address, scope"
         )
     ]
 
 
-def suppression_get(conn: sqlite3.Connection, address: str) -> tuple[str, float] | None:
+def suppression_get(
+    conn: sqlite3.Connection, address: str, identity: str | None = None
+) -> tuple[str, float] | None:
+    """The entry that keeps `address` from mail of `identity`: a global one first, else one
+    scoped to that identity (None: global entries only)."""
     row = conn.execute(
-        "SELECT reason, created_at FROM suppression WHERE address = ?", (address.lower(),)
+        "SELECT reason, created_at FROM suppression WHERE address = ? AND scope IN (?, ?)"
+        " ORDER BY scope LIMIT 1",
+        (address.lower(), GLOBAL, GLOBAL if identity is None else identity.lower()),
     ).fetchone()
     return None if row is None else (row[0], row[1])
 
 
-def suppression_add(conn: sqlite3.Connection, address: str, reason: str, now: float) -> bool:
+def suppression_add(
+    conn: sqlite3.Connection,
+    address: str,
+    reason: str,
+    now: float,
+    scope: str = GLOBAL,
+    source: str = "operator",
+) -> bool:
     return (
         conn.execute(
-            "INSERT OR REPLACE INTO suppression (address, reason, created_at) VALUES (?,?,?)",
-            (address.lower(), reason, now),
+            "INSERT OR REPLACE INTO suppression (address, scope, reason, created_at, source)"
+            " VALUES (?,?,?,?,?)",
+            (address.lower(), scope.lower(), reason, now, source),
         ).rowcount
         > 0
     )
 
 
-def suppression_remove(conn: sqlite3.Connection, address: str) -> bool:
-    return (
-        conn.execute("DELETE FROM suppression WHERE address = ?", (address.lower(),)).rowcount > 0
-    )
+def suppression_remove(conn: sqlite3.Connection, address: str, scope: str | None = None) -> bool:
+    """Lift the entry of `scope` ('' global, an identity); None lifts every entry."""
+    if scope is None:
+        cur = conn.execute("DELETE FROM suppression WHERE address = ?", (address.lower(),))
+    else:
+        cur = conn.execute(
+            "DELETE FROM suppression WHERE address = ? AND scope = ?",
+            (address.lower(), scope.lower()),
+        )
+    return cur.rowcount > 0
 
 
 def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
@@ -542,6 +596,36 @@ def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
         "SELECT count(*), coalesce(max(rowid), 0), total(created_at) FROM suppression"
     ).fetchone()
     return (row[0], row[1], row[2])
+
+
+# --- feedback (relay/feedback/apply.py writes; these read for the CLI) -----------------------
+
+
+def feedback_events(conn: sqlite3.Connection, limit: int) -> list[dict[str, Any]]:
+    cols = ("at", "provider", "type", "recipient", "outcome", "msg_id", "identity", "reason")
+    return [
+        dict(zip(cols, r, strict=True))
+        for r in conn.execute(
+            f"SELECT {', '.join(cols)} FROM feedback_events ORDER BY at DESC LIMIT ?", (limit,)
+        )
+    ]
+
+
+def feedback_mail(conn: sqlite3.Connection, limit: int, unread: bool) -> list[dict[str, Any]]:
+    cols = ("id", "at", "peer", "sender", "rcpt", "size", "events", "error")
+    where = " WHERE error IS NOT NULL" if unread else ""
+    return [
+        dict(zip(cols, r, strict=True))
+        for r in conn.execute(
+            f"SELECT {', '.join(cols)} FROM feedback_mail{where} ORDER BY id DESC LIMIT ?",
+            (limit,),
+        )
+    ]
+
+
+def feedback_mail_body(conn: sqlite3.Connection, mail_id: int) -> bytes | None:
+    row = conn.execute("SELECT body FROM feedback_mail WHERE id = ?", (mail_id,)).fetchone()
+    return None if row is None else bytes(row[0])
 
 
 # --- operator queue changes ---------------------------------------------------------------
@@ -573,7 +657,10 @@ def _set_state(
     )
     params.extend(src_list)
     if skip_suppressed:
-        sql += " AND lower(address) NOT IN (SELECT address FROM suppression)"
+        sql += (
+            " AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.address = lower(address)"
+            " AND s.scope IN ('', (SELECT m.identity FROM messages m WHERE m.id = msg_id)))"
+        )
     if ids is not None:
         if not ids:
             return 0
@@ -613,8 +700,9 @@ def suppressed_recipients(
     """(queue id, address, reason) of the recipients of these messages (or of every dead
     letter) whose address is on the suppression list: what `queue retry` leaves alone."""
     sql = (
-        "SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN suppression s"
-        f" ON s.address = lower(r.address) WHERE r.state != '{RcptState.DELIVERED}'"
+        "SELECT r.msg_id, r.address, s.reason FROM recipients r JOIN messages m ON m.id = r.msg_id"
+        " JOIN suppression s ON s.address = lower(r.address) AND s.scope IN ('', m.identity)"
+        f" WHERE r.state != '{RcptState.DELIVERED}'"
     )
     params: list[Any] = []
     if failed_only or ids is None:
@@ -674,6 +762,8 @@ def list_messages(
     now: float | None = None,
     limit: int | None = None,
     queue_id: str | None = None,
+    message_id: str | None = None,
+    upstream_id: str | None = None,
 ) -> list[dict[str, Any]]:
     now = time.time() if now is None else now
     where = []
@@ -681,6 +771,14 @@ def list_messages(
     if queue_id is not None:
         where.append("m.id = ?")
         params.append(queue_id)
+    if message_id is not None:  # as stored: normalized (relay/dedup.py)
+        where.append("m.message_id = ?")
+        params.append(message_id)
+    if upstream_id is not None:
+        where.append(
+            "EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id AND r.upstream_id = ?)"
+        )
+        params.append(upstream_id)
     finals = ",".join(f"'{s.value}'" for s in FINAL)
     if not include_finished and state not in ("sent", "failed"):
         where.append(
@@ -714,7 +812,8 @@ def list_messages(
         chunk = ids[i : i + 500]
         for r in conn.execute(
             f"SELECT msg_id, address, state, attempts, last_reply, next_attempt_at, reason,"
-            f" destination FROM recipients WHERE msg_id IN ({','.join('?' * len(chunk))})"
+            f" destination, upstream_id FROM recipients"
+            f" WHERE msg_id IN ({','.join('?' * len(chunk))})"
             f" ORDER BY id",
             chunk,
         ):
@@ -747,6 +846,7 @@ def list_messages(
                         "destination": r[7],
                         "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
                         "reason": r[6],
+                        "upstream_id": r[8],
                     }
                     for r in rc
                 ],
