@@ -716,7 +716,8 @@ def _suppression(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             doc["scope"] = scope
         _print_json(doc)
     elif ok:
-        print(f"{args.scmd}: {addr}" + ("" if scope is None else f" (scope {scope})"))
+        shown = scope is not None and scope.lower() != "global"
+        print(f"{args.scmd}: {addr}" + (f" (scope {scope})" if shown else ""))
     if not ok:
         where = "" if scope is None else f" (scope {scope})"
         print(f"relay: {addr} is not on the suppression list{where}", file=sys.stderr)
