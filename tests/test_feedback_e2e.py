@@ -21,7 +21,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,8 +300,7 @@ def test_upstream_id_is_kept_shown_and_found(world: World) -> None:
     shown = r.cli("queue", "show", qid, check=True).stdout
     assert f"upstream id: {uid}" in shown
     assert any(
-        e.get("upstream_id") == uid and e.get("queue_id") == qid
-        for e in log_events(r, "delivered")
+        e.get("upstream_id") == uid and e.get("queue_id") == qid for e in log_events(r, "delivered")
     )
     by_mid = r.cli_json("queue", "find", "--message-id", found[0]["message_id"])
     assert [m["id"] for m in by_mid] == [qid]
@@ -392,9 +390,10 @@ def test_mailgun_hmac_is_checked_and_address_matches(world: World) -> None:
 def test_generic_bad_input_and_unknown_recipients(world: World) -> None:
     r = world.relay
     assert world.post("generic", b"{not json")[0] == 400
-    assert world.post("generic", json.dumps({"type": "explode", "recipient": "x@y.z"}).encode())[
-        0
-    ] == 400
+    assert (
+        world.post("generic", json.dumps({"type": "explode", "recipient": "x@y.z"}).encode())[0]
+        == 400
+    )
     assert world.post("generic", b"[" + b" " * 70000 + b"]")[0] == 400  # over max_body
     stranger = world.unique("stranger")
     status, resp = world.post(
@@ -499,9 +498,7 @@ def test_dsn_and_arf_to_the_plain_feedback_address(world: World) -> None:
     # mail that is neither: kept, visible, logged; still 250 (it is ours now)
     junk = b"From: someone@else.example\r\nSubject: hello\r\n\r\nnot a bounce at all\r\n"
     assert send(r.port, "someone@else.example", ["bounces@relay.test"], junk) == {}
-    r.wait_until(
-        lambda: bool(r.cli_json("feedback", "mail", "--unread")), timeout=10, what="kept"
-    )
+    r.wait_until(lambda: bool(r.cli_json("feedback", "mail", "--unread")), timeout=10, what="kept")
     kept = r.cli_json("feedback", "mail", "--unread")[0]
     assert kept["error"] and kept["sender"] == "someone@else.example"
     assert b"not a bounce at all" in r.cli("feedback", "show", str(kept["id"])).stdout.encode()
