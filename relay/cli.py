@@ -167,7 +167,86 @@ def _parser() -> argparse.ArgumentParser:
         " hash for a listen[].auth.users_file line",
     )
     ah.add_argument("-u", "--user", help="print the whole `USER:hash` line")
+
+    k = sub.add_parser("dkim", help="DKIM keys").add_subparsers(dest="kcmd", required=True)
+    kg = k.add_parser(
+        "keygen",
+        parents=[common],
+        help="write a new private key (mode 0600) and print the DNS TXT record to publish",
+    )
+    kg.add_argument("domain")
+    kg.add_argument("--selector", required=True)
+    kg.add_argument("--algorithm", choices=["rsa-sha256", "ed25519-sha256"], default="rsa-sha256")
+    kg.add_argument("--bits", type=int, default=2048, help="RSA key size (2048-4096)")
+    kg.add_argument(
+        "--out", help="the key file (default: dkim/<domain>.<selector>.key beside the config)"
+    )
+    cd = sub.add_parser(
+        "check-dns",
+        parents=[common],
+        help="SPF, DKIM, DMARC, MX, MTA-STS and TLS-RPT of a sending domain;"
+        " exit 0 ok, 1 warnings, 2 errors",
+    )
+    cd.add_argument("domain")
+    cd.add_argument("--ip", help="the address we send from, to check SPF authorises it")
     return p
+
+
+def _dkim_keygen(args: argparse.Namespace) -> int:
+    """`relay dkim keygen`: needs no valid config (it makes what the config will name)."""
+    from pathlib import Path
+
+    from relay.config import DEFAULT_PATH
+    from relay.dkim_sign import DkimConfigError, keygen
+
+    base = Path(args.config or DEFAULT_PATH).resolve().parent
+    path = Path(args.out) if args.out else base / "dkim" / f"{args.domain}.{args.selector}.key"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        zone = keygen(args.domain, args.selector, path, args.algorithm, args.bits)
+    except (DkimConfigError, OSError) as e:
+        print(f"relay: dkim keygen: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    if args.json:
+        _print_json(
+            {"domain": args.domain, "selector": args.selector, "key_file": str(path), "dns": zone}
+        )
+        return EXIT_OK
+    print(f"; private key written to {path} (mode 0600): keep it secret")
+    print("; publish this record in the zone of the domain:")
+    print(zone)
+    print("; and add to the relay's config:")
+    print(f";   dkim: {{{args.domain}: {{selector: {args.selector}, key_file: {path},")
+    print(f";          algorithm: {args.algorithm}}}}}")
+    return EXIT_OK
+
+
+def _check_dns(args: argparse.Namespace, config: Any) -> int:
+    import asyncio
+
+    from relay import checkdns
+    from relay.dkim_sign import keys_for, public_record
+
+    domain = args.domain.strip().lower().removesuffix(".")
+    keys = [k for k in keys_for(domain, config.dkim) if k.domain == domain]
+    ns = config.upstream.mx.nameservers
+    try:
+        checks = asyncio.run(
+            checkdns.check_domain(
+                domain,
+                nameservers=list(ns) if ns else None,
+                dkim=[(k.selector, public_record(k)) for k in keys],
+                ip=args.ip,
+            )
+        )
+    except ValueError as e:
+        print(f"relay: check-dns: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        _print_json(checkdns.to_json(domain, checks))
+    else:
+        print(checkdns.render_text(domain, checks))
+    return checkdns.exit_code(checks)
 
 
 def _auth_hash(args: argparse.Namespace) -> int:
@@ -270,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args.config)
     if args.cmd == "auth":  # needs no config
         return _auth_hash(args)
+    if args.cmd == "dkim":  # needs no valid config: it makes keys the config will name
+        return _dkim_keygen(args)
     try:
         config = load_config(args.config)
     except ConfigError as e:
@@ -283,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.routing = config.routing
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
+    if args.cmd == "check-dns":  # DNS only, no spool
+        return _check_dns(args, config)
     if args.cmd == "check-config":
         for warning in config.warnings():
             print(f"relay: warning: {warning}", file=sys.stderr)

@@ -28,8 +28,10 @@ from typing import Any
 import yaml
 
 from relay.delivery import routes as routing
+from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
 from relay.shaping import ShapingRule
+from relay.unsubscribe import UnsubscribeConf
 
 EX_CONFIG = 78
 DEFAULT_PATH = "/etc/relay/relay.yaml"
@@ -116,6 +118,7 @@ DEFAULTS: dict[str, Any] = {
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
     "admin": {"listen": "127.0.0.1:9025"},
+    "dkim": {},
     "feedback": {
         "listen": None,
         "address": None,
@@ -145,7 +148,7 @@ DESTINATION_DEFAULTS: dict[str, Any] = {
     "slowdown_cooldown": "60s",
 }
 
-IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None}
+IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None, "unsubscribe": None}
 
 
 class ConfigError(Exception):
@@ -544,6 +547,7 @@ class Identity:
     name: str
     daily_limit: int | None
     warmup: WarmupConf | None
+    unsubscribe: UnsubscribeConf | None = None  # RFC 8058 one-click (relay/unsubscribe.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -701,6 +705,42 @@ class FeedbackConf:
         return (self.address or "").rpartition("@")[2]
 
 
+def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
+    """`dkim: {<domain>: {selector, key_file, algorithm?, headers?}}`, or a list of such
+    mappings per domain (RSA and Ed25519 side by side, RFC 8463). Each key is read and
+    checked now: a missing or unusable key is a config error (exit 78), never a surprise
+    per message."""
+    from relay import dkim_sign
+
+    if not isinstance(item, Mapping):
+        raise ConfigError("dkim: expected a mapping of sending domains")
+    keys: list[DkimKey] = []
+    for domain, entries in item.items():
+        listed = entries if isinstance(entries, list) else [entries]
+        for i, entry in enumerate(listed):
+            key = f"dkim.{domain}" + (f"[{i}]" if isinstance(entries, list) else "")
+            r = _Reader(entry, key)
+            selector = r.string("selector")
+            path = r.path_("key_file", base)
+            if path is None:
+                raise ConfigError(f"{key}.key_file: required")
+            algorithm = r.opt_str("algorithm") or "rsa-sha256"
+            headers = r.get("headers")
+            if headers is not None and (
+                not isinstance(headers, list) or not all(isinstance(h, str) for h in headers)
+            ):
+                raise ConfigError(f"{key}.headers: expected a list of header names")
+            r.finish()
+            try:
+                keys.append(dkim_sign.load_key(str(domain), selector, path, algorithm, headers))
+            except dkim_sign.DkimConfigError as e:
+                raise ConfigError(f"{key}: {e}") from None
+    try:
+        return dkim_sign.by_domain(keys)
+    except dkim_sign.DkimConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _feedback(item: object, base: Path) -> FeedbackConf:
     from relay.address import AddressError, check_mailbox
 
@@ -798,6 +838,7 @@ class Config:
     health: Health = field(default_factory=Health)
     routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
     feedback: FeedbackConf = field(default_factory=FeedbackConf)
+    dkim: Mapping[str, tuple[DkimKey, ...]] = field(default_factory=dict)  # by domain
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -822,6 +863,9 @@ class Config:
                     "feedback endpoints share admin.listen, which is not loopback: /metrics"
                     " and /health face the same network; set feedback.listen"
                 )
+        for keys in self.dkim.values():
+            for k in keys:
+                out.extend(f"dkim {k.selector}._domainkey.{k.domain}: {w}" for w in k.warnings)
         return out
 
     def destination(self, name: str) -> Destination:
@@ -829,6 +873,10 @@ class Config:
 
     def identity(self, name: str) -> Identity | None:
         return self.identities.get(name)
+
+    def unsubscribe_confs(self) -> dict[str, UnsubscribeConf]:
+        """Identity -> its one-click unsubscribe settings (only identities that have them)."""
+        return {n: i.unsubscribe for n, i in self.identities.items() if i.unsubscribe}
 
     def redacted(self) -> dict[str, Any]:
         """The effective config as a plain mapping, secrets replaced (for check-config)."""
@@ -1028,7 +1076,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     ids_raw = top.get("identities")
     if not isinstance(ids_raw, Mapping):
         raise ConfigError("identities: expected a mapping")
-    identities = {str(k).lower(): _identity(str(k), v) for k, v in ids_raw.items()}
+    identities = {str(k).lower(): _identity(str(k), v, base_dir) for k, v in ids_raw.items()}
 
     sh = _Reader(top.get("shaping"), "shaping")
     tzname = sh.string("window_tz")
@@ -1150,6 +1198,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     ad.finish()
 
     feedback = _feedback(top.get("feedback"), base_dir)
+    dkim_keys = _dkim(top.get("dkim"), base_dir)
 
     lg = _Reader(top.get("log"), "log")
     log = LogConf(
@@ -1190,6 +1239,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         health=health,
         routing=route_table,
         feedback=feedback,
+        dkim=dkim_keys,
     )
 
 
@@ -1384,7 +1434,7 @@ def _destination(
     return dest
 
 
-def _identity(name: str, data: object) -> Identity:
+def _identity(name: str, data: object, base: Path) -> Identity:
     key = f"identities.{name}"
     if not isinstance(data, Mapping):
         raise ConfigError(f"{key}: expected a mapping")
@@ -1420,5 +1470,42 @@ def _identity(name: str, data: object) -> Identity:
             ceiling=wr.opt_int("ceiling", 1),
         )
         wr.finish()
+    unsub = _unsubscribe(r.get("unsubscribe"), f"{key}.unsubscribe", base)
     r.finish()
-    return Identity(name=name.lower(), daily_limit=daily, warmup=warm)
+    return Identity(name=name.lower(), daily_limit=daily, warmup=warm, unsubscribe=unsub)
+
+
+def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
+    from relay.address import AddressError, check_mailbox
+    from relay.unsubscribe import MIN_SECRET
+
+    if item is None:
+        return None
+    r = _Reader(item, key)
+    url = r.opt_str("url")
+    if url is not None:
+        if not url.lower().startswith(("https://", "http://")):
+            raise ConfigError(f"{key}.url: {url!r} is not an https:// URL")
+        if not url.rstrip("/").endswith("/u"):
+            raise ConfigError(
+                f"{key}.url: {url!r} must end in /u (the relay serves POST/GET /u/<token>)"
+            )
+    mailto = r.opt_str("mailto")
+    if mailto is not None:
+        try:
+            check_mailbox(mailto)
+        except AddressError as e:
+            raise ConfigError(f"{key}.mailto: {mailto!r}: {e}") from None
+    if url is None and mailto is None:
+        raise ConfigError(f"{key}: give url, mailto or both")
+    sp = r.path_("secret_file", base)
+    if sp is None:
+        raise ConfigError(f"{key}.secret_file: required (the key that signs unsubscribe links)")
+    secret = _read_secret(sp, f"{key}.secret_file").strip().encode()
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(
+            f"{key}.secret_file: {sp} holds {len(secret)} bytes; at least {MIN_SECRET}"
+            " (e.g. `head -c 32 /dev/urandom | base64`)"
+        )
+    r.finish()
+    return UnsubscribeConf(url=url, mailto=mailto, secret=secret)

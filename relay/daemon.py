@@ -46,7 +46,7 @@ from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
-from relay.httpd import HttpServer
+from relay.httpd import HttpServer, Request, Response
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
@@ -54,6 +54,7 @@ from relay.sdnotify import Notifier, watchdog_loop
 from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
 from relay.tls_listener import implicit_context
+from relay.unsubscribe import UnsubscribeHandler
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class Daemon:
             faults.now,
         )
         await self.feedback.start()
+        self.unsubscribe = UnsubscribeHandler(
+            lambda: self.config.unsubscribe_confs(), self.feedback.suppress_for
+        )
         for warning in self.config.warnings():
             log_event(log, logging.WARNING, "config_warning", warning)
         self.engine = Engine(
@@ -158,7 +162,7 @@ class Daemon:
             self.servers.append(srv)
         if self.config.admin_listen is not None:
             # the feedback endpoints share the admin listener unless they have their own
-            shared = self.feedback.http if self.config.feedback.listen is None else None
+            shared = self.public_http if self.config.feedback.listen is None else None
             self.admin = AdminServer(
                 self.metrics,
                 self.writer,
@@ -170,7 +174,7 @@ class Daemon:
             await self.admin.start(*self.config.admin_listen)
         if self.config.feedback.listen is not None:
             self.feedback_http = HttpServer(
-                self.feedback.http, self.config.feedback.max_body, name="feedback"
+                self.public_http, self.config.feedback.max_body, name="feedback"
             )
             await self.feedback_http.start(*self.config.feedback.listen)
         for sig, fn in (
@@ -186,6 +190,7 @@ class Daemon:
             loop.create_task(self.alerts.run(), name="alerts"),
             loop.create_task(self._maintenance(), name="maintenance"),
             loop.create_task(self._reloader(), name="reloader"),
+            loop.create_task(self._check_dkim_dns(), name="dkim-dns"),
             loop.create_task(
                 watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
             ),
@@ -248,6 +253,52 @@ class Daemon:
         await asyncio.to_thread(self.writer.close)
         self.guard.close()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
+
+    async def _check_dkim_dns(self) -> None:
+        """At start, `relay check-dns` for every DKIM signing domain, logged (never blocks
+        start, never stops it): a key not yet published, a broken SPF or a missing DMARC
+        shows in the journal the moment the relay starts signing."""
+        from relay import checkdns
+        from relay.dkim_sign import public_record
+
+        ns = self.config.upstream.mx.nameservers
+        for domain, keys in self.config.dkim.items():
+            try:
+                checks = await checkdns.check_domain(
+                    domain,
+                    nameservers=list(ns) if ns else None,
+                    dkim=[(k.selector, public_record(k)) for k in keys],
+                )
+            except Exception as e:
+                log_event(log, logging.WARNING, "dns_check", "check failed", domain=domain, exc=e)
+                continue
+            for c in checks:
+                if c.status != "ok":
+                    log_event(
+                        log,
+                        logging.ERROR if c.status == "error" else logging.WARNING,
+                        "dns_check",
+                        c.detail,
+                        domain=domain,
+                        check=c.name,
+                        status=c.status,
+                        record=c.record,
+                    )
+            log_event(
+                log,
+                logging.INFO,
+                "dns_check",
+                f"{domain}: {sum(c.status == 'ok' for c in checks)}/{len(checks)} ok",
+                domain=domain,
+                exit_code=checkdns.exit_code(checks),
+            )
+
+    async def public_http(self, req: Request) -> Response:
+        """What may face the providers and the recipients: the feedback webhooks and the
+        one-click unsubscribe pages (on `feedback.listen`, else on the admin listener)."""
+        if req.path.startswith("/u/"):
+            return await self.unsubscribe.http(req)
+        return await self.feedback.http(req)
 
     # --- background work ----------------------------------------------------------------
 

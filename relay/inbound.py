@@ -764,7 +764,14 @@ class InboundHandler(AuthMechanisms):
             if fb:
                 try:
                     data = await asyncio.to_thread(_whole, incoming)
-                    await self.feedback.mail(data, peer=peer_ip, sender=sender, rcpts=fb)
+                    unsub = [r for r in fb if self.feedback.is_unsubscribe_rcpt(r)]
+                    if unsub:
+                        await self.feedback.unsubscribe_mail(data, peer=peer_ip, sender=sender)
+                    bounce_rcpts = [r for r in fb if r not in unsub]
+                    if bounce_rcpts:
+                        await self.feedback.mail(
+                            data, peer=peer_ip, sender=sender, rcpts=bounce_rcpts
+                        )
                 except (SpoolError, OSError, sqlite3.Error) as e:
                     incoming.discard()
                     return self.spool_failed(queue_id, e)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from relay import alerts, faults, shaping
-from relay.delivery import connect, decide, rewrite
+from relay.delivery import connect, decide, outbound, rewrite
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.transport import Connection, RcptResult
 from relay.logs import log_event
@@ -86,28 +86,27 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
             )
         except OSError as ex:
             reply = Reply(451, "4.3.0", f"spool body unreadable: {ex.strerror}")
-            await apply(
-                e,
-                st,
-                job,
-                {
-                    c.address: RcptResult(
-                        Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
-                        reply,
-                        Phase.CONNECT,
-                    )
-                    for c in job.claims
-                },
-                host=None,
-                duration=0.0,
-                upstream_seen=False,
-            )
+            await _not_sent(e, st, job, reply)
             return conn
     assert body is not None
     sender = job.sender
     rw = job.route.rewrite if job.route is not None else None
     if rw is not None:
         sender, body = await rewrite.apply(rw, sender, body)
+    try:  # one-click unsubscribe headers, DKIM signatures: over the bytes that go out
+        body = await outbound.prepare(e.config, job, body)
+    except outbound.OutboundError as ex:
+        log_event(
+            log,
+            logging.ERROR,
+            "dkim_failed" if "DKIM" in str(ex) else "outbound_failed",
+            "message not sent unsigned: deferred",
+            queue_id=job.msg_id,
+            destination=st.name,
+            error=str(ex),
+        )
+        await _not_sent(e, st, job, Reply(451, "4.7.0", str(ex)))
+        return conn
     rcpts = [c.address for c in job.claims]
     if conn is not None and (
         not conn.usable or conn.messages >= st.conf.max_messages_per_connection
@@ -144,6 +143,27 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
         await _drop(conn)
         return None
     return conn
+
+
+async def _not_sent(e: Engine, st: DestState, job: Job, reply: Reply) -> None:
+    """Our own failure before the upstream saw anything: every recipient deferred with
+    `reply`; the destination's health is not touched."""
+    await apply(
+        e,
+        st,
+        job,
+        {
+            c.address: RcptResult(
+                Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
+                reply,
+                Phase.CONNECT,
+            )
+            for c in job.claims
+        },
+        host=None,
+        duration=0.0,
+        upstream_seen=False,
+    )
 
 
 async def _drop(conn: Connection | None) -> None:

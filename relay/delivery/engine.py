@@ -39,7 +39,7 @@ from typing import Any
 
 from relay import alerts, shaping
 from relay.config import Config
-from relay.delivery import attempt, deadletters, dispatch, operator, views, workers
+from relay.delivery import attempt, deadletters, dispatch, operator, outbound, views, workers
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
@@ -310,7 +310,9 @@ class Engine:
             dname = cl.destination if route.mx else dispatch.first_open(self, route.via, now)
             # feedback.verp: an envelope sender per recipient, so one transaction each
             verp = self.verp_sender(cl.msg_id, cl.rcpt_id) if env.sender else None
-            key = (cl.msg_id, dname, cl.rcpt_id if verp else 0)
+            # ... and so does a List-Unsubscribe that names its one recipient
+            alone = verp or outbound.one_per_recipient(self.config, cl.lane, cl.identity)
+            key = (cl.msg_id, dname, cl.rcpt_id if alone else 0)
             job = jobs.get(key)
             if job is None:
                 job = jobs[key] = Job(

@@ -27,15 +27,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from relay import alerts
+from relay import alerts, unsubscribe
 from relay.config import Config, FeedbackProvider
 from relay.feedback import bounces, providers
 from relay.feedback.apply import Applied, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
 from relay.httpd import Request, Response
 from relay.logs import log_event
+from relay.message import header, parse_headers, split_message
 from relay.metrics import Metrics
-from relay.spool.writer import SpoolWriter
+from relay.spool import ops
+from relay.spool.writer import SpoolError, SpoolWriter
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ class FeedbackService:
             return Response.text(400, f"bad payload: {e}")
         try:
             results = await self.apply(events)
-        except (sqlite3.Error, OSError) as e:
+        except (SpoolError, sqlite3.Error, OSError) as e:
             log_event(log, logging.ERROR, "feedback_failed", "spool error", provider=name, exc=e)
             return Response.text(503, "spool unavailable; try again later")
         doc = _summary(results)
@@ -142,10 +144,67 @@ class FeedbackService:
     # --- mail -----------------------------------------------------------------------------
 
     def is_feedback_rcpt(self, address: str) -> bool:
+        """Mail for us, not to relay: the feedback address (and its VERP form) and every
+        identity's one-click unsubscribe `mailto` address."""
         conf = self.config().feedback
-        if conf.address is None:
+        if conf.address is not None and bounces.is_feedback_address(
+            address, conf.local, conf.domain
+        ):
+            return True
+        return self._unsubscribe_identity(address) is not None
+
+    def is_unsubscribe_rcpt(self, address: str) -> bool:
+        return self._unsubscribe_identity(address) is not None
+
+    def _unsubscribe_identity(self, address: str) -> str | None:
+        addr = address.strip("<>").lower()
+        for name, u in self.config().unsubscribe_confs().items():
+            if u.mailto is not None and u.mailto.lower() == addr:
+                return name
+        return None
+
+    async def unsubscribe_mail(self, data: bytes, *, peer: str, sender: str) -> bool:
+        """Mail to an unsubscribe `mailto`: the token in its Subject (as our List-Unsubscribe
+        asked) names the identity and recipient; a valid one suppresses like the one-click
+        POST. Anything else is logged and dropped (it is a request, not mail to keep)."""
+        head, _ = split_message(data)
+        subject = header(parse_headers(head), "Subject") or ""
+        token = unsubscribe.mailto_token(subject)
+        confs = self.config().unsubscribe_confs()
+        pair = None
+        if token is not None:
+            for u in confs.values():
+                pair = unsubscribe.read_token(u.secret, token)
+                if pair is not None and confs.get(pair[0]) is u:
+                    break
+                pair = None
+        if pair is None:
+            log_event(
+                log,
+                logging.WARNING,
+                "unsubscribe_refused",
+                "unsubscribe mail without a valid token",
+                sender=sender or "<>",
+                peer=peer,
+            )
             return False
-        return bounces.is_feedback_address(address, conf.local, conf.domain)
+        await self.suppress_for(pair[0], pair[1], "unsubscribe-mail")
+        log_event(log, logging.INFO, "unsubscribed", "by mail", identity=pair[0], rcpt=pair[1])
+        return True
+
+    async def suppress_for(self, identity: str, recipient: str, source: str) -> bool:
+        """Suppress `recipient` for mail of `identity` (one-click unsubscribe); True when new."""
+        now = self.clock()
+        reason = f"unsubscribed ({source})"
+
+        def add(c: sqlite3.Connection) -> bool:
+            if ops.suppression_get(c, recipient, identity) is not None:
+                return False
+            return ops.suppression_add(c, recipient, reason, now, identity, source)
+
+        new = await self.writer.run(add)
+        self.on_suppressed(recipient, reason, now, identity)
+        return bool(new)
 
     async def mail(self, data: bytes, *, peer: str, sender: str, rcpts: Sequence[str]) -> int:
         """Feedback mail: parse, apply, keep what cannot be read. Returns the events found."""
