@@ -98,7 +98,7 @@ def match(conn: sqlite3.Connection, ev: FeedbackEvent) -> _Match | None:
     if addr:
         row = conn.execute(
             _SELECT + f" WHERE lower(r.address) = ? AND r.state IN ('{RcptState.DELIVERED}',"
-            f" '{RcptState.BOUNCED}') ORDER BY r.updated_at DESC LIMIT 1",
+            f" '{RcptState.BOUNCED}') ORDER BY r.updated_at DESC, r.id DESC LIMIT 1",
             (addr,),
         ).fetchone()
         if row is not None:
