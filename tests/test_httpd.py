@@ -9,6 +9,7 @@ import pytest
 
 from relay.httpd import HttpServer, Request, Response
 
+
 async def handler(req: Request) -> Response:
     if req.path == "/boom":
         raise RuntimeError("a bug in a route")
