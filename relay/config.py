@@ -83,6 +83,9 @@ DEFAULTS: dict[str, Any] = {
             "verify": False,
             "nameservers": None,
             "dns_timeout": "10s",
+            "mta_sts": True,
+            "ca_file": None,
+            "mta_sts_port": 443,
         },
     },
     "retry": {
@@ -498,6 +501,9 @@ class MxMode:
     verify: bool
     nameservers: tuple[str, ...] | None
     dns_timeout: float
+    mta_sts: bool = True  # RFC 8461: honour the policies domains publish
+    ca_file: Path | None = None  # extra trust for MTA-STS policy hosts and MX certificates
+    mta_sts_port: int = 443  # the policy host's HTTPS port (tests, unusual set-ups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1393,6 +1399,9 @@ def _upstream(data: object, base: Path, hostname: str) -> Upstream:
         verify=m.boolean("verify"),
         nameservers=None if ns_raw is None else tuple(_nameservers(ns_raw)),
         dns_timeout=m.duration("dns_timeout"),
+        mta_sts=m.boolean("mta_sts"),
+        ca_file=_readable(m.path_("ca_file", base), "upstream.mx.ca_file"),
+        mta_sts_port=m.integer("mta_sts_port", 1),
     )
     m.finish()
     r.finish()

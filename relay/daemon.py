@@ -234,6 +234,8 @@ class Daemon:
         # refused connection (RFC 5321 §3.8)
         assert self.engine is not None
         await self.engine.stop(max(0.0, deadline - time.monotonic()))
+        if self.engine.mta_sts is not None:
+            await self.engine.mta_sts.aclose()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

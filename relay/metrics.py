@@ -18,6 +18,13 @@ class Metrics:
             ["provider", "type"],
             registry=r,
         )
+        self.mta_sts_failures = Counter(
+            "relay_mta_sts_failures",
+            "MTA-STS failures per policy domain: policy lookups/fetches that failed, MX hosts"
+            " refused by an enforce policy, TLS that could not be verified",
+            ["domain", "reason"],
+            registry=r,
+        )
         self.deduplicated = Counter(
             "relay_deduplicated_messages",
             "Resubmissions answered 250 and not queued again",

@@ -11,6 +11,11 @@ Rules:
   works clears it.
 - MX: hosts in preference order, every address of each; a permanent greeting/EHLO refusal
   ends the attempt (siblings would say the same).
+- MTA-STS (relay/delivery/mtasts.py, `upstream.mx.mta_sts`): under an `enforce` policy a
+  host the policy does not list is skipped and one it lists is used only over STARTTLS
+  with a certificate verified for its name; either failure is transient (`4.7.5`, saying
+  why), logged (`mta_sts_refused`) and counted per policy domain; `testing` logs what
+  enforce would have refused and delivers as before.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from relay.delivery import mtasts
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import MxHost
@@ -183,15 +189,37 @@ async def _open_mx(e: Engine, st: DestState, job: Job) -> tuple[Connection | Non
             Outcome.BOUNCE if permanent else Outcome.TRANSIENT, True, False, Scope.TRANSACTION
         )
         return None, {r: RcptResult(v, ex.reply, Phase.CONNECT) for r in rcpts}
+    policy = await _sts_policy(e, job.destination)
     last: ConnectFailed | None = None
+    refused: str | None = None  # why an MTA-STS policy kept us from every host
     for h in hosts:
+        verdict = mtasts.check_mx(policy, h.name)
+        if not verdict.allowed:
+            refused = verdict.reason
+            _sts_failed(e, job.destination, "mx_mismatch", verdict.reason, h.name)
+            continue
+        if verdict.log_only:
+            log_event(
+                log,
+                logging.WARNING,
+                "mta_sts_testing",
+                verdict.reason,
+                destination=job.destination,
+                host=h.name,
+                queue_id=job.msg_id,
+            )
+        tls = (
+            TlsPolicy("starttls", True, mx.ca_file)
+            if verdict.require_verified_tls
+            else TlsPolicy(mx.tls, mx.verify, mx.ca_file)
+        )
         for addr in h.addresses:
             c = Connection(
                 host=h.name,
                 address=addr,
                 port=mx.port,
                 helo=e.config.upstream.helo,
-                tls=TlsPolicy(mx.tls, mx.verify, None),
+                tls=tls,
                 timeouts=_timeouts(st),
             )
             try:
@@ -199,11 +227,53 @@ async def _open_mx(e: Engine, st: DestState, job: Job) -> tuple[Connection | Non
                 st.config_error = None
                 return c, None
             except ConnectFailed as ex:
+                if verdict.require_verified_tls and ex.phase in (Phase.STARTTLS, Phase.EHLO):
+                    # the domain's policy demands verified TLS: its failure, not ours
+                    text = mtasts.tls_failure_reason(job.destination, h.name, ex)
+                    _sts_failed(e, job.destination, "tls", text, h.name)
+                    ex = ConnectFailed(
+                        Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION),
+                        Reply.parse(454, text),
+                        ex.phase,
+                        False,
+                    )
                 last = ex
                 _config_error(st, c, ex)
                 if ex.verdict.outcome is not Outcome.TRANSIENT:
                     # a permanent greeting/EHLO refusal: no point trying siblings
                     return None, {r: RcptResult(ex.verdict, ex.reply, ex.phase) for r in rcpts}
-    assert last is not None
+    if last is None:
+        # every MX host refused by the domain's MTA-STS policy: transient, and says why
+        reply = Reply(451, "4.7.5", refused or "no MX host allowed")
+        v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+        return None, {r: RcptResult(v, reply, Phase.CONNECT) for r in rcpts}
     # every host failed transiently: connection-level transient for all
     return None, {r: RcptResult(last.verdict, last.reply, last.phase) for r in rcpts}
+
+
+async def _sts_policy(e: Engine, domain: str) -> mtasts.Policy | None:
+    """The MTA-STS policy for mail to `domain` (None: none, or MTA-STS off). With
+    `upstream.mx.nameservers`, the policy host's address is looked up there too."""
+    sts = e.mta_sts
+    if sts is None:
+        return None
+    ns = e.config.upstream.mx.nameservers
+    host = f"mta-sts.{domain}".lower()
+    if ns and host not in e.sts_hosts and e.resolver is not None:
+        found = await e.resolver.addresses_of(host)
+        if found:
+            e.sts_hosts[host] = found[0]
+    policy = await sts.policy(domain)
+    for (d, reason), n in sts.failures.items():  # the resolver's counts into the metric
+        seen = e.sts_seen.get((d, reason), 0)
+        if n > seen:
+            e.metrics.mta_sts_failures.labels(d, reason).inc(n - seen)
+            e.sts_seen[(d, reason)] = n
+    return policy
+
+
+def _sts_failed(e: Engine, domain: str, reason: str, text: str, host: str) -> None:
+    e.metrics.mta_sts_failures.labels(domain, reason).inc()
+    log_event(
+        log, logging.WARNING, "mta_sts_refused", text, destination=domain, host=host, reason=reason
+    )

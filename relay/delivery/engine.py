@@ -39,7 +39,16 @@ from typing import Any
 
 from relay import alerts, shaping
 from relay.config import Config
-from relay.delivery import attempt, deadletters, dispatch, operator, outbound, views, workers
+from relay.delivery import (
+    attempt,
+    deadletters,
+    dispatch,
+    mtasts,
+    operator,
+    outbound,
+    views,
+    workers,
+)
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
@@ -102,6 +111,10 @@ class Engine:
         self._cmd_seen: int | None = None  # engine_commands read so far
         self.resolver = resolver
         self._ns: object = None
+        self.mta_sts: mtasts.MtaStsResolver | None = None  # MX mode, upstream.mx.mta_sts
+        self._sts_conf: object = None
+        self.sts_hosts: dict[str, str] = {}  # mta-sts.<domain> -> address (nameservers set)
+        self.sts_seen: dict[tuple[str, str], int] = {}  # failures already in the metric
         self.apply_config(config)
 
     # --- configuration ------------------------------------------------------------------
@@ -130,6 +143,24 @@ class Engine:
         self.rules = [*operator_rules, *shaping.DEFAULT_RULES]
         self.resolver = resolver
         self._ns = ns
+        mx = config.upstream.mx
+        sts_conf = (mx.mta_sts, ns, mx.dns_timeout, mx.ca_file, mx.mta_sts_port, config.spool_path)
+        if sts_conf != self._sts_conf:
+            self.mta_sts = (
+                mtasts.MtaStsResolver(
+                    nameservers=list(ns) if ns else None,
+                    timeout=mx.dns_timeout,
+                    https_port=mx.mta_sts_port,
+                    ca_file=str(mx.ca_file) if mx.ca_file else None,
+                    # with upstream.mx.nameservers, the policy host is looked up there too
+                    connect_host=(lambda h: self.sts_hosts.get(h, h)) if ns else None,
+                    cache_path=config.spool_path / "mta-sts.json",
+                    clock=self.clock,
+                )
+                if mx.mta_sts
+                else None
+            )
+            self._sts_conf = sts_conf
         for name, st in self.dests.items():
             conf = config.destination(name)
             st.conf = conf

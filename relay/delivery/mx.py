@@ -292,6 +292,15 @@ class Resolver:
             records.append((rdata.preference, rdata.exchange.to_text()))
         return records or None
 
+    async def addresses_of(self, host: str) -> tuple[str, ...]:
+        """A and AAAA addresses of one host name (e.g. an MTA-STS policy host); () when it
+        has none or the lookup failed; never raises."""
+        try:
+            name = dns.name.from_text(host)
+        except dns.exception.DNSException:
+            return ()
+        return (await self._addresses(name)).addresses
+
     async def _addresses(self, host: dns.name.Name) -> _Lookup:
         """A then AAAA addresses of *host*, looked up concurrently; never raises."""
         results = await asyncio.gather(
