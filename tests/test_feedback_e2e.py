@@ -336,6 +336,30 @@ def test_ses_bounce_marks_bounced_suppresses_and_counts_once(world: World) -> No
     assert any(e.get("queue_id") == qid for e in log_events(r, "late_bounce"))
     code, text = rcpt_reply(r.port, rcpt)
     assert code == 550 and b"suppressed" in text
+    # and the operator is told: an alert in the outbox
+    assert any(a["event"] == "late_bounce" for a in r.cli_json("alerts"))
+
+
+def test_sns_subscription_confirmation_is_logged_for_the_operator(world: World) -> None:
+    r = world.relay
+    body = json.dumps(
+        {
+            "Type": "SubscriptionConfirmation",
+            "MessageId": str(uuid.uuid4()),
+            "Token": "2336412f37fb687f5d51e6e2425c464d",
+            "TopicArn": "arn:aws:sns:us-east-1:123456789012:ses-bounces",
+            "Message": "You have chosen to subscribe to the topic ...",
+            "SubscribeURL": "https://sns.us-east-1.amazonaws.com/?Action=ConfirmSubscription"
+            "&TopicArn=arn:aws:sns:us-east-1:123456789012:ses-bounces&Token=2336412f",
+            "Timestamp": "2026-12-03T10:00:00.000Z",
+            "SignatureVersion": "1",
+            "Signature": "EXAMPLE",
+            "SigningCertURL": "https://sns.us-east-1.amazonaws.com/x.pem",
+        }
+    ).encode()
+    assert world.post("ses", body)[0] == 200
+    (ev,) = [e for e in r.events() if e.get("event") == "sns_subscription"]
+    assert ev["level"] == "warning" and "ConfirmSubscription" in ev["subscribe_url"]
 
 
 def test_postmark_complaint_suppresses_for_that_identity_only(world: World) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import dkim
 import dns.resolver
 import pytest
+import yaml
 
 from relay.message import parse_headers
 from tests.dnsserver import DnsServer
@@ -320,3 +321,20 @@ def test_check_dns_reports_good_and_broken_domains_with_exit_codes(world: World)
     assert any(
         e.get("event") == "dns_check" and e.get("domain") == "example.com" for e in r.events()
     )
+
+
+def test_a_missing_or_unusable_key_is_a_config_error(world: World, tmp_path: Path) -> None:
+    cfg = dict(world.relay.config)
+    for bad in (tmp_path / "missing.key", tmp_path / "garbage.key"):
+        if bad.name == "garbage.key":
+            bad.write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+        cfg["dkim"] = {"example.com": {"selector": "x", "key_file": str(bad)}}
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        for cmd in (["check-config"], ["serve"]):
+            res = subprocess.run(
+                [sys.executable, "-m", "relay", *cmd, "-c", str(path)],
+                capture_output=True, text=True, timeout=30, cwd=world.relay.workdir,
+            )  # fmt: skip
+            assert res.returncode == 78, res.stderr
+            assert "dkim.example.com" in res.stderr and str(bad) in res.stderr
