@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -268,3 +269,54 @@ def test_retry_of_an_expired_recipient_gets_a_fresh_max_age(upstream, relay) -> 
     )
     rc = r.queue()[0]["recipients"][0]
     assert rc["attempts"] == 2  # one transient failure after the retry, then delivered
+
+
+def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) -> None:
+    """Found by test_failure_paths under load: the engine's start-up reads (crash recovery,
+    today's counts) ran outside its loop's error handling, so one failed commit right after
+    `relay is ready` killed the engine task and the daemon went on accepting mail that it
+    never delivered."""
+    from relay import faults
+
+    cfg_path = tmp_path / "relay.yaml"
+    cfg_path.write_text(
+        yaml.safe_dump({"spool": {"path": "spool"}, "delivery": {"poll_interval": "0.05s"}})
+    )
+    cfg = load_config(str(cfg_path))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
+
+    async def main() -> None:
+        e = Engine(cfg, w)
+        faults.arm("spool.commit", "eio", times=2)  # recover() fails twice, then works
+        task = asyncio.create_task(e.run())
+        try:
+            m = ops.NewMessage(
+                "M1", "1@x", "a@x.test", 1, 0.0, "c", "p", "transactional", 0, "x.test",
+                b"x", None, (ops.NewRecipient("u@x.test", "x.test", "k1"),),
+            )  # fmt: skip
+            await asyncio.sleep(0.3)
+            assert not task.done(), task.exception()
+            await w.run(lambda c: ops.accept(c, m, 3600))
+            e.wake()
+            for _ in range(100):  # the engine claims it (no upstream: it is then deferred)
+                n = await w.run(
+                    lambda c: c.execute(
+                        "SELECT attempts + (state != 'pending') FROM recipients"
+                    ).fetchone()[0]
+                )
+                if n:
+                    break
+                await asyncio.sleep(0.05)
+            assert n, "the engine never claimed the recipient"
+        finally:
+            await e.stop(1.0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        faults.disarm_all()
+        w.close()

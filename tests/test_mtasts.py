@@ -414,7 +414,7 @@ def make(
     def make(**kwargs: Any) -> MtaStsResolver:
         args: dict[str, Any] = {
             "nameservers": [dns_server.nameserver],
-            "timeout": 2.0,
+            "timeout": 5.0,  # generous: a loaded 2-core CI machine
             "https_port": server.port,
             "ca_file": str(pki.ca_file),
             "connect_host": lambda host: "127.0.0.1",

@@ -230,8 +230,22 @@ class Engine:
         self._wake.set()
 
     async def run(self) -> None:
-        now = self.clock()
-        recovered = await self.writer.run(lambda c: ops.recover(c, now))
+        # a spool that fails right at start (disk full, I/O error) must not leave the
+        # daemon accepting mail with no engine: the start-up reads are retried until they
+        # work, like every later pass
+        while True:
+            now = self.clock()
+            try:
+                recovered = await self.writer.run(lambda c, t=now: ops.recover(c, t))
+                day = self.ledger.day_of(now)
+                counts = await self.writer.run(lambda c, d=day: ops.daily_counts(c, d))
+                break
+            except Exception as e:
+                log_event(log, logging.ERROR, "engine_error", "start-up pass failed", exc=e)
+                if self.stopping:
+                    self._loop_exited.set()
+                    return
+                await asyncio.sleep(self.config.delivery.poll_interval)
         if recovered:
             log_event(
                 log,
@@ -240,8 +254,7 @@ class Engine:
                 "claims left by a crash are due again",
                 count=recovered,
             )
-        day = self.ledger.day_of(now)
-        self.ledger.load(day, await self.writer.run(lambda c: ops.daily_counts(c, day)))
+        self.ledger.load(day, counts)
         try:
             while not self.stopping:
                 try:
