@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -73,6 +74,10 @@ _Claimed = tuple[
     dict[str, tuple[float, str]],
     dict[tuple[str, str], tuple[str, float] | None],  # (address, identity)
 ]
+
+
+def _start_up(now: float, day: str, c: Any) -> tuple[int, dict[str, int]]:
+    return ops.recover(c, now), ops.daily_counts(c, day)
 
 
 class Engine:
@@ -235,10 +240,9 @@ class Engine:
         # work, like every later pass
         while True:
             now = self.clock()
+            day = self.ledger.day_of(now)
             try:
-                recovered = await self.writer.run(lambda c, t=now: ops.recover(c, t))
-                day = self.ledger.day_of(now)
-                counts = await self.writer.run(lambda c, d=day: ops.daily_counts(c, d))
+                recovered, counts = await self.writer.run(functools.partial(_start_up, now, day))
                 break
             except Exception as e:
                 log_event(log, logging.ERROR, "engine_error", "start-up pass failed", exc=e)
