@@ -77,7 +77,7 @@ import dns.rdtypes.ANY.MX
 import dns.rdtypes.ANY.TXT
 import dns.resolver
 
-from relay.delivery.mx import is_null_mx, parse_nameserver
+from relay.delivery.mx import is_null_mx, make_resolver
 
 __all__ = [
     "Check",
@@ -97,7 +97,6 @@ SPF_LOOKUP_LIMIT = 10  # RFC 7208 §4.6.4
 SPF_VOID_LIMIT = 2  # RFC 7208 §4.6.4
 SPF_MX_LIMIT = 10  # RFC 7208 §4.6.4: address lookups per mx mechanism
 _WALK_CAP = 40  # distinct SPF records the lookup count follows at most
-_ATTEMPT_TIMEOUT = 2.0
 _NOT_CHECKED = "not checked: give --ip or run in MX mode"
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -258,21 +257,11 @@ class _Dns:
         self._cache: dict[tuple[str, str], asyncio.Task[_Answer]] = {}
         self._broken: str | None = None
         try:
-            self._resolver = dns.asyncresolver.Resolver(configure=nameservers is None)
+            self._resolver = make_resolver(nameservers, timeout)
         except dns.exception.DNSException as exc:  # no /etc/resolv.conf
-            self._resolver = dns.asyncresolver.Resolver(configure=False)
+            base = dns.asyncresolver.Resolver(configure=False)
+            self._resolver = make_resolver(nameservers, timeout, base)
             self._broken = _describe(exc)
-        if nameservers is not None:
-            parsed = [parse_nameserver(spec) for spec in nameservers]
-            if not parsed:
-                raise ValueError("nameservers must not be empty (use None for the system's)")
-            self._resolver.nameservers = [
-                dns.nameserver.Do53Nameserver(address, port) for address, port in parsed
-            ]
-        servers = max(1, len(self._resolver.nameservers))
-        self._resolver.lifetime = timeout
-        self._resolver.timeout = min(_ATTEMPT_TIMEOUT, timeout / servers)
-        self._resolver.cache = None
 
     async def query(self, name: str, rdtype: str) -> _Answer:
         key = (name.rstrip(".").lower(), rdtype)

@@ -16,8 +16,10 @@ import asyncio
 import base64
 import contextlib
 import copy
+import http.client
 import json
 import os
+import re
 import signal
 import smtplib
 import socket
@@ -516,6 +518,15 @@ class RelayProcess:
             f"timed out waiting for {what}\n--- relay log tail ---\n"
             + "\n".join(self.logs().splitlines()[-30:])
         )
+
+    def metric(self, name: str) -> float:
+        """One sample of /metrics (`name` with its labels, as exposed); 0 when absent."""
+        c = http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=10)
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+        c.close()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
 
     def recipient_states(self) -> dict[str, str]:
         return {r["address"]: r["state"] for m in self.queue() for r in m["recipients"]}

@@ -149,15 +149,6 @@ def rcpt_reply(port: int, rcpt: str, sender: str = SENDER) -> tuple[int, bytes]:
         return s.rcpt(rcpt)
 
 
-def metric(r: RelayProcess, name: str) -> float:
-    c = http.client.HTTPConnection("127.0.0.1", r.admin_port, timeout=10)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    c.close()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 def log_events(r: RelayProcess, name: str) -> list[dict[str, Any]]:
     return [e for e in r.events() if e.get("event") == name]
 
@@ -315,7 +306,7 @@ def test_ses_bounce_marks_bounced_suppresses_and_counts_once(world: World) -> No
     r = world.relay
     rcpt = world.unique("ses")
     uid = world.deliver(rcpt)
-    before = metric(r, 'relay_feedback_events_total{provider="ses",type="bounce"}')
+    before = r.metric('relay_feedback_events_total{provider="ses",type="bounce"}')
     body = ses_bounce(rcpt, uid, sns_id="sns-fixed-" + uid)
     status, resp = world.post("ses", body)
     assert status == 200, resp
@@ -327,7 +318,7 @@ def test_ses_bounce_marks_bounced_suppresses_and_counts_once(world: World) -> No
     # the same notification again (SNS redelivers): nothing more happens
     status, resp = world.post("ses", body)
     assert status == 200 and json.loads(resp)["duplicates"] == 1
-    after = metric(r, 'relay_feedback_events_total{provider="ses",type="bounce"}')
+    after = r.metric('relay_feedback_events_total{provider="ses",type="bounce"}')
     assert after - before == 1
     # the attempt log keeps both: delivered, then the late bounce
     qid = r.cli_json("queue", "find", "--recipient", rcpt)[0]["id"]

@@ -10,8 +10,6 @@ an aiosmtpd MX host that offers STARTTLS with a certificate for some names only.
 
 from __future__ import annotations
 
-import http.client
-import re
 import ssl
 import threading
 from collections.abc import Iterator
@@ -146,15 +144,6 @@ def deferred_reply(r: RelayProcess, domain: str) -> str:
     return str(found()[0]["reply"])
 
 
-def metric(r: RelayProcess, name: str) -> float:
-    c = http.client.HTTPConnection("127.0.0.1", r.admin_port, timeout=10)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    c.close()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 def test_enforce_with_a_listed_mx_delivers_over_verified_tls_and_caches(world: World) -> None:
     r = world.relay
     send(r.port, SENDER, ["a@good.test"], make_message(1))
@@ -172,7 +161,7 @@ def test_enforce_refuses_an_mx_the_policy_does_not_list(world: World) -> None:
     reply = deferred_reply(r, "wrongmx.test")
     assert "4.7.5" in reply and "mx.wrongmx.test does not match" in reply
     assert not [m for m in world.up.received if "a@wrongmx.test" in m.rcpt_tos]
-    assert metric(r, 'relay_mta_sts_failures_total{domain="wrongmx.test",reason="mx_mismatch"}')
+    assert r.metric('relay_mta_sts_failures_total{domain="wrongmx.test",reason="mx_mismatch"}')
     assert any(e.get("event") == "mta_sts_refused" for e in r.events())
 
 
@@ -182,7 +171,7 @@ def test_enforce_refuses_a_certificate_not_valid_for_the_mx(world: World) -> Non
     reply = deferred_reply(r, "badcert.test")
     assert "4.7.5" in reply and "MTA-STS" in reply and "mx.badcert.test" in reply
     assert not [m for m in world.up.received if "a@badcert.test" in m.rcpt_tos]
-    assert metric(r, 'relay_mta_sts_failures_total{domain="badcert.test",reason="tls"}')
+    assert r.metric('relay_mta_sts_failures_total{domain="badcert.test",reason="tls"}')
 
 
 def test_testing_mode_delivers_and_logs_what_enforce_would_refuse(world: World) -> None:

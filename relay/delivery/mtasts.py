@@ -71,7 +71,7 @@ import dns.rdtypes.ANY.TXT
 import dns.resolver
 import httpx
 
-from relay.delivery.mx import parse_nameserver
+from relay.delivery.mx import make_resolver
 from relay.logs import log_event
 
 __all__ = [
@@ -115,7 +115,6 @@ FAILURE_REASONS: Final = (
 """Every ``reason`` :attr:`MtaStsResolver.failures` may count, for metrics to pre-declare."""
 
 _CACHE_VERSION: Final = 1
-_ATTEMPT_TIMEOUT: Final = 2.0
 _WSP: Final = " \t"
 _ID_RE: Final = re.compile(r"[A-Za-z0-9]{1,32}")
 _EXT_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
@@ -388,18 +387,7 @@ class MtaStsResolver:
         self._clock = clock
         self._backoff = failure_backoff
         self._ssl = ssl.create_default_context(cafile=ca_file)
-        self._resolver = dns.asyncresolver.Resolver(configure=nameservers is None)
-        if nameservers is not None:
-            parsed = [parse_nameserver(spec) for spec in nameservers]
-            if not parsed:
-                raise ValueError("nameservers must not be empty (use None for the system's)")
-            self._resolver.nameservers = [
-                dns.nameserver.Do53Nameserver(address, port) for address, port in parsed
-            ]
-        servers = max(1, len(self._resolver.nameservers))
-        self._resolver.lifetime = timeout
-        self._resolver.timeout = min(_ATTEMPT_TIMEOUT, timeout / servers)
-        self._resolver.cache = None
+        self._resolver = make_resolver(nameservers, timeout)
         self._cache: dict[str, Policy] = {}
         self._failed: dict[str, tuple[str, float]] = {}  # domain -> (TXT id, retry after)
         self._inflight: dict[str, asyncio.Task[Policy | None]] = {}

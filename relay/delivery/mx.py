@@ -109,6 +109,35 @@ def order_mx(records: Sequence[tuple[int, str]], rng: random.Random) -> list[tup
     return result
 
 
+def make_resolver(
+    nameservers: Sequence[str] | None,
+    timeout: float,
+    base: dns.asyncresolver.Resolver | None = None,
+) -> dns.asyncresolver.Resolver:
+    """The project's one way to build a dnspython resolver: `nameservers` as specs
+    (`"127.0.0.1:5353"`, `"[::1]"`; None: the system's, from /etc/resolv.conf), no cache,
+    and `timeout` bounding one whole query. `base`: an already made resolver to set up
+    (one made with configure=False when the system has no resolver configuration)."""
+    resolver = (
+        base if base is not None else dns.asyncresolver.Resolver(configure=nameservers is None)
+    )
+    if nameservers is not None:
+        parsed = [parse_nameserver(spec) for spec in nameservers]
+        if not parsed:
+            raise ValueError("nameservers must not be empty (use None for the system's)")
+        resolver.nameservers = [
+            dns.nameserver.Do53Nameserver(address, port) for address, port in parsed
+        ]
+    # lifetime bounds one whole query (all servers and retries); each attempt gets a share
+    # of it so that a dead first server leaves time to ask the next one, and a lone server
+    # gets retransmissions (dnspython's default attempt is 2 s).
+    servers = max(1, len(resolver.nameservers))
+    resolver.lifetime = timeout
+    resolver.timeout = min(_ATTEMPT_TIMEOUT, timeout / servers)
+    resolver.cache = None
+    return resolver
+
+
 def parse_nameserver(spec: str) -> tuple[str, int]:
     """Parse ``"127.0.0.1:5353"``, ``"127.0.0.1"``, ``"[::1]:53"``, ``"[::1]"`` or ``"::1"``.
 
@@ -199,21 +228,7 @@ class Resolver:
         if isinstance(nameservers, str):
             raise TypeError("nameservers must be a sequence of strings, not a string")
         self._rng = rng if rng is not None else random.Random()
-        self._resolver = dns.asyncresolver.Resolver(configure=nameservers is None)
-        if nameservers is not None:
-            parsed = [parse_nameserver(spec) for spec in nameservers]
-            if not parsed:
-                raise ValueError("nameservers must not be empty (use None for the system's)")
-            self._resolver.nameservers = [
-                dns.nameserver.Do53Nameserver(address, port) for address, port in parsed
-            ]
-        # lifetime bounds one whole query (all servers and retries); each attempt gets
-        # a share of it so that a dead first server leaves time to ask the next one,
-        # and a lone server gets retransmissions (dnspython's default attempt is 2 s).
-        servers = max(1, len(self._resolver.nameservers))
-        self._resolver.lifetime = timeout
-        self._resolver.timeout = min(_ATTEMPT_TIMEOUT, timeout / servers)
-        self._resolver.cache = None
+        self._resolver = make_resolver(nameservers, timeout)
 
     async def resolve(self, domain: str) -> list[MxHost]:
         """Return the hosts to try for *domain*, most preferred first.
