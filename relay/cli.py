@@ -13,7 +13,7 @@ import logging
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from relay import __version__
@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     ql.add_argument("--recipient", help="only messages to this address")
     ql.add_argument("--domain", help="only messages with a recipient at this domain")
     ql.add_argument("--older-than", help="only messages older than this (e.g. 1h)")
+    ql.add_argument("--limit", type=int, help="at most this many messages (oldest first)")
     qf = q.add_parser(
         "find",
         parents=[common],
@@ -522,7 +523,10 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
     c = args.qcmd
     if c == "list":
         older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-        msgs = ops.list_messages(
+        if args.limit is not None and args.limit < 1:
+            print("relay: --limit takes a whole number of at least 1", file=sys.stderr)
+            return EXIT_USAGE
+        listed = ops.iter_messages(
             conn,
             state=args.state,
             include_finished=args.all,
@@ -530,12 +534,18 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             domain=args.domain,
             older_than=older,
             now=now,
+            limit=args.limit,
         )
-        _destinations_as_delivered(args, msgs)
+
+        def shown() -> Iterator[dict[str, Any]]:
+            for m in listed:  # a page at a time: the first lines come at once
+                _destinations_as_delivered(args, [m])
+                yield m
+
         if args.json:
-            _print_json(msgs)
+            _stream_json_array(shown())
         else:
-            _print_mailq(msgs)
+            _print_mailq(shown())
         return EXIT_OK
     if c == "find":
         if not (args.message_id or args.upstream_id or args.recipient):
@@ -971,16 +981,16 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
 
 
-def _print_mailq(msgs: list[dict[str, Any]]) -> None:
-    if not msgs:
-        print("Mail queue is empty")
-        return
-    print(
-        f"{'-Queue ID-':<18} {'-State-':<9} {'--Size--':>8} {'----Arrival Time----':<21}"
-        f" -Sender/Recipient-------"
-    )
-    total = 0
+def _print_mailq(msgs: Iterable[dict[str, Any]]) -> None:
+    """postqueue -p's layout, printed as the messages come (a page at a time)."""
+    total = count = 0
     for m in msgs:
+        if not count:
+            print(
+                f"{'-Queue ID-':<18} {'-State-':<9} {'--Size--':>8} {'----Arrival Time----':<21}"
+                f" -Sender/Recipient-------"
+            )
+        count += 1
         total += m["size"]
         print(
             f"{m['id']:<18} {m['state']:<9} {m['size']:>8} {m['created_at']:<21}"
@@ -991,7 +1001,22 @@ def _print_mailq(msgs: list[dict[str, Any]]) -> None:
                 print(f"{'':<59}({printable(r['last_reply'][:100])})")
             print(f"{'':<59}{printable(r['address'])} [{r['state']}]")
         print()
-    print(f"-- {total // 1024} Kbytes in {len(msgs)} Request{'s' if len(msgs) != 1 else ''}.")
+    if not count:
+        print("Mail queue is empty")
+        return
+    print(f"-- {total // 1024} Kbytes in {count} Request{'s' if count != 1 else ''}.")
+
+
+def _stream_json_array(items: Iterable[Any]) -> None:
+    """A JSON array written item by item (the same text `_print_json` gives a list), so
+    memory does not grow with the spool."""
+    out = sys.stdout
+    first = True
+    for item in items:
+        text = json.dumps(item, indent=2, sort_keys=True, ensure_ascii=False)
+        out.write(("[\n" if first else ",\n") + "  " + text.replace("\n", "\n  "))
+        first = False
+    out.write("[]\n" if first else "\n]\n")
 
 
 def _print_show(msg: dict[str, Any]) -> None:

@@ -140,6 +140,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                         },
                     ]
                 },
+                # an app whose From the provider cannot sign for: the route rewrites it
+                # to ours, and the signature covers the rewritten From
+                "routes": [
+                    {
+                        "sender_domain": "legacy.example",
+                        "via": ["smarthost"],
+                        "rewrite": {"from": "noreply@example.com"},
+                    },
+                    {"via": ["smarthost"]},
+                ],
                 "identities": {
                     "example.com": {
                         "unsubscribe": {
@@ -187,6 +197,18 @@ def test_a_message_the_relay_re_encodes_still_verifies(world: World) -> None:
     (got,) = world.received_by("dk2@example.org")
     assert b"Content-Transfer-Encoding: quoted-printable" in got.data
     assert max(len(line) for line in got.data.split(b"\r\n")) <= 998
+    assert world.verify(got.data) == [True, True]
+
+
+def test_a_message_a_route_rewrites_is_signed_as_rewritten(world: World) -> None:
+    data = make_message(108).replace(
+        b"From: app@example.com", b"From: Old App <app@legacy.example>"
+    )
+    send(world.relay.port, "app@legacy.example", ["dk4@example.org"], data)
+    (got,) = world.received_by("dk4@example.org")
+    head = dict((n.lower(), v) for n, v in parse_headers(got.data.split(b"\r\n\r\n")[0]))
+    assert head["from"] == "Old App <noreply@example.com>"
+    assert head["x-original-from"] == "Old App <app@legacy.example>"
     assert world.verify(got.data) == [True, True]
 
 

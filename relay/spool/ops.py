@@ -15,7 +15,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from relay.model import (
     FINAL,
     UNFINISHED,
     WAITING,
+    MsgState,
     RcptState,
     can_move,
     message_state,
@@ -751,7 +752,7 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else iso_utc(ts)
 
 
-def list_messages(
+def iter_messages(
     conn: sqlite3.Connection,
     *,
     state: str | None = None,
@@ -764,7 +765,11 @@ def list_messages(
     queue_id: str | None = None,
     message_id: str | None = None,
     upstream_id: str | None = None,
-) -> list[dict[str, Any]]:
+    page: int = 500,
+) -> Iterator[dict[str, Any]]:
+    """Messages matching the filters, oldest first, read a page at a time (keyset
+    pagination on (created_at, id)): the first ones come at once and memory does not grow
+    with the spool."""
     now = time.time() if now is None else now
     where = []
     params: list[Any] = []
@@ -798,63 +803,81 @@ def list_messages(
     if older_than is not None:
         where.append("m.created_at <= ?")
         params.append(now - older_than)
-    sql = (
-        "SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane, m.client,"
-        " m.listener FROM messages m"
-        + (" WHERE " + " AND ".join(where) if where else "")
-        + " ORDER BY m.created_at, m.id"
-    )
-    msgs = conn.execute(sql, params).fetchall()
-    out = []
-    rcpts_by: dict[str, list[sqlite3.Row]] = {}
-    ids = [m[0] for m in msgs]
-    for i in range(0, len(ids), 500):
-        chunk = ids[i : i + 500]
+    base_where = list(where)
+    cursor: tuple[float, str] | None = None
+    emitted = 0
+    while True:
+        conds = list(base_where)
+        page_params = list(params)
+        if cursor is not None:  # keyset: strictly after the last row of the previous page
+            conds.append("(m.created_at > ? OR (m.created_at = ? AND m.id > ?))")
+            page_params.extend((cursor[0], cursor[0], cursor[1]))
+        sql = (
+            "SELECT m.id, m.message_id, m.sender, m.size, m.created_at, m.lane, m.client,"
+            " m.listener FROM messages m"
+            + (" WHERE " + " AND ".join(conds) if conds else "")
+            + " ORDER BY m.created_at, m.id LIMIT ?"
+        )
+        msgs = conn.execute(sql, [*page_params, page]).fetchall()
+        if not msgs:
+            return
+        cursor = (msgs[-1][4], msgs[-1][0])
+        rcpts_by: dict[str, list[sqlite3.Row]] = {}
+        ids = [m[0] for m in msgs]
         for r in conn.execute(
             f"SELECT msg_id, address, state, attempts, last_reply, next_attempt_at, reason,"
             f" destination, upstream_id FROM recipients"
-            f" WHERE msg_id IN ({','.join('?' * len(chunk))})"
+            f" WHERE msg_id IN ({','.join('?' * len(ids))})"
             f" ORDER BY id",
-            chunk,
+            ids,
         ):
             rcpts_by.setdefault(r[0], []).append(r)
-    for m in msgs:
-        rc = rcpts_by.get(m[0], [])
-        mstate = message_state(r[2] for r in rc)
-        if state and mstate.value != state:
-            continue
-        waiting = [r[5] for r in rc if r[2] in ("pending", "deferred") and r[5] is not None]
-        out.append(
+        for m in msgs:
+            rc = rcpts_by.get(m[0], [])
+            mstate = message_state(r[2] for r in rc)
+            if state and mstate.value != state:
+                continue
+            yield _message_doc(m, rc, mstate)
+            emitted += 1
+            if limit is not None and emitted >= limit:
+                return
+        if len(msgs) < page:
+            return
+
+
+def _message_doc(m: sqlite3.Row, rc: list[sqlite3.Row], mstate: MsgState) -> dict[str, Any]:
+    waiting = [r[5] for r in rc if r[2] in ("pending", "deferred") and r[5] is not None]
+    return {
+        "id": m[0],
+        "state": mstate.value,
+        "message_id": m[1],
+        "sender": m[2],
+        "size": m[3],
+        "created_at": _iso(m[4]),
+        "lane": m[5],
+        "client": m[6],
+        "listener": m[7],
+        "attempts": max((r[3] for r in rc), default=0),
+        "next_attempt_at": _iso(min(waiting)) if waiting else None,
+        "recipients": [
             {
-                "id": m[0],
-                "state": mstate.value,
-                "message_id": m[1],
-                "sender": m[2],
-                "size": m[3],
-                "created_at": _iso(m[4]),
-                "lane": m[5],
-                "client": m[6],
-                "listener": m[7],
-                "attempts": max((r[3] for r in rc), default=0),
-                "next_attempt_at": _iso(min(waiting)) if waiting else None,
-                "recipients": [
-                    {
-                        "address": r[1],
-                        "state": r[2],
-                        "attempts": r[3],
-                        "last_reply": r[4],
-                        "destination": r[7],
-                        "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
-                        "reason": r[6],
-                        "upstream_id": r[8],
-                    }
-                    for r in rc
-                ],
+                "address": r[1],
+                "state": r[2],
+                "attempts": r[3],
+                "last_reply": r[4],
+                "destination": r[7],
+                "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
+                "reason": r[6],
+                "upstream_id": r[8],
             }
-        )
-        if limit is not None and len(out) >= limit:
-            break
-    return out
+            for r in rc
+        ],
+    }
+
+
+def list_messages(conn: sqlite3.Connection, **filters: Any) -> list[dict[str, Any]]:
+    """`iter_messages` as a list (for small selections: one message, a find)."""
+    return list(iter_messages(conn, **filters))
 
 
 def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | None:
