@@ -19,6 +19,7 @@ import copy
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import smtplib
@@ -40,8 +41,29 @@ from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Ports for servers a test starts later (the daemon's listeners, upstreams): picked below
+# the kernel's ephemeral range (32768-60999 on Linux), which outgoing connections draw
+# from, and split between pytest-xdist workers, so that a port we picked and released is
+# not taken meanwhile by another worker or by some client's source port.
+_PORTS_LOW, _PORTS_HIGH = 20000, 32000
+_ports = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    span = (_PORTS_HIGH - _PORTS_LOW) // max(count, 1)
+    low = _PORTS_LOW + index * span
+    for _ in range(200):
+        port = _ports.randrange(low, low + span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is busy
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
