@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from relay import dsn, inbound, logs, message, replies
+from relay import dsn, inbound, logs, message, replies, unsubscribe, upstream_ids
+from relay.delivery import mtasts
+from relay.feedback import bounces, providers
 from relay.lanes import parse_lane_rules
 from relay.regex_guard import MAX_SUBJECT, bounded, check_linear
 from relay.shaping import parse_rule
@@ -26,6 +28,14 @@ PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "dsn._ENHANCED": dsn._ENHANCED,
     "message._BARE": message._BARE,
     "inbound._HAS_ENHANCED": inbound._HAS_ENHANCED,
+    # feedback from outside: bounce texts, upstream replies, unsubscribe subjects
+    **{f"feedback.bounces.{k}": v for k, v in bounces.PATTERNS.items()},
+    **{f"upstream_ids.{name}": pat for name, pat, _ in upstream_ids.PATTERNS},
+    "unsubscribe._SUBJECT": unsubscribe._SUBJECT,
+    "providers._STATUS_IN_TEXT": providers._STATUS_IN_TEXT,
+    "providers._SENDGRID_UPSTREAM": providers._SENDGRID_UPSTREAM,
+    "mtasts._MX_PATTERN_RE": mtasts._MX_PATTERN_RE,
+    "mtasts._EXT_VALUE_RE": mtasts._EXT_VALUE_RE,
 }
 
 N = 50_000
