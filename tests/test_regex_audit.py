@@ -33,7 +33,6 @@ PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     **{f"upstream_ids.{name}": pat for name, pat, _ in upstream_ids.PATTERNS},
     "unsubscribe._SUBJECT": unsubscribe._SUBJECT,
     "providers._STATUS_IN_TEXT": providers._STATUS_IN_TEXT,
-    "providers._SENDGRID_UPSTREAM": providers._SENDGRID_UPSTREAM,
     "mtasts._MX_PATTERN_RE": mtasts._MX_PATTERN_RE,
     "mtasts._EXT_VALUE_RE": mtasts._EXT_VALUE_RE,
 }

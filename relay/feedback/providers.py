@@ -341,7 +341,6 @@ _SENDGRID_DROPPED: Final[dict[str, EventType | None]] = {
     "spam reporting address": "complaint",  # on SendGrid's spam report list
     "unsubscribed address": None,  # the recipient's choice, not a failure of the address
 }
-_SENDGRID_UPSTREAM = re.compile(r"(.+?)\.(?:[a-z]*filter|recvd)", re.IGNORECASE)
 
 
 def parse_sendgrid(body: bytes) -> list[FeedbackEvent]:
@@ -415,9 +414,16 @@ def _sendgrid_event(ev: _Obj) -> FeedbackEvent | None:
 def _sendgrid_upstream(sg_message_id: str | None) -> str | None:
     if sg_message_id is None:
         return None
-    m = _SENDGRID_UPSTREAM.match(sg_message_id)
-    if m is not None:
-        return m.group(1)
+    # up to the first dot-part that starts with letters holding "filter" (".filter0001",
+    # ".stfilter") or with "recvd": plain string work, linear in the field
+    parts = sg_message_id.split(".")
+    for i in range(1, len(parts)):
+        part = parts[i].lower()
+        letters = len(part) - len(part.lstrip("abcdefghijklmnopqrstuvwxyz"))
+        if "filter" in part[:letters] or part.startswith("recvd"):
+            head = ".".join(parts[:i])
+            if head:
+                return head
     return sg_message_id.partition(".")[0] or None
 
 
