@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less oft
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
 PRUNE_EVERY = 600.0
+SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
@@ -224,6 +226,10 @@ class Daemon:
             "stopping: refusing new mail, finishing what is in flight",
         )
         self.notifier.stopping()
+        # a watchdog off the event loop: a shutdown stuck past shutdown_timeout plus a
+        # margin writes every thread's stack to stderr (the journal) and exits; the spool
+        # is durable, the next start recovers any claim left `sending`
+        faulthandler.dump_traceback_later(self.config.shutdown_timeout + SHUTDOWN_MARGIN, exit=True)
         for h in self.handlers:
             h.closing = True
         deadline = time.monotonic() + self.config.shutdown_timeout
@@ -254,6 +260,7 @@ class Daemon:
             await self.feedback_http.stop()
         await asyncio.to_thread(self.writer.close)
         self.guard.close()
+        faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
     async def _check_dkim_dns(self) -> None:
