@@ -77,7 +77,7 @@ import dns.rdtypes.ANY.MX
 import dns.rdtypes.ANY.TXT
 import dns.resolver
 
-from relay.delivery.mx import is_null_mx, make_resolver
+from relay.delivery.mx import describe_dns_error, is_null_mx, make_resolver
 
 __all__ = [
     "Check",
@@ -238,16 +238,6 @@ class _Answer:
         return self.kind in ("nxdomain", "nodata")
 
 
-def _describe(exc: dns.exception.DNSException) -> str:
-    if isinstance(exc, dns.exception.Timeout):
-        return "timed out"
-    if isinstance(exc, dns.resolver.NoNameservers):
-        return "no nameserver answered (SERVFAIL or refused)"
-    if isinstance(exc, dns.resolver.NoResolverConfiguration):
-        return "no nameservers configured"
-    return str(exc) or type(exc).__name__
-
-
 class _Dns:
     """Cached asynchronous lookups for one run (see the module rules)."""
 
@@ -261,7 +251,7 @@ class _Dns:
         except dns.exception.DNSException as exc:  # no /etc/resolv.conf
             base = dns.asyncresolver.Resolver(configure=False)
             self._resolver = make_resolver(nameservers, timeout, base)
-            self._broken = _describe(exc)
+            self._broken = describe_dns_error(exc)
 
     async def query(self, name: str, rdtype: str) -> _Answer:
         key = (name.rstrip(".").lower(), rdtype)
@@ -289,7 +279,7 @@ class _Dns:
         except dns.resolver.NoAnswer:
             return _Answer("nodata")
         except dns.exception.DNSException as exc:
-            return _Answer("failed", failure=f"{rdtype} {name}: {_describe(exc)}")
+            return _Answer("failed", failure=f"{rdtype} {name}: {describe_dns_error(exc)}")
         items: list[str] = []
         for rdata in answer:
             if isinstance(rdata, dns.rdtypes.ANY.TXT.TXT):

@@ -71,6 +71,7 @@ import dns.rdtypes.ANY.TXT
 import dns.resolver
 import httpx
 
+from relay.delivery.errors import _find_cause
 from relay.delivery.mx import make_resolver
 from relay.logs import log_event
 
@@ -322,7 +323,7 @@ def tls_failure_reason(domain: str, host: str, error: BaseException) -> str:
     """
     shown_domain = domain.strip().rstrip(".").lower()
     shown_host = host.strip().rstrip(".").lower()
-    verify = _find(error, ssl.SSLCertVerificationError)
+    verify = _find_cause(error, ssl.SSLCertVerificationError)
     if verify is not None:
         detail = verify.verify_message or _describe(verify)
         return (
@@ -620,9 +621,9 @@ async def _read_body(response: httpx.Response, shown: str) -> bytes:
 
 
 def _http_failure(shown: str, exc: Exception) -> _Failure:
-    tls = _find(exc, ssl.SSLError)
+    tls = _find_cause(exc, ssl.SSLError)
     if tls is not None:
-        verify = _find(exc, ssl.SSLCertVerificationError)
+        verify = _find_cause(exc, ssl.SSLCertVerificationError)
         if verify is not None:
             detail = verify.verify_message or _describe(verify)
             return _Failure("tls", f"{shown}: certificate not verified ({detail})")
@@ -736,18 +737,6 @@ def _domain_key(domain: str) -> str | None:
     if name == dns.name.root:
         return None
     return name.to_text(omit_final_dot=True).lower()
-
-
-def _find(error: BaseException, kind: type[_E]) -> _E | None:
-    """The first exception of *kind* in *error*'s cause/context chain (itself included)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, kind):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def _describe(error: BaseException) -> str:

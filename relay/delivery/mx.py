@@ -300,7 +300,7 @@ class Resolver:
         except dns.resolver.NoAnswer:
             return None
         except dns.exception.DNSException as exc:
-            raise _transient(shown, _describe(exc)) from exc
+            raise _transient(shown, describe_dns_error(exc)) from exc
         records: list[tuple[int, str]] = []
         for rdata in answer:
             assert isinstance(rdata, dns.rdtypes.ANY.MX.MX)
@@ -332,7 +332,9 @@ class Resolver:
             return _Lookup()
         except dns.exception.DNSException as exc:
             name = host.to_text(omit_final_dot=True)
-            return _Lookup(failure=f"{dns.rdatatype.to_text(rdtype)} {name}: {_describe(exc)}")
+            return _Lookup(
+                failure=f"{dns.rdatatype.to_text(rdtype)} {name}: {describe_dns_error(exc)}"
+            )
         return _Lookup(tuple(rdata.to_text() for rdata in answer))
 
 
@@ -341,7 +343,8 @@ def _transient(domain: str, detail: str) -> DnsTransientError:
     return DnsTransientError(Reply(451, "4.4.3", f"DNS lookup for {domain} failed: {detail}"))
 
 
-def _describe(exc: dns.exception.DNSException) -> str:
+def describe_dns_error(exc: dns.exception.DNSException) -> str:
+    """A DNS failure in a few words, for replies and reports."""
     if isinstance(exc, dns.exception.Timeout):
         return "timed out"
     if isinstance(exc, dns.resolver.NoNameservers):
