@@ -203,3 +203,157 @@ def test_rates_per_identity_over_24h_and_7d(conn: sqlite3.Connection) -> None:
     assert (week["delivered"], week["bounced"], week["complained"]) == (6, 1, 1)
     # eight days later: gone from both windows
     assert rates(conn, now + 8 * 86400) == []
+
+
+def test_every_field_of_what_an_event_did_is_recorded(conn: sqlite3.Connection) -> None:
+    """The whole record, not only the outcome: the Applied value the daemon logs and alerts
+    from, the attempt log rows, the event row, the suppression entry (found by mutation
+    testing: each of these could be broken without a failing test)."""
+    ids = queue(conn, "Q1", ["a@x.org", "c@x.org", "s@x.org"],
+                delivered={"a@x.org": "U", "c@x.org": "U", "s@x.org": "U"})  # fmt: skip
+    seen: list[tuple[sqlite3.Connection, Applied]] = []
+    with db.transaction(conn):
+        out = apply_events(
+            conn,
+            [
+                ev(event_id="b", recipient=" <A@X.ORG> ", upstream_id="U", status="5.1.1"),
+                ev(event_id="c", type="complaint", recipient="c@x.org", upstream_id="U"),
+                ev(
+                    event_id="s",
+                    type="soft_bounce",
+                    recipient="s@x.org",
+                    upstream_id="U",
+                    reason="452 mailbox full",
+                ),
+                ev(event_id="n", recipient="nobody@x.org"),
+                ev(event_id="b", recipient="a@x.org", upstream_id="U", status="5.1.1"),
+            ],
+            T0 + 10,
+            lambda c, a: seen.append((c, a)),
+        )
+    bounce, complaint, soft, unmatched, dup = out
+    assert bounce == Applied(
+        bounce.event, "bounced", "Q1", ids["a@x.org"], "example.com", "a@x.org", "upstream_id"
+    )
+    assert [a.event.event_id for a in out] == ["b", "c", "s", "n", "b"]
+    assert complaint == Applied(
+        complaint.event, "complaint", "Q1", ids["c@x.org"], "example.com", "c@x.org",
+        "upstream_id",
+    )  # fmt: skip
+    assert soft == Applied(
+        soft.event, "soft_bounce", "Q1", ids["s@x.org"], "example.com", "s@x.org", "upstream_id"
+    )
+    assert (unmatched.outcome, unmatched.queue_id, unmatched.event.event_id) == (
+        "unmatched",
+        None,
+        "n",
+    )
+    assert (dup.outcome, dup.event.event_id) == ("duplicate", "b")
+    # the callback runs in the same transaction for what acted, not for the rest
+    assert [a.outcome for _c, a in seen] == ["bounced", "complaint", "soft_bounce"]
+    assert all(c is conn for c, _a in seen)
+    # the attempt log: what each event did, with its text
+    log = conn.execute(
+        "SELECT rcpt_id, outcome, reply FROM attempts WHERE outcome != 'delivered' ORDER BY id"
+    ).fetchall()
+    assert [tuple(r) for r in log] == [
+        (ids["a@x.org"], "late_bounce", "late bounce (generic): 5.1.1"),
+        (ids["c@x.org"], "complaint", "complaint (generic): marked as spam"),
+        (ids["s@x.org"], "soft_bounce", "soft bounce (generic): 452 mailbox full"),
+    ]
+    # the bounced recipient's last reply says why
+    last = conn.execute("SELECT last_reply FROM recipients WHERE id=?", (ids["a@x.org"],))
+    assert last.fetchone()[0] == "late bounce (generic): 5.1.1"
+    # the event rows: lowercased recipient, outcome and match
+    rows = {
+        r[0]: tuple(r[1:])
+        for r in conn.execute(
+            "SELECT event_id, recipient, type, outcome, msg_id, rcpt_id, identity"
+            " FROM feedback_events"
+        )
+    }
+    assert rows["b"] == ("a@x.org", "bounce", "bounced", "Q1", ids["a@x.org"], "example.com")
+    assert rows["c"][2:] == ("complaint", "Q1", ids["c@x.org"], "example.com")
+    assert rows["n"] == ("nobody@x.org", "bounce", "unmatched", None, None, None)
+    # the suppression entries: scope, source and reason
+    entries = {(e["address"], e["scope"]): e for e in ops.suppression_list(conn)}
+    assert set(entries) == {("a@x.org", "global"), ("c@x.org", "example.com")}
+    assert entries[("a@x.org", "global")]["source"] == "feedback:generic"
+    assert entries[("a@x.org", "global")]["reason"] == "late bounce (generic): 5.1.1"
+    assert entries[("c@x.org", "example.com")]["source"] == "feedback:generic"
+    assert entries[("c@x.org", "example.com")]["reason"] == "complaint (generic): marked as spam"
+
+
+def test_verp_needs_both_queue_id_and_row(conn: sqlite3.Connection) -> None:
+    ids = queue(conn, "Q1", ["a@x.org"], delivered={"a@x.org": "U"})
+    queue(conn, "Q2", ["b@x.org"])
+    # a row id of another message, or a queue id alone, is no VERP match
+    assert match(conn, ev(recipient="zz@x.org", queue_id="Q2", rcpt_id=ids["a@x.org"])) is None
+    assert match(conn, ev(recipient="zz@x.org", queue_id="Q1")) is None
+    assert match(conn, ev(recipient="zz@x.org", rcpt_id=ids["a@x.org"])) is None
+    # angle brackets and case in the event's address do not matter
+    m = match(conn, ev(recipient="<A@X.org>", message_id="m@app.example"))
+    assert m is not None and m.by == "message_id"
+
+
+def test_rate_windows_are_exact_to_the_hour_and_no_delivery_means_no_rate(
+    conn: sqlite3.Connection,
+) -> None:
+    now = T0 + 100 * 3600 + 1800  # half past the hour
+    hour = int(now // 3600)
+    with db.transaction(conn):
+        for identity, h, delivered, bounced, complained in (
+            ("a.example", hour - 23, 10, 1, 0),  # inside the last 24 hours
+            ("a.example", hour - 24, 100, 7, 7),  # just outside: in the 7 days only
+            ("a.example", hour - 24 * 7 + 1, 1000, 0, 0),  # the oldest hour of the 7 days
+            ("a.example", hour - 24 * 7, 5000, 0, 0),  # just outside the 7 days
+            ("b.example", hour, 0, 2, 1),  # feedback for an identity with no delivery
+        ):
+            conn.execute(
+                "INSERT INTO identity_hours (identity, hour, delivered, bounced, complained)"
+                " VALUES (?,?,?,?,?)",
+                (identity, h, delivered, bounced, complained),
+            )
+    a, b = rates(conn, now)
+    assert a["identity"] == "a.example"
+    assert a["24h"] == {
+        "delivered": 10,
+        "bounced": 1,
+        "complained": 0,
+        "bounce_rate": 0.1,
+        "complaint_rate": 0.0,
+    }
+    week = a["7d"]
+    assert isinstance(week, dict)
+    assert (week["delivered"], week["bounced"], week["complained"]) == (1110, 8, 7)
+    assert b["24h"] == {
+        "delivered": 0,
+        "bounced": 2,
+        "complained": 1,
+        "bounce_rate": None,
+        "complaint_rate": None,
+    }
+
+
+def test_a_recipient_being_sent_is_not_turned_bounced(conn: sqlite3.Connection) -> None:
+    ids = queue(conn, "Q1", ["a@x.org"])
+    with db.transaction(conn):
+        conn.execute("UPDATE recipients SET state='sending' WHERE id=?", (ids["a@x.org"],))
+    (res,) = run(conn, ev(recipient="a@x.org", queue_id="Q1", rcpt_id=ids["a@x.org"]))
+    assert res.outcome == "suppressed"  # the address; the attempt under way records its own
+    assert state(conn, ids["a@x.org"]) == "sending"
+
+
+def test_addresses_and_ids_keep_their_letters(conn: sqlite3.Connection) -> None:
+    """Only angle brackets and spaces are trimmed: an address or id that starts or ends
+    with any other character (here X) still matches."""
+    ids = queue(conn, "Q1", ["Xavier@x.org"], delivered={"Xavier@x.org": "XU1X"})
+    m = match(conn, ev(recipient="<Xavier@x.org>"))
+    assert m is not None and (m.rcpt_id, m.by) == (ids["Xavier@x.org"], "address")
+    m = match(conn, ev(recipient="someone.else@y.org", upstream_id=" <XU1X> "))
+    assert m is not None and m.by == "upstream_id"
+    (res,) = run(conn, ev(recipient="XAVIER@X.ORG", upstream_id="XU1X"))  # no reason, no status
+    assert res.outcome == "bounced"
+    (entry,) = ops.suppression_list(conn)
+    assert entry["address"] == "xavier@x.org"
+    assert entry["reason"] == "late bounce (generic): permanent failure"
