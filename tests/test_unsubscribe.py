@@ -541,3 +541,122 @@ async def test_html_is_escaped() -> None:
 def test_handler_prefix_must_be_a_directory() -> None:
     with pytest.raises(ValueError):
         UnsubscribeHandler(lambda: {}, Suppressor(), "/u")
+
+
+# --- edges found by mutation testing ---------------------------------------------------------
+
+from relay import unsubscribe as u  # noqa: E402
+
+
+def test_secret_length_boundary() -> None:
+    ok, short = b"k" * u.MIN_SECRET, b"k" * (u.MIN_SECRET - 1)
+    token = u.make_token(ok, "i.example", "r@x.org")
+    assert u.read_token(ok, token) == ("i.example", "r@x.org")
+    with pytest.raises(ValueError):
+        u.make_token(short, "i.example", "r@x.org")
+    assert u.read_token(short, token) is None
+
+
+@pytest.mark.parametrize(("identity", "recipient"), [("i\x00x", "r@x.org"), ("i", "r\x00@x.org")])
+def test_nul_is_refused_in_either_part(identity: str, recipient: str) -> None:
+    with pytest.raises(ValueError):
+        u.make_token(SECRET, identity, recipient)
+
+
+def test_a_well_signed_payload_with_a_second_nul_or_a_bad_mac_text_is_refused() -> None:
+    payload = u._b64(b"i.example\x00r@x.org\x00extra")
+    signed = f"{u.VERSION}.{payload}"
+    assert u.read_token(SECRET, f"{signed}.{u._mac(SECRET, signed)}") is None
+    good = u.make_token(SECRET, "i.example", "r@x.org")
+    version, body, mac = good.split(".")
+    assert u.read_token(SECRET, f"{version}.{body}.{mac[:-1]}!") is None
+    assert u.read_token(SECRET, f"{version}.{body}!.{mac}") is None
+
+
+def test_mailto_token_length_edges_and_trailing_dot() -> None:
+    t = "A" * u.MAX_TOKEN
+    assert u.mailto_token(f"unsubscribe {t}") == t
+    assert u.mailto_token(f"unsubscribe {t}A") is None
+    assert u.mailto_token(f"Re: unsubscribe {t[:20]}.") == t[:20]
+    assert u.mailto_token("no token here", t) == t
+    assert u.mailto_token("no token here", t + "A") is None
+
+
+def test_the_header_folds_exactly_at_78_columns() -> None:
+    first = "<https://a/" + "x" * 20 + ">"
+    head = f"List-Unsubscribe: {first}"
+    fits = "<m:" + "y" * (78 - len(head) - 2 - 4) + ">"
+    assert len(head) + 2 + len(fits) == 78
+    assert u._fold("List-Unsubscribe", [first, fits]) == f"{head}, {fits}\r\n"
+    over = fits[:-1] + "y>"
+    assert u._fold("List-Unsubscribe", [first, over]) == f"{head},\r\n {over}\r\n"
+
+
+@pytest.mark.parametrize(
+    ("mailto", "expected"),
+    [
+        ("unsub@x.org", "<mailto:unsub@x.org?subject=unsubscribe%20T>"),
+        ("mailto:unsub@x.org", "<mailto:unsub@x.org?subject=unsubscribe%20T>"),
+        ("MAILTO:unsub@x.org", "<mailto:unsub@x.org?subject=unsubscribe%20T>"),
+        ("unsub@x.org?cc=a@x.org", "<mailto:unsub@x.org?cc=a@x.org&subject=unsubscribe%20T>"),
+    ],
+)
+def test_mailto_uri(mailto: str, expected: str) -> None:
+    assert u._mailto_uri(mailto, "T") == expected
+
+
+def test_a_url_with_a_trailing_slash_gets_one_slash() -> None:
+    conf = UnsubscribeConf(URL + "/", None, SECRET)
+    out = u.add_headers(b"From: a@b.c\r\n\r\nx\r\n", conf, "i.example", "r@x.org")
+    assert out is not None and b"/u/1." in out and b"/u//" not in out
+
+
+@pytest.mark.parametrize(
+    ("message", "at"),
+    [
+        (b"Return-Path: <a@b.c>\r\nReceived: x\r\n\tcontinued\r\nFrom: a@b.c\r\n\r\nbody", 47),
+        (b"From: a@b.c\r\nReceived: late\r\n\r\nbody", 0),
+        (b"\r\nbody", 0),
+        (b"Received: x", 0),
+        (b"Received: x\r\n folded\r\nSubject: y: z\r\n\r\n", 22),
+    ],
+)
+def test_headers_go_below_the_trace_fields(message: bytes, at: int) -> None:
+    assert u._after_trace(message) == at
+
+
+@pytest.mark.parametrize(
+    ("body", "ctype", "expected"),
+    [
+        (b"List-Unsubscribe=One-Click", "application/x-www-form-urlencoded", True),
+        (b"List%2DUnsubscribe=One%2DClick", "application/x-www-form-urlencoded", True),
+        (b"List%2DUnsubscribe=One%2DClick", "APPLICATION/X-WWW-FORM-URLENCODED; x=y", True),
+        (b"a=b&List-Unsubscribe=", "application/x-www-form-urlencoded", False),
+        (b"List%2DUnsubscribe=One%2DClick", "text/plain", False),
+        (
+            b'--B\r\nContent-Disposition: form-data; name="List-Unsubscribe"\r\n\r\n'
+            b"One-Click\r\n--B--\r\n",
+            'multipart/form-data; boundary="B"',
+            True,
+        ),
+        (
+            b'--B\r\nContent-Disposition: form-data; name="other"\r\n\r\nOne-Click\r\n--B--\r\n',
+            'multipart/form-data; boundary="B"',
+            False,
+        ),
+        (b"not multipart at all", "multipart/form-data", False),
+        (b"List-Unsubscribe=One-Click" + b" " * u.MAX_FORM, "text/plain", False),
+    ],
+)
+def test_one_click_bodies(body: bytes, ctype: str, expected: bool) -> None:
+    assert u.one_click(body, ctype) is expected
+
+
+def test_path_prefix_must_be_a_folder() -> None:
+    for bad in ("u/", "/u", "u"):
+        with pytest.raises(ValueError, match="path_prefix"):
+            u.UnsubscribeHandler(lambda: {}, _never, bad)
+
+
+async def _never(identity: str, recipient: str, source: str) -> bool:
+    raise AssertionError("not called")
