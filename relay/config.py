@@ -747,18 +747,23 @@ def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
         raise ConfigError(str(e)) from None
 
 
-def _feedback(item: object, base: Path) -> FeedbackConf:
+def _mailbox(value: str, key: str) -> None:
     from relay.address import AddressError, check_mailbox
+
+    try:
+        check_mailbox(value)
+    except AddressError as e:
+        raise ConfigError(f"{key}: {value!r}: {e}") from None
+
+
+def _feedback(item: object, base: Path) -> FeedbackConf:
 
     r = _Reader(item, "feedback")
     listen_s = r.opt_str("listen")
     listen = None if not listen_s else parse_hostport(listen_s, "feedback.listen")
     address = r.opt_str("address")
     if address is not None:
-        try:
-            check_mailbox(address)
-        except AddressError as e:
-            raise ConfigError(f"feedback.address: {address!r}: {e}") from None
+        _mailbox(address, "feedback.address")
         if "+" in address.rpartition("@")[0]:
             raise ConfigError("feedback.address: no '+' in the local part (VERP adds one)")
     verp = r.boolean("verp")
@@ -1485,7 +1490,6 @@ def _identity(name: str, data: object, base: Path) -> Identity:
 
 
 def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
-    from relay.address import AddressError, check_mailbox
     from relay.unsubscribe import MIN_SECRET
 
     if item is None:
@@ -1501,10 +1505,7 @@ def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
             )
     mailto = r.opt_str("mailto")
     if mailto is not None:
-        try:
-            check_mailbox(mailto)
-        except AddressError as e:
-            raise ConfigError(f"{key}.mailto: {mailto!r}: {e}") from None
+        _mailbox(mailto, f"{key}.mailto")
     if url is None and mailto is None:
         raise ConfigError(f"{key}: give url, mailto or both")
     sp = r.path_("secret_file", base)

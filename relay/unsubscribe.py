@@ -312,6 +312,19 @@ def _is_one_click(name: str, value: str) -> bool:
     return name.strip().lower() == "list-unsubscribe" and value.strip().lower() == "one-click"
 
 
+def verify(confs: Mapping[str, UnsubscribeConf], token: str) -> tuple[str, str] | str:
+    """(identity, recipient) of a valid token, checked with the secret of the identity the
+    token names (a token for an identity without unsubscribe is invalid); else why not."""
+    parsed = _parse(token)
+    if parsed is None:
+        return "malformed token"
+    conf = confs.get(parsed[2])
+    if conf is None:
+        return "no unsubscribe configured for the identity"
+    pair = read_token(conf.secret, token)
+    return "bad signature" if pair is None else pair
+
+
 class UnsubscribeHandler:
     def __init__(
         self,
@@ -327,14 +340,7 @@ class UnsubscribeHandler:
 
     def verify(self, token: str) -> tuple[str, str] | str:
         """(identity, recipient) of a valid token, else why it is refused."""
-        parsed = _parse(token)
-        if parsed is None:
-            return "malformed token"
-        conf = self.conf().get(parsed[2])
-        if conf is None:
-            return "no unsubscribe configured for the identity"
-        pair = read_token(conf.secret, token)
-        return "bad signature" if pair is None else pair
+        return verify(self.conf(), token)
 
     async def http(self, req: Request) -> Response:
         if not req.path.startswith(self.path_prefix):

@@ -170,15 +170,12 @@ class FeedbackService:
         head, _ = split_message(data)
         subject = header(parse_headers(head), "Subject") or ""
         token = unsubscribe.mailto_token(subject)
-        confs = self.config().unsubscribe_confs()
-        pair = None
-        if token is not None:
-            for u in confs.values():
-                pair = unsubscribe.read_token(u.secret, token)
-                if pair is not None and confs.get(pair[0]) is u:
-                    break
-                pair = None
-        if pair is None:
+        found = (
+            unsubscribe.verify(self.config().unsubscribe_confs(), token)
+            if token is not None
+            else "no token in the Subject"
+        )
+        if isinstance(found, str):
             log_event(
                 log,
                 logging.WARNING,
@@ -186,10 +183,12 @@ class FeedbackService:
                 "unsubscribe mail without a valid token",
                 sender=sender or "<>",
                 peer=peer,
+                reason=found,
             )
             return False
-        await self.suppress_for(pair[0], pair[1], "unsubscribe-mail")
-        log_event(log, logging.INFO, "unsubscribed", "by mail", identity=pair[0], rcpt=pair[1])
+        identity, recipient = found
+        await self.suppress_for(identity, recipient, "unsubscribe-mail")
+        log_event(log, logging.INFO, "unsubscribed", "by mail", identity=identity, rcpt=recipient)
         return True
 
     async def suppress_for(self, identity: str, recipient: str, source: str) -> bool:
