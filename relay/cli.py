@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sqlite3
 import sys
 import time
@@ -391,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except sqlite3.OperationalError as e:
         print(f"relay: spool busy or unavailable: {e}", file=sys.stderr)
         return EXIT_FAIL
+    except BrokenPipeError:  # `relay queue list | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout
+        return EXIT_OK
     finally:
         conn.close()
 
@@ -698,12 +703,8 @@ AGE_BUCKETS = [
 
 
 def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
-    table: dict[str, list[int]] = {}
     # by recipient domain, like qshape (`destination list` counts by upstream)
-    for dest, _a, _s, _c, _l, created in ops.waiting_recipients(conn):
-        age = now - created
-        idx = next(i for i, (lim, _l) in enumerate(AGE_BUCKETS) if age < lim)
-        table.setdefault(dest, [0] * len(AGE_BUCKETS))[idx] += 1
+    table = ops.waiting_by_age(conn, now, [lim for lim, _l in AGE_BUCKETS])
     if args.json:
         _print_json(
             {

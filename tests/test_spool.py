@@ -294,6 +294,56 @@ def test_claim_takes_transactional_before_bulk_and_respects_the_limit(
         assert [c.msg_id for c in ops.claim_due(conn, T0, 2)] == ["B1"]
 
 
+def test_claim_leaves_waiting_destinations_in_the_spool_except_expired(
+    conn: sqlite3.Connection,
+) -> None:
+    """A destination whose circuit is open is not claimed and written back on every pass
+    (the churn that slowed acceptance behind a dead upstream); only what is past max_age
+    is claimed, to be dead-lettered on time."""
+    accept(conn, new_message("OLD", ["a@dead.example"], message_id="<o@x>", created_at=T0 - 900))
+    accept(conn, new_message("NEW", ["b@dead.example"], message_id="<n@x>", created_at=T0 - 10))
+    accept(conn, new_message("LIVE", ["c@live.example"], message_id="<l@x>", created_at=T0 - 5))
+    waiting = [(0, "dead.example"), (1, "dead.example")]
+    with db.transaction(conn):
+        got = ops.claim_due(conn, T0, 10, waiting=waiting)
+    assert [c.msg_id for c in got] == ["LIVE"]
+    with db.transaction(conn):  # an expiry pass: max_age 600 s -> only OLD is due to die
+        got = ops.claim_due(conn, T0, 10, waiting=waiting, expired_before=T0 - 600)
+    assert [c.msg_id for c in got] == ["OLD"]
+    with db.transaction(conn):  # every lane of every domain waits: nothing, no query
+        assert ops.claim_due(conn, T0, 10, waiting=[(0, None), (1, None)]) == []
+        got = ops.claim_due(conn, T0, 10, waiting=[(0, None)], expired_before=T0 - 600)
+        assert got == []  # NEW is in the waiting transactional lane and not expired
+        got = ops.claim_due(conn, T0, 10, waiting=[(1, None)])
+    assert [c.msg_id for c in got] == ["NEW"]  # only bulk waits now
+    states = dict(conn.execute("SELECT msg_id, state FROM recipients").fetchall())
+    assert states == {"OLD": "sending", "NEW": "sending", "LIVE": "sending"}
+
+
+def test_summary_and_stats_aggregates(conn: sqlite3.Connection) -> None:
+    accept(conn, new_message("A", ["a@one.example"], message_id="<a@x>", created_at=T0 - 10))
+    accept(conn, new_message("B", ["b@one.example"], message_id="<b@x>", created_at=T0 - 400))
+    accept(conn, new_message("C", ["c@two.example"], message_id="<c@x>", created_at=T0 - 5000))
+    accept(conn, new_message("D", ["d@two.example"], message_id="<d@x>", created_at=T0 - 300))
+    with db.transaction(conn):  # C is finished: neither counted nor the oldest
+        (cl,) = [c for c in ops.claim_due(conn, T0, 10) if c.msg_id == "C"] or [None]
+        conn.execute("UPDATE recipients SET state = 'deferred' WHERE msg_id != 'C'")
+        assert cl is not None
+        ops.record(conn, [ops.RcptUpdate(cl.rcpt_id, "C", RcptState.DELIVERED, True, None, "")], T0)
+    limits = [300.0, 3600.0, float("inf")]
+    # bucket i: age < limits[i]; D is exactly 300 s old: the second bucket
+    assert ops.waiting_by_age(conn, T0, limits) == {
+        "one.example": [1, 1, 0],
+        "two.example": [0, 1, 0],
+    }
+    st = ops.stats(conn, T0)
+    assert st["oldest_queued_age"] == 400.0
+    assert st["destinations"] == {
+        "one.example": {"deferred": 2},
+        "two.example": {"delivered": 1, "deferred": 1},
+    }
+
+
 def test_message_state_is_derived_from_recipients(conn: sqlite3.Connection) -> None:
     accept(conn, new_message("Q1", ["a@example.org", "b@example.org"]))
     assert ops.list_messages(conn, now=T0)[0]["state"] == "queued"

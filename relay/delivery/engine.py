@@ -62,6 +62,8 @@ from relay.model import RcptState
 from relay.spool import ops
 from relay.spool.writer import SpoolWriter
 
+EXPIRY_PASS = 30.0  # seconds between claims of expired recipients that wait
+
 log = logging.getLogger(__name__)
 
 DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
@@ -114,6 +116,7 @@ class Engine:
         self.dead_times: deque[float] = deque()  # dead letters of the last hour
         self.last_delivery_at: float | None = None
         self._cmd_seen: int | None = None  # engine_commands read so far
+        self._next_expiry_pass = 0.0  # when _claim_and_dispatch next claims expired waits
         self.resolver = resolver
         self._ns: object = None
         self.mta_sts: mtasts.MtaStsResolver | None = None  # MX mode, upstream.mx.mta_sts
@@ -287,6 +290,34 @@ class Engine:
         rate = st.adaptive.effective_rate()
         return max(4, 2 * st.adaptive.effective_connections(), math.ceil((rate or 0) * 2))
 
+    def _waiting(self, now: float) -> list[tuple[int, str | None]]:
+        """(lane priority, domain) pairs whose destination takes no attempt now (circuit
+        open): not claimed, so that a backlog behind a dead upstream is not
+        claimed and written back as deferred on every pass. Upstream routing: only when
+        every upstream waits (a route fails over to the next one). MX: per domain. With MX
+        and upstream routes mixed, nothing is skipped (a domain may go either way)."""
+        routes = self.config.routing.routes
+        prios = sorted(set(LANE_PRIORITY.values()))
+
+        def waits(st: DestState) -> bool:
+            # a suspension (operator, rule) is left to dispatch: it defers each recipient
+            # once, until the suspension ends, with the reason `queue list` shows
+            return st.breaker.state(now) == "open"
+
+        if all(r.mx for r in routes):
+            return [
+                (p, st.name)
+                for st in self.dests.values()
+                if st.upstream is None and waits(st)
+                for p in prios
+            ]
+        if any(r.mx for r in routes):
+            return []
+        names = {n for r in routes for n in r.via}
+        if names and all(waits(self.dest(n)) for n in names):
+            return [(p, None) for p in prios]
+        return []
+
     def _full_queues(self) -> list[tuple[int, str | None]]:
         skip: list[tuple[int, str | None]] = []
         for st in self.dests.values():
@@ -314,6 +345,13 @@ class Engine:
             return 0
         now = self.clock()
         skip = self._full_queues()
+        waiting = self._waiting(now)
+        expired_before = float("-inf")
+        if waiting and now >= self._next_expiry_pass:
+            # what waits stays in the spool, but what is past retry.max_age is claimed
+            # (and dead-lettered by dispatch) on time, in a pass every 30 seconds
+            self._next_expiry_pass = now + EXPIRY_PASS
+            expired_before = now - self.config.retry.max_age
 
         def claim(c: Any) -> _Claimed:
             # operator commands in the same transaction: a `queue flush` makes recipients
@@ -324,7 +362,7 @@ class Engine:
                 cmds: list[tuple[int, str, str]] = []
             else:
                 cmds = ops.engine_commands(c, self._cmd_seen)
-            claims = ops.claim_due(c, now, cap, skip)
+            claims = ops.claim_due(c, now, cap, skip, waiting, expired_before)
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
             # recipient is made `suppressed` (final), ask the spool, so that an operator's
@@ -340,6 +378,8 @@ class Engine:
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
             operator.command(self, action, name, now)
+        if cmds:
+            self.wake()  # a kick or reset may open what this pass skipped: claim again
         for name, (until, reason) in susp.items():
             st = self.dest(name)
             if until > st.suspended_until or st.suspend_reason.startswith("operator"):

@@ -196,6 +196,16 @@ MIGRATIONS: list[str] = [
     ) WITHOUT ROWID;
     ALTER TABLE dedup ADD COLUMN content_hash TEXT;
     """,
+    # 5 -> 6: the CLI at a million rows (relay/spool/ops.py, `queue list`, `queue summary`,
+    # `stats`). Keyset pages of `queue list` walk messages in arrival order; summary and
+    # stats read covering indexes only (a message row holds its inline body: a lookup in
+    # the table itself touches a page per message).
+    """
+    CREATE INDEX messages_created ON messages(created_at, id);
+    CREATE INDEX messages_id_created ON messages(id, created_at);
+    CREATE INDEX recipients_waiting ON recipients(state, destination, msg_id);
+    DROP INDEX recipients_state;
+    """,
 ]
 
 
