@@ -132,6 +132,8 @@ DEFAULTS: dict[str, Any] = {
     },
     "log": {"level": "info", "format": "json", "unmask": False},
     "shutdown_timeout": "30s",
+    # extra processes that take SMTP on the same ports and spool (relay/inbound_proc.py)
+    "inbound": {"processes": 0},
 }
 
 # Per-destination keys and their defaults (used for "*" and every named destination; a
@@ -848,6 +850,7 @@ class Config:
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
     health: Health = field(default_factory=Health)
     routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
+    inbound_processes: int = 0  # inbound.processes: extra SMTP processes (inbound_proc.py)
     feedback: FeedbackConf = field(default_factory=FeedbackConf)
     dkim: Mapping[str, tuple[DkimKey, ...]] = field(default_factory=dict)  # by domain
 
@@ -1220,6 +1223,11 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     lg.finish()
 
     shutdown_timeout = top.duration("shutdown_timeout")
+    ib = _Reader(top.get("inbound"), "inbound")
+    inbound_processes = ib.integer("processes", 0)
+    if inbound_processes > 64:
+        raise ConfigError("inbound.processes: at most 64")
+    ib.finish()
     top.finish()
 
     return Config(
@@ -1251,6 +1259,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         routing=route_table,
         feedback=feedback,
         dkim=dkim_keys,
+        inbound_processes=inbound_processes,
     )
 
 

@@ -49,6 +49,7 @@ from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
 from relay.httpd import HttpServer, Request, Response
 from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.sdnotify import Notifier, watchdog_loop
@@ -100,6 +101,9 @@ class Daemon:
         self._commit_max = 0.0
         self._queue_checked = -QUEUE_HEALTH_EVERY
         self._queue_results: list[tuple[str, health.Status, str]] = []
+        self._children: list[asyncio.subprocess.Process] = []  # inbound processes
+        self._supervisors: list[asyncio.Task[None]] = []
+        self._wake_fd: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -157,6 +161,7 @@ class Daemon:
                 host=lst.host,
                 port=lst.port,
                 reuse_address=True,
+                reuse_port=self.config.inbound_processes > 0 or None,
                 backlog=LISTEN_BACKLOG,
                 **tls,
             )
@@ -186,6 +191,8 @@ class Daemon:
         ):
             loop.add_signal_handler(sig, fn)
         await self.check_health()
+        if self.config.inbound_processes:
+            self._start_inbound(loop)
         self._tasks = [
             loop.create_task(self.engine.run(), name="engine"),
             loop.create_task(self._health_loop(), name="health"),
@@ -233,6 +240,7 @@ class Daemon:
         for h in self.handlers:
             h.closing = True
         deadline = time.monotonic() + self.config.shutdown_timeout
+        await self._stop_inbound(deadline)
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
         while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
@@ -431,9 +439,71 @@ class Daemon:
                 if (lst.host, lst.port) == (h.listener.host, h.listener.port):
                     h.listener = lst
         reconfigure(new.log.level, new.log.format, new.log.unmask)
+        for proc in self._children:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGHUP)
         log_event(log, logging.INFO, "config_reloaded", "configuration reloaded")
         self.notifier.ready()
         return True
+
+    # --- inbound processes (relay/inbound_proc.py) ------------------------------------------
+
+    def _start_inbound(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`inbound.processes` more processes on the same ports and spool; each writes a
+        byte to this pipe when it queues mail, and the engine claims it at once."""
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_fd = wfd
+
+        def woken() -> None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(rfd, 4096)
+            if self.engine is not None:
+                self.engine.wake()
+
+        loop.add_reader(rfd, woken)
+        for i in range(self.config.inbound_processes):
+            self._supervisors.append(loop.create_task(self._supervise(i, wfd), name=f"inbound-{i}"))
+
+    async def _supervise(self, index: int, wfd: int) -> None:
+        """Run inbound process `index`; start it again a second after it dies."""
+        env = {**os.environ, ROLE_ENV: "inbound", NOTIFY_ENV: str(wfd)}
+        args = [sys.executable, "-m", "relay", "serve"]
+        if self.config.path:
+            args += ["-c", str(self.config.path)]
+        while not self._stop.is_set():
+            proc = await asyncio.create_subprocess_exec(*args, env=env, pass_fds=(wfd,))
+            self._children.append(proc)
+            code = await proc.wait()
+            self._children.remove(proc)
+            if self._stop.is_set():
+                return
+            log_event(
+                log,
+                logging.ERROR,
+                "inbound_process_exited",
+                "an inbound process exited; starting it again",
+                index=index,
+                pid=proc.pid,
+                code=code,
+            )
+            await asyncio.sleep(1.0)
+
+    async def _stop_inbound(self, deadline: float) -> None:
+        """At shutdown, before the engine: the inbound processes finish the DATA they are
+        in (their 250 depends on the spool) and exit."""
+        for proc in list(self._children):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in list(self._children):
+            try:
+                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        for t in self._supervisors:
+            t.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
 
     # --- hooks ----------------------------------------------------------------------------
 
@@ -706,6 +776,10 @@ def serve(config_path: str | None) -> int:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 70  # EX_SOFTWARE: the installed library is not one we support
     try:
+        if os.environ.get(ROLE_ENV) == "inbound":  # started by a main process
+            fd = os.environ.get(NOTIFY_ENV)
+            child = InboundProcess(config, int(fd) if fd else None, LISTEN_BACKLOG)
+            return _run_loop(child.run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
         daemon = Daemon(config)
         daemon.fd_limit = fd_limit
         return _run_loop(daemon.run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))

@@ -12,6 +12,9 @@ Rules:
   4xx (the client keeps the message and retries), never 250.
 - Why not aiosqlite: it runs one statement per round trip to its thread, which would defeat
   the batching; this thread runs the whole batch in one hop.
+- Several processes may write one spool (`inbound.processes`): each batch holds an flock
+  on `<spool>/write.lock` from BEGIN to COMMIT, so writers queue in the kernel and wake the
+  moment the lock is free, instead of SQLite's busy handler sleeping and polling.
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -20,7 +23,9 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -40,6 +45,7 @@ Job = Callable[[sqlite3.Connection], Any]
 Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoop | None"]
 
 MAX_BATCH = 512
+LOCK_NAME = "write.lock"
 
 
 class SpoolError(Exception):
@@ -52,6 +58,7 @@ class SpoolWriter:
         self._q: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
         self.batches = 0
         self.jobs = 0
         self.last_commit_seconds = 0.0
@@ -62,6 +69,7 @@ class SpoolWriter:
 
     def start(self) -> None:
         self._conn = db.connect(self.spool_dir)
+        self._lock_fd = os.open(self.spool_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
         self._thread.start()
 
@@ -73,6 +81,9 @@ class SpoolWriter:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def run(self, job: Callable[[sqlite3.Connection], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -110,6 +121,16 @@ class SpoolWriter:
             self._commit(conn, batch)
 
     def _commit(self, conn: sqlite3.Connection, batch: list[Item]) -> None:
+        lock = self._lock_fd
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other processes' writers (GIL released)
+        try:
+            self._transaction(conn, batch)
+        finally:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _transaction(self, conn: sqlite3.Connection, batch: list[Item]) -> None:
         started = time.monotonic()
         results: list[tuple[Item, Any, BaseException | None]] = []
         try:

@@ -1,0 +1,116 @@
+"""`inbound.processes`: more SMTP processes on the same ports and spool (relay/inbound_proc.py),
+against a real daemon: the kernel spreads connections over them, mail taken by any of them
+is delivered, a resubmission is queued once whichever process takes it, a killed inbound
+process is started again, and none outlives the main one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import smtplib
+import time
+from pathlib import Path
+
+from tests.harness import make_message, send, smtp_session
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _socket_owners(port: int, pids: list[int]) -> dict[int, int]:
+    """How many established TCP sockets on local `port` each pid holds."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01":  # ESTABLISHED
+                inodes.add(f[9])
+    owners: dict[int, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                owners[pid] = owners.get(pid, 0) + 1
+    return owners
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped counts as exited)."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _ready(r) -> int:  # type: ignore[no-untyped-def]
+    return sum(1 for e in r.events() if e.get("msg") == "inbound process ready")
+
+
+def _wait(pred, what: str, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_inbound_processes_share_ports_spool_and_dedup(upstream, relay) -> None:
+    up = upstream()
+    r = relay(upstream=up, config={"inbound": {"processes": 1}})
+    assert r.proc is not None
+    main = r.proc.pid
+    _wait(lambda: len(_children(main)) == 1, "one inbound process")
+    (child,) = _children(main)
+    _wait(lambda: _ready(r) == 1, "the inbound process listening")
+
+    # 24 sessions open at once: the kernel (SO_REUSEPORT) gives both processes some
+    sessions = []
+    for _ in range(24):
+        s = smtplib.SMTP("127.0.0.1", r.port, timeout=30)
+        s.ehlo("client.test")
+        sessions.append(s)
+    owners = _socket_owners(r.port, [main, child])
+    assert owners.get(main, 0) > 0 and owners.get(child, 0) > 0, owners
+    # each session sends the same message: queued once, whoever took it
+    data = make_message(1, message_id="<same@app.example.com>")
+    for s in sessions:
+        assert s.sendmail("app@example.com", ["user@example.org"], data) == {}
+        s.quit()
+    for i in range(2, 12):
+        assert send(r.port, "app@example.com", ["user@example.org"], make_message(i)) == {}
+    got = up.wait_for(11)
+    time.sleep(0.5)  # nothing more arrives: one copy of the resubmitted message
+    ids = sorted(m.data.split(b"Message-ID: ", 1)[1].split(b"\r\n", 1)[0] for m in up.received)
+    assert len(got) == len(up.received) == 11 and len(set(ids)) == 11
+
+    # an inbound process that dies is started again, and the ports keep working
+    os.kill(child, signal.SIGKILL)
+    _wait(lambda: _ready(r) == 2, "a new inbound process listening")
+    assert any(e.get("event") == "inbound_process_exited" for e in r.events())
+    assert send(r.port, "app@example.com", ["user@example.org"], make_message(99)) == {}
+    up.wait_for(12)
+
+    # SIGTERM: the main process stops its inbound processes and exits cleanly
+    (new_child,) = _children(main)
+    assert r.stop() == 0
+    _wait(lambda: _gone(new_child), "the inbound process gone")
+
+
+def test_inbound_process_dies_with_a_killed_main_process(upstream, relay) -> None:
+    up = upstream()
+    r = relay(upstream=up, config={"inbound": {"processes": 1}})
+    assert r.proc is not None
+    _wait(lambda: len(_children(r.proc.pid)) == 1, "one inbound process")  # type: ignore[union-attr]
+    (child,) = _children(r.proc.pid)
+    r.kill()  # SIGKILL: no shutdown code runs in the main process
+    _wait(lambda: _gone(child), "the orphan gone (PR_SET_PDEATHSIG)")
+    # the port is free again for the next start
+    r.start_again()
+    with smtp_session(r.port) as s:
+        assert s.noop()[0] == 250
