@@ -120,7 +120,9 @@ destinations:
   "*": {{rate: unlimited, max_connections: 20}}
 admin: {{listen: null}}
 log: {{level: warning}}
-{extra}"""
+{extra}
+{os.environ.get("RELAY_BENCH_CONFIG", "")}
+"""
         )
         self.log = open(self.dir / "relay.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -39,7 +39,7 @@ DEFAULT_PATH = "/etc/relay/relay.yaml"
 DEFAULTS: dict[str, Any] = {
     "hostname": None,
     "listen": [{"address": "127.0.0.1:2525", "allow": ["127.0.0.0/8", "::1/128"]}],
-    "spool": {"path": "../var/spool", "inline_max": "64KiB", "retention": "7d"},
+    "spool": {"path": "../var/spool", "inline_max": "128KiB", "retention": "7d"},
     "dedup": {"window": "7d"},
     "limits": {
         "max_message_size": "25MiB",

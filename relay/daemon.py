@@ -70,6 +70,7 @@ SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watc
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
+INBOUND_START_TIMEOUT = 30.0  # seconds for inbound processes to listen at start
 
 
 class Daemon:
@@ -104,6 +105,7 @@ class Daemon:
         self._children: list[asyncio.subprocess.Process] = []  # inbound processes
         self._supervisors: list[asyncio.Task[None]] = []
         self._wake_fd: int | None = None
+        self._inbound_ready = 0  # `r` bytes read: inbound processes (re)started listening
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -138,7 +140,8 @@ class Daemon:
             clock=faults.now,
         )
         self.engine.verp_sender = self.feedback.verp_sender
-        for lst in self.config.listen:
+        # with inbound processes, they hold the listeners and this process delivers
+        for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
                 self.config,
                 lst,
@@ -161,7 +164,6 @@ class Daemon:
                 host=lst.host,
                 port=lst.port,
                 reuse_address=True,
-                reuse_port=self.config.inbound_processes > 0 or None,
                 backlog=LISTEN_BACKLOG,
                 **tls,
             )
@@ -190,9 +192,9 @@ class Daemon:
             (signal.SIGHUP, self._reload.set),
         ):
             loop.add_signal_handler(sig, fn)
-        await self.check_health()
         if self.config.inbound_processes:
-            self._start_inbound(loop)
+            await self._start_inbound(loop)
+        await self.check_health()
         self._tasks = [
             loop.create_task(self.engine.run(), name="engine"),
             loop.create_task(self._health_loop(), name="health"),
@@ -204,10 +206,14 @@ class Daemon:
                 watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
             ),
         ]
-        addrs = [
-            f"{lst.host}:{s.sockets[0].getsockname()[1]}"
-            for lst, s in zip(self.config.listen, self.servers, strict=True)
-        ]
+        addrs = (
+            [
+                f"{lst.host}:{s.sockets[0].getsockname()[1]}"
+                for lst, s in zip(self.config.listen, self.servers, strict=True)
+            ]
+            if self.servers
+            else [f"{lst.host}:{lst.port}" for lst in self.config.listen]
+        )
         log_event(
             log,
             logging.INFO,
@@ -448,21 +454,35 @@ class Daemon:
 
     # --- inbound processes (relay/inbound_proc.py) ------------------------------------------
 
-    def _start_inbound(self, loop: asyncio.AbstractEventLoop) -> None:
-        """`inbound.processes` more processes on the same ports and spool; each writes a
-        byte to this pipe when it queues mail, and the engine claims it at once."""
+    async def _start_inbound(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`inbound.processes` processes take SMTP on the configured ports and spool; each
+        writes `r` to this pipe once it listens and `q` when it queues mail (the engine
+        claims it at once). Start-up waits until all of them listen."""
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_fd = wfd
+        ready = asyncio.Event()
 
         def woken() -> None:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.read(rfd, 4096)
+            try:
+                data = os.read(rfd, 4096)
+            except (BlockingIOError, OSError):
+                return
+            self._inbound_ready += data.count(b"r")
+            if self._inbound_ready >= self.config.inbound_processes:
+                ready.set()
             if self.engine is not None:
                 self.engine.wake()
 
         loop.add_reader(rfd, woken)
         for i in range(self.config.inbound_processes):
             self._supervisors.append(loop.create_task(self._supervise(i, wfd), name=f"inbound-{i}"))
+        try:
+            await asyncio.wait_for(ready.wait(), INBOUND_START_TIMEOUT)
+        except TimeoutError:
+            raise OSError(
+                f"inbound processes not listening after {INBOUND_START_TIMEOUT:.0f}s"
+                " (see the lines above)"
+            ) from None
 
     async def _supervise(self, index: int, wfd: int) -> None:
         """Run inbound process `index`; start it again a second after it dies."""
@@ -535,8 +555,17 @@ class Daemon:
         down = [
             lst.name for lst, s in zip(cfg.listen, self.servers, strict=False) if not s.is_serving()
         ]
-        if any(h.closing for h in self.handlers):
+        want = cfg.inbound_processes
+        if any(h.closing for h in self.handlers) or (want and self._stop.is_set()):
             results.append(("listeners", "critical", "shutting down: new mail gets 421"))
+        elif want and not self._children:
+            results.append(("listeners", "critical", "no inbound process running"))
+        elif want and len(self._children) < want:
+            results.append(
+                ("listeners", "warning", f"{len(self._children)} of {want} inbound processes")
+            )
+        elif want:
+            results.append(("listeners", "ok", f"{want} inbound processes listening"))
         elif down:
             results.append(("listeners", "critical", f"not serving: {', '.join(down)}"))
         else:
@@ -607,6 +636,8 @@ class Daemon:
         for s in self.servers:
             if not s.is_serving():
                 problems.append("a listener is not serving")
+        if self.config.inbound_processes and not self._children:
+            problems.append("no inbound process running")
         if not self.writer.healthy:
             problems.append("the last spool commit failed")
         try:

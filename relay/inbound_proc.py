@@ -3,9 +3,10 @@ the same spool, so that taking mail and delivering it use more than one core.
 
 Rules:
 - The main process (relay/daemon.py) starts N of these (`relay serve` re-executed with
-  RELAY_ROLE=inbound), restarts one that dies, forwards SIGHUP, and stops them first at
-  shutdown. Every listener socket, the main process's included, is bound with
-  SO_REUSEPORT: the kernel spreads new connections over the processes.
+  RELAY_ROLE=inbound), waits until they listen, restarts one that dies, forwards SIGHUP,
+  and stops them first at shutdown. The main process then listens for SMTP no more: it
+  delivers, and serves admin, metrics and health, on a core of its own. Listener sockets
+  are bound with SO_REUSEPORT: the kernel spreads new connections over the processes.
 - An inbound process accepts and spools exactly as the main process does
   (relay/inbound.py: same checks, same replies, `250` only after the commit), with a spool
   writer of its own. The writers of all processes take turns through an flock on the
@@ -108,7 +109,7 @@ class InboundProcess:
                 host=lst.host,
                 port=lst.port,
                 reuse_address=True,
-                reuse_port=True,
+                reuse_port=True,  # several inbound processes on one port
                 backlog=self.backlog,
                 **tls,
             )
@@ -127,6 +128,9 @@ class InboundProcess:
         log_event(
             log, logging.INFO, "startup", "inbound process ready", pid=os.getpid(), role="inbound"
         )
+        if self.notify_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.notify_fd, b"r")  # the main process waits for this at start
         await self._stop.wait()
         for h in self.handlers:
             h.closing = True  # new commands get 421 4.3.2

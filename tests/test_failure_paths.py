@@ -184,7 +184,7 @@ def test_spool_failures_answer_4xx_and_lose_nothing(
 ) -> None:
     r, up, fault_file = faulty
     mid = f"<fault-{spec.replace(' ', '-')}@failure>"
-    data = make_message(message_id=mid) + (BIG * 1000 if large else b"")  # > inline_max
+    data = make_message(message_id=mid) + (BIG * 1400 if large else b"")  # > inline_max
     # armed for every hit while this client submits (the daemon's own commits, which run
     # every 2 s, fail meanwhile too: which commit a `times=1` fault hits would be a race)
     _set(fault_file, spec)

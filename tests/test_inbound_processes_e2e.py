@@ -1,7 +1,8 @@
-"""`inbound.processes`: more SMTP processes on the same ports and spool (relay/inbound_proc.py),
-against a real daemon: the kernel spreads connections over them, mail taken by any of them
-is delivered, a resubmission is queued once whichever process takes it, a killed inbound
-process is started again, and none outlives the main one."""
+"""`inbound.processes`: SMTP processes on the configured ports and spool
+(relay/inbound_proc.py) while the main process delivers, against a real daemon: the kernel
+spreads connections over them, mail taken by any of them is delivered, a resubmission is
+queued once whichever process takes it, a killed inbound process is started again, and none
+outlives the main one."""
 
 from __future__ import annotations
 
@@ -62,21 +63,22 @@ def _wait(pred, what: str, timeout: float = 15.0) -> None:  # type: ignore[no-un
 
 def test_inbound_processes_share_ports_spool_and_dedup(upstream, relay) -> None:
     up = upstream()
-    r = relay(upstream=up, config={"inbound": {"processes": 1}})
+    r = relay(upstream=up, config={"inbound": {"processes": 2}})
     assert r.proc is not None
     main = r.proc.pid
-    _wait(lambda: len(_children(main)) == 1, "one inbound process")
-    (child,) = _children(main)
-    _wait(lambda: _ready(r) == 1, "the inbound process listening")
+    # "relay is ready" comes only once both listen
+    assert _ready(r) == 2 and len(_children(main)) == 2
+    kids = _children(main)
 
-    # 24 sessions open at once: the kernel (SO_REUSEPORT) gives both processes some
+    # 24 sessions open at once: the kernel (SO_REUSEPORT) gives both inbound processes
+    # some, and the main process (delivery, admin) none
     sessions = []
     for _ in range(24):
         s = smtplib.SMTP("127.0.0.1", r.port, timeout=30)
         s.ehlo("client.test")
         sessions.append(s)
-    owners = _socket_owners(r.port, [main, child])
-    assert owners.get(main, 0) > 0 and owners.get(child, 0) > 0, owners
+    owners = _socket_owners(r.port, [main, *kids])
+    assert owners.get(main, 0) == 0 and all(owners.get(k, 0) > 0 for k in kids), owners
     # each session sends the same message: queued once, whoever took it
     data = make_message(1, message_id="<same@app.example.com>")
     for s in sessions:
@@ -88,25 +90,28 @@ def test_inbound_processes_share_ports_spool_and_dedup(upstream, relay) -> None:
     time.sleep(0.5)  # nothing more arrives: one copy of the resubmitted message
     ids = sorted(m.data.split(b"Message-ID: ", 1)[1].split(b"\r\n", 1)[0] for m in up.received)
     assert len(got) == len(up.received) == 11 and len(set(ids)) == 11
+    health = r.cli_json("status")
+    assert "2 inbound processes listening" in str(health), health
 
     # an inbound process that dies is started again, and the ports keep working
-    os.kill(child, signal.SIGKILL)
-    _wait(lambda: _ready(r) == 2, "a new inbound process listening")
+    os.kill(kids[0], signal.SIGKILL)
+    _wait(lambda: _ready(r) == 3, "a new inbound process listening")
     assert any(e.get("event") == "inbound_process_exited" for e in r.events())
     assert send(r.port, "app@example.com", ["user@example.org"], make_message(99)) == {}
     up.wait_for(12)
 
     # SIGTERM: the main process stops its inbound processes and exits cleanly
-    (new_child,) = _children(main)
+    now = _children(main)
+    assert len(now) == 2 and kids[0] not in now
     assert r.stop() == 0
-    _wait(lambda: _gone(new_child), "the inbound process gone")
+    for k in now:
+        _wait(lambda k=k: _gone(k), "the inbound processes gone")
 
 
 def test_inbound_process_dies_with_a_killed_main_process(upstream, relay) -> None:
     up = upstream()
     r = relay(upstream=up, config={"inbound": {"processes": 1}})
     assert r.proc is not None
-    _wait(lambda: len(_children(r.proc.pid)) == 1, "one inbound process")  # type: ignore[union-attr]
     (child,) = _children(r.proc.pid)
     r.kill()  # SIGKILL: no shutdown code runs in the main process
     _wait(lambda: _gone(child), "the orphan gone (PR_SET_PDEATHSIG)")
