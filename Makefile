@@ -46,6 +46,13 @@ coverage: $(STAMP)
 	export COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage; $(BIN)/coverage combine -q; \
 	$(BIN)/coverage report; $(BIN)/coverage html -q; exit $$status
 
+# The benchmark suite: the relay against Postfix, six scenarios, alternated, medians
+# (bench/suite.py; needs root: it installs and starts Debian's postfix). About 15 minutes;
+# results in bench/results/. BENCH_ARGS="--only small,serial --rounds 1" for a part.
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python bench/suite.py $(BENCH_ARGS)
+
 # Mutation testing (mutmut, configured in pyproject.toml [tool.mutmut]); long, not in `make test`.
 mutate: $(STAMP)
 	$(BIN)/pip install -q "mutmut>=3.3,<4"

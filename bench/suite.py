@@ -18,9 +18,11 @@ Every comparison runs Postfix and the relay alternately (A B A B), on this machi
 same run: Postfix 3.7 from Debian set up by ../shared/bench/postfix-peer.sh (127.0.0.1:25
 relaying to an smtp-sink on :2526), the relay on 127.0.0.1:2525 relaying to an smtp-sink on
 :2527 with `rate: unlimited` and 20 connections (Postfix's default concurrency), fsync on as
-always. Load comes from Postfix's own smtp-source. Ratios are relay speed / Postfix speed
-(> 1: the relay is faster), per round and the median. Results: bench/results/suite-<time>.txt
-and .json. Needs root (it installs and starts Postfix). Loopback only.
+always, and `inbound.processes: 1` (--processes: one process takes SMTP, the main one
+delivers; README "Using every core"). Load comes from Postfix's own smtp-source. Ratios
+are relay speed / Postfix speed (> 1: the relay is faster), per round and the median.
+Results: bench/results/suite-<time>.txt and .json. Needs root (it installs and starts
+Postfix). Loopback only.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ RELAY_PORT, RELAY_SINK = 2525, 2527
 os.environ["PATH"] = os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin"
 
 OUT: list[str] = []
+PROCESSES = 1  # inbound.processes of every relay started here (--processes)
 
 
 def say(line: str = "") -> None:
@@ -120,6 +123,7 @@ destinations:
   "*": {{rate: unlimited, max_connections: 20}}
 admin: {{listen: null}}
 log: {{level: warning}}
+inbound: {{processes: {PROCESSES}}}
 {extra}
 {os.environ.get("RELAY_BENCH_CONFIG", "")}
 """
@@ -539,7 +543,12 @@ def main() -> int:
     ap.add_argument("--backlog-postfix", type=int, default=20000, help="Postfix's backlog")
     ap.add_argument("--drain-window", type=float, default=60, help="Postfix's drain, seconds")
     ap.add_argument("--rows", type=int, default=1000000, help="spool rows in `cli`")
+    ap.add_argument(
+        "--processes", type=int, default=1, help="the relay's inbound.processes (default 1)"
+    )
     a = ap.parse_args()
+    global PROCESSES
+    PROCESSES = a.processes
     if not RELAY.exists():
         subprocess.run(["make", "-C", str(ROOT), ".venv/.installed"], check=True)
     only = set(a.only.split(","))
@@ -556,7 +565,8 @@ def main() -> int:
     say(
         f"# relay bench suite {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} commit {head}"
         f"; {os.cpu_count()} cores ({cpu}); Python {sys.version.split()[0]};"
-        f" {sh('postconf', '-d', 'mail_version', check=False).strip() or 'postfix ?'}"
+        f" {sh('postconf', '-d', 'mail_version', check=False).strip() or 'postfix ?'};"
+        f" relay inbound.processes={PROCESSES}"
     )
     plan: list[tuple[str, Callable[[], None]]] = [
         ("small", lambda: e2e("small", a.small, 2048, a.rounds)),
