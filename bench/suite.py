@@ -122,7 +122,7 @@ upstream:
 destinations:
   "*": {{rate: unlimited, max_connections: 20}}
 admin: {{listen: null}}
-log: {{level: warning}}
+log: {{level: info}}
 inbound: {{processes: {PROCESSES}}}
 {extra}
 {os.environ.get("RELAY_BENCH_CONFIG", "")}

@@ -127,7 +127,13 @@ def parse_lane_rules(items: Iterable[Mapping[str, object]] | None) -> tuple[Lane
 
 
 def _header_pairs(headers: HeaderSource) -> list[tuple[str, str]]:
-    pairs = headers.items() if isinstance(headers, _HasItems) else headers
+    # a list (the inbound path) skips the Protocol check: isinstance() against a
+    # runtime_checkable Protocol inspects the class's attributes on every call
+    pairs = (
+        headers
+        if isinstance(headers, list)
+        else (headers.items() if isinstance(headers, _HasItems) else headers)
+    )
     return [(str(name).lower(), str(value)) for name, value in pairs]
 
 

@@ -12,7 +12,7 @@ from tests.harness import RelayProcess, Upstream, make_message, send
 
 pytestmark = pytest.mark.slow
 
-BIG = (b"r" * 998 + b"\r\n") * 100  # a body file
+BIG = (b"r" * 998 + b"\r\n") * 200  # a body file (over spool.inline_max, 128 KiB)
 
 
 def _files(r: RelayProcess) -> list[str]:
