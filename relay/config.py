@@ -108,7 +108,7 @@ DEFAULTS: dict[str, Any] = {
         "transactional": {"share": 1.0},
         "bulk": {"share": 0.5},
     },
-    "delivery": {"workers": 50, "batch": 200, "poll_interval": "1s"},
+    "delivery": {"workers": 50, "batch": 200, "poll_interval": "0.25s"},
     "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
     "health": {
         "disk_free_warning": "10%",

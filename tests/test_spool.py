@@ -957,3 +957,21 @@ def test_migration_from_version_1_keeps_the_queue(tmp_path: Path) -> None:
         assert tuple(row) == ("deferred", None)
     finally:
         conn.close()
+
+
+def test_queue_health_counts_overdue_in_both_lanes_and_stuck_claims(
+    conn: sqlite3.Connection,
+) -> None:
+    accept(conn, new_message("T", ["t@example.org"], message_id="<t@x>", created_at=T0 - 700))
+    accept(
+        conn,
+        new_message("B", ["b@example.org"], message_id="<b@x>", lane="bulk", created_at=T0 - 650),
+    )
+    accept(conn, new_message("N", ["n@example.org"], message_id="<n@x>", created_at=T0 - 10))
+    # oldest in the queue: T (700 s); overdue by 600 s: T and B (both lanes), not N
+    assert ops.queue_health(conn, T0, 600) == (700.0, 2)
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0 - 640, 1)  # T claimed (sending) 640 s ago: stuck
+    assert [c.msg_id for c in claims] == ["T"]
+    assert ops.queue_health(conn, T0, 600) == (700.0, 2)  # B due + T stuck
+    assert ops.queue_health(conn, T0 - 100, 600) == (600.0, 0)

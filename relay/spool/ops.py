@@ -33,6 +33,10 @@ from relay.model import (
 )
 
 _DUE = sql_in(WAITING)
+# recipients_due's WHERE exactly as migration 0 spells it: SQLite uses a partial index only
+# for a query whose WHERE contains that same term
+_DUE_INDEXED = "('pending', 'deferred')"
+assert set(_DUE_INDEXED.strip("()").replace("'", "").split(", ")) == {s.value for s in WAITING}
 _IN_QUEUE = sql_in(WAITING | {RcptState.SENDING})
 _UNFINISHED = sql_in(UNFINISHED)
 
@@ -206,15 +210,26 @@ def claim_due(
             )
             params.extend((prio, domain, expired_before))
     params.append(limit)
-    rows = conn.execute(
-        "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
-        " coalesce(r.retry_base, m.created_at), m.lane,"
-        " m.identity, r.dedup_key FROM recipients r JOIN messages m ON m.id = r.msg_id"
-        f" WHERE r.state IN {_DUE} AND r.next_attempt_at <= ?"
-        + where
-        + " ORDER BY r.lane_prio, r.next_attempt_at LIMIT ?",
-        params,
-    ).fetchall()
+    # one range of the recipients_due index per lane, in lane order: the partial index is
+    # used only when the query spells its WHERE the same way, and without it every claim
+    # scanned and sorted every due recipient (34 ms per claim, in the writer, at 100,000)
+    rows: list[Any] = []
+    full = {p for p, d in skip if d is None}
+    if expired_before == float("-inf"):
+        full |= {p for p, d in waiting if d is None}
+    for prio in sorted(set(LANE_PRIORITY.values()) - full):
+        if len(rows) >= limit:
+            break
+        rows += conn.execute(
+            "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
+            " coalesce(r.retry_base, m.created_at), m.lane,"
+            " m.identity, r.dedup_key FROM recipients r INDEXED BY recipients_due"
+            " JOIN messages m ON m.id = r.msg_id"
+            f" WHERE r.state IN {_DUE_INDEXED} AND r.lane_prio = ? AND r.next_attempt_at <= ?"
+            + where
+            + " ORDER BY r.next_attempt_at LIMIT ?",
+            [prio, *params[:-1], limit - len(rows)],
+        ).fetchall()
     if not rows:
         return []
     conn.executemany(
@@ -506,14 +521,23 @@ def queue_health(
 ) -> tuple[float | None, int]:
     """(age of the oldest waiting recipient, recipients overdue by more than `stall_after`:
     due and not taken, or taken and not finished). Held recipients are the operator's."""
-    oldest = conn.execute(
-        "SELECT min(m.created_at) FROM messages m JOIN recipients r ON r.msg_id = m.id"
-        f" WHERE r.state IN {_IN_QUEUE}"
-    ).fetchone()[0]
+    # arrival order from the index: stops at the first message still in the queue (this
+    # runs in the writer every few seconds; a join over a deep queue stalled accepts)
+    row = conn.execute(
+        "SELECT m.created_at FROM messages m INDEXED BY messages_created WHERE EXISTS"
+        " (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+        f" AND r.state IN {_IN_QUEUE}) ORDER BY m.created_at LIMIT 1"
+    ).fetchone()
+    oldest = None if row is None else row[0]
     cutoff = now - stall_after
-    due = conn.execute(
-        f"SELECT count(*) FROM recipients WHERE state IN {_DUE} AND next_attempt_at <= ?", (cutoff,)
-    ).fetchone()[0]
+    due = sum(
+        conn.execute(
+            "SELECT count(*) FROM recipients INDEXED BY recipients_due"
+            f" WHERE state IN {_DUE_INDEXED} AND lane_prio = ? AND next_attempt_at <= ?",
+            (prio, cutoff),
+        ).fetchone()[0]
+        for prio in set(LANE_PRIORITY.values())
+    )
     stuck = conn.execute(
         f"SELECT count(*) FROM recipients WHERE state = '{RcptState.SENDING}' AND updated_at <= ?",
         (cutoff,),
