@@ -975,3 +975,32 @@ def test_queue_health_counts_overdue_in_both_lanes_and_stuck_claims(
     assert [c.msg_id for c in claims] == ["T"]
     assert ops.queue_health(conn, T0, 600) == (700.0, 2)  # B due + T stuck
     assert ops.queue_health(conn, T0 - 100, 600) == (600.0, 0)
+
+
+async def test_lazy_jobs_commit_without_fsync_only_in_a_batch_of_their_own(
+    writer: SpoolWriter,
+) -> None:
+    """A batch of lazy jobs (the engine's claims) commits with synchronous=NORMAL; one
+    durable job in the batch makes it FULL; FULL is back afterwards."""
+
+    def mode(c: sqlite3.Connection) -> int:
+        return int(c.execute("PRAGMA synchronous").fetchone()[0])
+
+    assert await writer.run(mode, lazy=True) == 1  # NORMAL
+    assert await writer.run(mode) == 2  # FULL again
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(c: sqlite3.Connection) -> int:
+        started.set()
+        assert release.wait(30)
+        return mode(c)
+
+    first = asyncio.ensure_future(writer.run(blocker, lazy=True))
+    assert await asyncio.to_thread(started.wait, 30)
+    # queued while the first batch runs: one batch of a lazy and a durable job
+    lazy = asyncio.ensure_future(writer.run(mode, lazy=True))
+    durable = asyncio.ensure_future(writer.run(mode))
+    await asyncio.sleep(0.05)
+    release.set()
+    assert await first == 1
+    assert (await lazy, await durable) == (2, 2)

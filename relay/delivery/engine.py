@@ -374,7 +374,8 @@ class Engine:
             }
             return cmds, claims, envs, ops.suspensions(c, now), stored
 
-        cmds, claims, envs, susp, stored = await self.writer.run(claim)
+        # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
+        cmds, claims, envs, susp, stored = await self.writer.run(claim, lazy=True)
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
             operator.command(self, action, name, now)

@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]
-Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoop | None"]
+# a job, its waiter (an asyncio future and its loop, or a thread's concurrent future and
+# None), and whether it is lazy (run(lazy=True))
+Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoop | None", bool]
 
 MAX_BATCH = 512
 LOCK_NAME = "write.lock"
@@ -85,10 +87,16 @@ class SpoolWriter:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    async def run(self, job: Callable[[sqlite3.Connection], T]) -> T:
+    async def run(self, job: Callable[[sqlite3.Connection], T], lazy: bool = False) -> T:
+        """Run `job` in the next batch. `lazy`: the job's writes need no fsync of their
+        own (a batch of lazy jobs only commits with synchronous=NORMAL): what it writes may
+        be lost in a power cut only together with everything after it, and losing it must
+        be harmless (the engine's claims: a lost claim leaves the recipient due, as the
+        start-up recovery would make it). Any later durable commit fsyncs it too (the WAL
+        is one file, written in order)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
-        self._q.put((job, fut, loop))
+        self._q.put((job, fut, loop, lazy))
         try:
             return await fut
         except sqlite3.Error as e:
@@ -97,7 +105,7 @@ class SpoolWriter:
     def run_sync(self, job: Callable[[sqlite3.Connection], T]) -> T:
         """For code that is not on the event loop (start-up, tests)."""
         fut: Future[T] = Future()
-        self._q.put((job, fut, None))
+        self._q.put((job, fut, None, False))
         return fut.result()
 
     def _run(self) -> None:
@@ -131,6 +139,16 @@ class SpoolWriter:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _transaction(self, conn: sqlite3.Connection, batch: list[Item]) -> None:
+        lazy = all(item[3] for item in batch)
+        if lazy:
+            conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            self._run_batch(conn, batch)
+        finally:
+            if lazy:
+                conn.execute("PRAGMA synchronous=FULL")
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[Item]) -> None:
         started = time.monotonic()
         results: list[tuple[Item, Any, BaseException | None]] = []
         try:
@@ -197,7 +215,7 @@ def _take(item: Item) -> bool:
 def _resolve_all(results: list[tuple[Item, Any, BaseException | None]]) -> None:
     """Hand every result to its waiter: one call per event loop, whatever the batch size."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
-    for (_job, fut, loop), res, err in results:
+    for (_job, fut, loop, _lazy), res, err in results:
         if loop is None:
             assert isinstance(fut, Future)
             if err is None:
