@@ -1,0 +1,324 @@
+"""A message body while it arrives (relay/spool/incoming.py) and once stored
+(relay/spool/bodies.py), in-process: the header block found whatever the chunking, the
+content Message-ID equal to the whole-message one, memory then a temporary file past
+inline_max, rewrite, commit to the final place, discard; stored bodies read back in
+CRLF-ended blocks; the orphan sweep. Every byte and file is checked (tests/MUTANTS.md)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from relay import dedup, faults
+from relay.message import split_message
+from relay.spool import bodies, incoming
+from relay.spool.incoming import IncomingBody
+
+HOST = "relay.test"
+
+MESSAGES = [
+    b"Subject: a\r\nX-Long: b\r\n c\r\n\r\nbody line\r\nsecond\r\n",
+    b"Subject: no body\r\n\r\n",
+    b"\r\nno header block at all\r\n",
+    b"Subject: only a header block\r\nX: y\r\n",
+    b"stray line\r\nSubject: s\r\n\r\nb\r\n",
+    b"Subject: x\r\n\r\n\r\n\r\nempty lines in the body\r\n",
+    b"Message-ID: <kept@app.example>\r\n\r\nb\r\n",
+    b"Message-ID: <>\r\n\r\nan id that normalizes to nothing\r\n",
+]
+
+
+def chunkings(data: bytes) -> list[list[bytes]]:
+    return [
+        [data],
+        [data[i : i + 1] for i in range(len(data))],
+        [data[i : i + 3] for i in range(0, len(data), 3)],
+        [data[i : i + 5] for i in range(0, len(data), 5)],
+    ]
+
+
+async def fed(tmp_path: Path, chunks: list[bytes], inline_max: int = 1 << 20) -> IncomingBody:
+    body = IncomingBody(tmp_path, inline_max)
+    for c in chunks:
+        await body.add(c)
+    await body.finish()
+    return body
+
+
+@pytest.mark.parametrize("data", MESSAGES)
+async def test_header_block_and_content_id_do_not_depend_on_the_chunking(
+    tmp_path: Path, data: bytes
+) -> None:
+    head, rest = split_message(data)
+    for chunks in chunkings(data):
+        if chunks[0] == b"\r":
+            continue  # see test_a_first_chunk_of_one_cr_still_finds_no_header_block
+        b = await fed(tmp_path, chunks)
+        assert b.header_block() == head, chunks
+        assert b.head == head
+        assert b.size == len(data)
+        assert b.inline() == data and not b.on_disk and b.tmp_path is None
+        if IncomingBody.needs_content_id(head):
+            assert b.content_message_id(HOST) == dedup.content_message_id(head, rest, HOST)
+        else:
+            with pytest.raises(AssertionError):
+                b.content_message_id(HOST)
+
+
+def test_needs_content_id() -> None:
+    assert IncomingBody.needs_content_id(b"Subject: x\r\n")
+    assert IncomingBody.needs_content_id(b"Message-ID: <>\r\n")
+    assert IncomingBody.needs_content_id(b"")
+    assert not IncomingBody.needs_content_id(b"Message-ID: <a@b>\r\n")
+    assert not IncomingBody.needs_content_id(b"message-id: a@b\r\n")
+
+
+async def test_the_empty_line_found_across_chunk_ends(tmp_path: Path) -> None:
+    data = b"Subject: s\r\n\r\nBODY\r\n"
+    for cut in range(1, len(data)):
+        b = IncomingBody(tmp_path, 1 << 20)
+        await b.add(data[:cut])
+        await b.add(data[cut:])
+        await b.finish()
+        assert b.header_block() == b"Subject: s\r\n", cut
+        want = dedup.content_message_id(b"Subject: s\r\n", b"BODY\r\n", HOST)
+        assert b.content_message_id(HOST) == want, cut
+    # an empty line only at the start of a later chunk is not "no header block"
+    b = IncomingBody(tmp_path, 1 << 20)
+    await b.add(b"Subject: s\r\n")
+    await b.add(b"\r\nBODY\r\n")
+    await b.finish()
+    assert b.header_block() == b"Subject: s\r\n"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG relay/spool/incoming.py _scan_head: the leading empty line (no header block)"
+    " is only seen when the first chunk starts with CRLF; a first chunk of just CR makes the"
+    " whole message its header block (its body lines parsed as header fields), and the"
+    " content Message-ID then differs from the one of the same message read in other chunks",
+)
+async def test_a_first_chunk_of_one_cr_still_finds_no_header_block(tmp_path: Path) -> None:
+    data = b"\r\nMessage-ID: <in-the-body@x>\r\nno header block\r\n"
+    b = await fed(tmp_path, [data[:1], data[1:]])
+    assert b.header_block() == b""
+    assert b.content_message_id(HOST) == dedup.content_message_id(b"", data[2:], HOST)
+
+
+async def test_a_header_block_over_head_max_is_all_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(incoming, "HEAD_MAX", 40)
+    data = b"X-A: " + b"a" * 30 + b"\r\nX-B: b\r\n\r\nbody\r\n"  # no empty line in 40 octets
+    for chunks in chunkings(data)[1:]:  # in pieces (see the xfail below for one piece)
+        b = await fed(tmp_path, chunks)
+        assert b.header_block() == b"", chunks
+        assert b.content_message_id(HOST) == dedup.content_message_id(b"", data, HOST)
+    line = b"X-A: " + b"a" * 33 + b"\r\n"  # 40 octets, no empty line yet: still waiting
+    b = await fed(tmp_path, [line, b"\r\nbody\r\n"])
+    assert b.header_block() == line
+    assert b.content_message_id(HOST) == dedup.content_message_id(line, b"body\r\n", HOST)
+    b = await fed(tmp_path, [line, b"\r", b"\nbody\r\n"])  # 41 octets, no empty line
+    assert b.header_block() == b""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG relay/spool/incoming.py _scan_head: HEAD_MAX is checked only after a chunk"
+    " found no empty line, so an empty line past HEAD_MAX is a header block when it arrives"
+    " in the same read and all body when the reads split earlier: the content Message-ID of"
+    " a resubmission depends on TCP segmentation (not recognised as a duplicate)",
+)
+async def test_a_header_block_over_head_max_is_all_body_in_one_chunk_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(incoming, "HEAD_MAX", 40)
+    data = b"X-A: " + b"a" * 30 + b"\r\nX-B: b\r\n\r\nbody\r\n"
+    one = await fed(tmp_path, [data])
+    split = await fed(tmp_path, [data[:41], data[41:]])
+    assert one.content_message_id(HOST) == split.content_message_id(HOST)
+
+
+async def test_small_bodies_stay_in_memory_large_ones_go_to_a_file(tmp_path: Path) -> None:
+    data = b"Subject: s\r\n\r\n" + b"x" * 86  # 100 octets
+    b = await fed(tmp_path, [data[:50], data[50:]], inline_max=100)
+    assert not b.on_disk and b.inline() == data and b.size == 100
+    assert not (tmp_path / "bodies").exists()
+    b2 = await fed(tmp_path, [data[:50], data[50:], b"!"], inline_max=100)
+    assert b2.on_disk and b2.size == 101
+    tmp = b2.tmp_path
+    assert tmp is not None and tmp.parent == tmp_path / "bodies" / "tmp"
+    assert tmp.name.startswith(".") and tmp.name.endswith(".tmp") and len(tmp.name) == 29
+    assert tmp.read_bytes() == data + b"!"
+    assert stat.S_IMODE(tmp.stat().st_mode) == 0o640 & ~_umask()
+    with pytest.raises(AssertionError):
+        b2.inline()
+    b2.discard()
+    assert not tmp.exists() and b2.tmp_path is None
+
+
+async def test_a_file_is_written_in_batches_of_flush_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(incoming, "FLUSH_AT", 64)
+    writes: list[int] = []
+    real = incoming._write_all
+
+    def spy(fd: int, data: bytes) -> None:
+        writes.append(len(data))
+        real(fd, data)
+
+    monkeypatch.setattr(incoming, "_write_all", spy)
+    b = IncomingBody(tmp_path, 16)
+    await b.add(b"Subject: s\r\n\r\n" + b"a" * 6)  # 20 octets: over inline_max, to the file
+    assert writes == [20]
+    for _ in range(10):
+        await b.add(b"b" * 10)
+    assert writes == [20, 70]  # held until FLUSH_AT octets wait
+    await b.finish()
+    assert writes == [20, 70, 30]
+    assert b.tmp_path is not None and b.size == 120
+    assert b.tmp_path.read_bytes() == b"Subject: s\r\n\r\n" + b"a" * 6 + b"b" * 100
+    await b.finish()  # nothing left to write
+    assert writes == [20, 70, 30]
+    await b.add(b"")
+    assert b.size == 120
+    b.discard()
+
+
+async def test_finish_fsyncs_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    b = await fed(tmp_path, [b"Subject: s\r\n\r\n" + b"x" * 50], inline_max=10)
+    assert b.tmp_path is not None
+    assert synced == [str(b.tmp_path.resolve())]
+    synced.clear()
+    rel = await b.commit("ABCDEF0123456789")
+    assert rel == "bodies/AB/ABCDEF0123456789"
+    final = tmp_path / rel
+    assert final.read_bytes() == b"Subject: s\r\n\r\n" + b"x" * 50
+    # the new folder in bodies/, then the file's name in it
+    assert synced == [str((tmp_path / "bodies").resolve()), str(final.parent.resolve())]
+    assert not b.on_disk and not list((tmp_path / "bodies" / "tmp").iterdir())
+    synced.clear()
+    b2 = await fed(tmp_path, [b"Subject: t\r\n\r\n" + b"y" * 50], inline_max=10)
+    synced.clear()
+    assert await b2.commit("ABXYZ") == "bodies/AB/ABXYZ"
+    assert synced == [str(final.parent.resolve())]  # the folder existed: only it
+    b2.discard()  # after a commit: nothing to remove
+    assert (tmp_path / "bodies/AB/ABXYZ").exists()
+
+
+async def test_rewrite_in_memory_and_on_disk(tmp_path: Path) -> None:
+    data = b"Subject: s\r\n\r\nbody\r\n"
+    b = await fed(tmp_path, [data])
+    await b.rewrite(lambda d: None)
+    assert b.inline() == data and b.size == len(data)
+    await b.rewrite(lambda d: d.upper() + b"MORE\r\n")
+    assert b.inline() == data.upper() + b"MORE\r\n" and b.size == len(data) + 6
+    assert b.header_block() == b"Subject: s\r\n"  # what the client sent
+    big = data + b"z" * 100
+    f = await fed(tmp_path, [big], inline_max=10)
+    await f.rewrite(lambda d: None)
+    assert f.tmp_path is not None and f.tmp_path.read_bytes() == big and f.size == len(big)
+    await f.rewrite(lambda d: b"short\r\n")
+    assert f.tmp_path.read_bytes() == b"short\r\n" and f.size == 7
+    rel = await f.commit("QQ01")
+    assert (tmp_path / rel).read_bytes() == b"short\r\n"
+
+
+async def test_a_failed_write_raises_and_discard_leaves_nothing(tmp_path: Path) -> None:
+    faults.arm("body.write", "enospc", times=1)
+    try:
+        b = IncomingBody(tmp_path, 10)
+        with pytest.raises(OSError, match="No space left"):
+            await b.add(b"Subject: s\r\n\r\n" + b"x" * 50)
+    finally:
+        faults.disarm_all()
+    assert b.tmp_path is not None and b.tmp_path.exists()
+    b.discard()
+    assert list((tmp_path / "bodies" / "tmp").iterdir()) == []
+    b.discard()  # twice is harmless
+
+
+# --- stored bodies ------------------------------------------------------------------------
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_write_body_leaves_no_temporary_file_when_the_write_fails(tmp_path: Path) -> None:
+    faults.arm("body.write", "eio", times=1)
+    try:
+        with pytest.raises(OSError, match="Input/output error"):
+            bodies.write_body(tmp_path, "ABC", b"data")
+    finally:
+        faults.disarm_all()
+    assert [p.name for p in (tmp_path / "bodies" / "AB").iterdir()] == []
+    assert bodies.write_body(tmp_path, "ABC", b"data") == "bodies/AB/ABC"
+    path = tmp_path / "bodies/AB/ABC"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~_umask()
+    assert bodies.body_path(tmp_path, "XYZ") == tmp_path / "bodies" / "XY" / "XYZ"
+
+
+def test_load_joins_the_rows_prefix_and_the_file(tmp_path: Path) -> None:
+    rel = bodies.write_body(tmp_path, "ABC", b"file part")
+    assert bodies.load(tmp_path, b"prefix ", rel) == b"prefix file part"
+    assert bodies.load(tmp_path, None, rel) == b"file part"
+    assert bodies.load(tmp_path, b"inline", None) == b"inline"
+    assert bodies.load(tmp_path, None, None) == b""
+    assert bodies.read_body(tmp_path, rel) == b"file part"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 64, 1 << 18])
+def test_stored_blocks_end_at_line_ends_and_join_to_the_message(tmp_path: Path, size: int) -> None:
+    data = b"".join(b"line %d %s\r\n" % (i, b"x" * (i % 13)) for i in range(60)) + b"tail"
+    rel = bodies.write_body(tmp_path, "QID1", data)
+    sb = bodies.StoredBody.open(tmp_path, b"Received: x\r\n", rel)
+    assert sb.size == len(data) + 13 and sb.prefix == b"Received: x\r\n"
+    assert sb.path == tmp_path / rel
+    blocks = list(sb.blocks(size))
+    assert b"".join(blocks) == b"Received: x\r\n" + data
+    assert all(b.endswith(b"\r\n") for b in blocks[:-1])
+    assert blocks[-1] == b"tail"
+    assert all(blocks)
+    whole = list(bodies.StoredBody.open(tmp_path, None, rel).blocks())
+    assert whole == [data[: -len(b"tail")], b"tail"] and sb.size - 13 == len(data)
+
+
+def test_stored_blocks_of_a_message_ending_in_crlf_and_a_missing_file(tmp_path: Path) -> None:
+    rel = bodies.write_body(tmp_path, "QID2", b"a\r\nb\r\n")
+    sb = bodies.StoredBody.open(tmp_path, b"", rel)
+    assert list(sb.blocks(2)) == [b"a\r\n", b"b\r\n"]
+    assert sb.size == 6
+    with pytest.raises(FileNotFoundError):
+        bodies.StoredBody.open(tmp_path, b"p", "bodies/NO/NOPE")
+
+
+def test_sweep_removes_old_orphans_only(tmp_path: Path) -> None:
+    assert bodies.sweep(tmp_path, set()) == []  # no bodies/ yet
+    kept = bodies.write_body(tmp_path, "AAKEEP", b"k")
+    orphan = bodies.write_body(tmp_path, "AAORPH", b"o")
+    young = bodies.write_body(tmp_path, "BBYOUNG", b"y")
+    old = time.time() - 120
+    for rel in (kept, orphan):
+        os.utime(tmp_path / rel, (old, old))
+    assert bodies.sweep(tmp_path, {kept}, grace=60) == [orphan]
+    assert (tmp_path / kept).exists() and (tmp_path / young).exists()
+    assert not (tmp_path / orphan).exists()
+    assert bodies.sweep(tmp_path, {kept}, grace=0.0) == [young]
+    bodies.delete_bodies(tmp_path, [kept, "bodies/ZZ/missing"])
+    assert not (tmp_path / kept).exists()
