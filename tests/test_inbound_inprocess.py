@@ -892,3 +892,232 @@ async def test_accept_stream_discards_the_body_when_the_hook_fails(tmp_path: Pat
     with pytest.raises(faults.InjectedFault):
         await h.accept_stream(s, env, incoming, 0)
     assert not tmp.exists() and h.in_flight == 0
+
+
+# --- the session: greeting, limits, timeouts, errors, AUTH --------------------------------------
+
+
+async def closed(c: Client) -> bool:
+    """True once the server has closed the connection (EOF), within WAIT."""
+    return await asyncio.wait_for(c.reader.read(), WAIT) == b""
+
+
+async def test_the_greeting_names_the_host(start: Start) -> None:
+    r = await start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    try:
+        assert await asyncio.wait_for(reader.readline(), WAIT) == (
+            b"220 relay.test relay ESMTP\r\n"
+        )
+    finally:
+        writer.close()
+
+
+async def test_a_connection_over_the_limit_gets_421_and_a_closed_one_is_released(
+    start: Start,
+) -> None:
+    r = await start({"limits": {"max_connections_per_ip_allowed": 1}})
+    first = await r.connect()
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+    try:
+        assert await asyncio.wait_for(reader.readline(), WAIT) == (
+            b"421 4.7.0 too many connections from your address, try again later\r\n"
+        )
+        assert await asyncio.wait_for(reader.read(), WAIT) == b""
+    finally:
+        writer.close()
+    assert r.handler.stats.sessions == 1
+    assert await first.cmd("QUIT") == (221, "221 2.0.0 Bye")
+    assert await closed(first)
+    for _ in range(int(WAIT * 100)):  # the server side of the close runs on the loop
+        if r.handler.guard.connections.total == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert r.handler.guard.connections.total == 0
+    again = await r.connect()
+    assert (await again.cmd("NOOP"))[0] == 250
+    assert r.handler.stats.sessions == 2
+
+
+async def test_too_many_errors_close_the_session_with_421(start: Start) -> None:
+    r = await start({"limits": {"max_errors": 3}})
+    c = await r.connect()
+    assert (await c.cmd("BOGUS"))[0] == 500
+    assert (await c.cmd("RCPT TO:<a@example.org>"))[0] == 503
+    assert await c.cmd("DATA") == (503, "503 5.5.1 Error: need RCPT command")
+    assert await c.reply() == (421, "421 4.7.0 relay.test too many errors, closing connection")
+    assert await closed(c)
+
+
+async def test_an_idle_client_gets_421_after_the_command_timeout(start: Start) -> None:
+    r = await start({"limits": {"command_timeout": "0.2s"}})
+    c = await r.connect()
+    assert await c.reply() == (
+        421,
+        "421 4.4.2 relay.test timeout waiting for a command, closing connection",
+    )
+    assert await closed(c)
+
+
+async def test_a_bare_newline_in_a_command_closes_the_connection(start: Start) -> None:
+    r = await start()
+    c = await r.connect()
+    c.writer.write(b"NOOP\nNOOP\r\n")
+    assert await c.reply() == (
+        500,
+        "500 5.5.2 Syntax error: bare CR or LF in command line (RFC 5321 2.3.8)",
+    )
+    assert await closed(c)
+    assert r.handler.stats.by_reason == {"bare_newline": 1}
+
+
+async def test_auth_is_not_offered_on_a_listener_without_it(start: Start) -> None:
+    r = await start()
+    c = await r.connect()
+    code, _text = await c.cmd("AUTH PLAIN AGFsaWNlAHB3")
+    assert code in (502, 538)  # aiosmtpd's answer when no mechanism is offered
+    assert r.handler.stats.accepted == 0
+
+
+def _users(tmp_path: Path) -> Path:
+    from relay import auth
+
+    path = tmp_path / "users"
+    path.write_text(f"alice:{auth.hash_password('right')}\n")
+    return path
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+async def test_an_authenticated_client_relays_from_anywhere_in_its_own_namespace(
+    start: Start, tmp_path: Path
+) -> None:
+    users = _users(tmp_path)
+    r = await start(
+        {
+            "listen": [
+                {
+                    "address": "127.0.0.1:2525",
+                    "allow": ["10.0.0.0/8"],
+                    "auth": {"users_file": str(users), "allow_plaintext": True},
+                }
+            ],
+            "auth": {"failure_delay": "0.01s", "max_failure_delay": "0.01s"},
+            "local": {"domain": "corp.test"},
+        }
+    )
+    c = await r.connect()
+    assert (await c.cmd("MAIL FROM:<app@example.com>"))[0] == 250
+    assert (await c.cmd("RCPT TO:<a@example.org>"))[0] == 554  # not yet
+    assert (await c.cmd("RSET"))[0] == 250
+    code, text = await c.cmd("AUTH PLAIN " + _b64("\0alice\0right"))
+    assert code == 235, text
+    content = message(body=b"hi\r\n").replace(b"To: user@example.org", b"To: root")
+    text = await c.send("app@example.com", ["a@example.org"], content)
+    m = QUEUED.match(text)
+    assert m, text
+    row = r.messages()[0]
+    assert row[4] == "user:alice"
+    stored = r.body(m.group(1))
+    assert b" (relay) with ESMTPA id " in stored
+    assert b"\r\nTo: root@corp.test\r\n" in stored  # qualified like the envelope
+    assert r.recipients()[0][6] == row_key("user:alice", "a@example.org")
+
+
+async def test_auth_exchange_errors(start: Start, tmp_path: Path) -> None:
+    users = _users(tmp_path)
+    r = await start(
+        {
+            "listen": [
+                {
+                    "address": "127.0.0.1:2525",
+                    "auth": {"users_file": str(users), "allow_plaintext": True},
+                }
+            ],
+            "auth": {"failure_delay": "0.01s", "max_failure_delay": "0.01s"},
+        }
+    )
+    c = await r.connect()
+    assert await c.cmd("AUTH LOGIN") == (334, "334 VXNlciBOYW1lAA==")
+    assert await c.cmd("*") == (501, "501 5.7.0 Auth aborted")
+    assert (await c.cmd("AUTH LOGIN"))[0] == 334
+    assert await c.cmd("not base64!") == (501, "501 5.5.2 Can't decode base64")
+    assert (await c.cmd("AUTH LOGIN"))[0] == 334
+    c.writer.write(b"A" * 70_000 + b"\r\n")
+    assert await c.reply() == (500, "500 5.5.6 Authentication exchange line is too long")
+    assert (await c.cmd("NOOP"))[0] == 250  # the over-long line was read to its end
+
+
+async def test_three_wrong_passwords_close_the_connection(start: Start, tmp_path: Path) -> None:
+    users = _users(tmp_path)
+    r = await start(
+        {
+            "listen": [
+                {
+                    "address": "127.0.0.1:2525",
+                    "auth": {"users_file": str(users), "allow_plaintext": True},
+                }
+            ],
+            "auth": {"failure_delay": "0.01s", "max_failure_delay": "0.01s"},
+        }
+    )
+    c = await r.connect()
+    wrong = "AUTH PLAIN " + _b64("\0alice\0wrong")
+    assert (await c.cmd(wrong))[0] == 535
+    assert (await c.cmd(wrong))[0] == 535
+    code, text = await c.cmd(wrong)
+    assert code == 421 and text.startswith("421 4.7.0 too many authentication failures"), text
+    assert await closed(c)
+
+
+async def test_metrics_count_accepted_deduplicated_and_refused(start: Start) -> None:
+    from relay.metrics import Metrics
+
+    metrics = Metrics()
+    r = await start({"limits": {"max_recipients": 1}}, stats=InboundStats(metrics=metrics))
+    assert QUEUED.match(await r.send("app@example.com", ["a@example.org"], MSG))
+    dup = await r.send("app@example.com", ["a@example.org"], MSG)
+    assert dup == "250 2.0.0 Ok: already queued (duplicate suppressed)"
+    c = await r.connect()
+    assert (await c.cmd("MAIL FROM:<app@example.com>"))[0] == 250
+    assert (await c.cmd("RCPT TO:<a@example.org>"))[0] == 250
+    assert (await c.cmd("RCPT TO:<b@example.org>"))[0] == 452
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("relay_accepted_messages_total", lane="transactional") == 1
+    assert value("relay_deduplicated_messages_total") == 1
+    assert value("relay_rejected_total", reason="too_many_recipients") == 1
+
+
+async def test_reconfigure_takes_new_lane_rules(start: Start) -> None:
+    r = await start()
+    assert QUEUED.match(await r.send("news@example.com", ["a@example.org"], MSG))
+    base: dict[str, Any] = {
+        "hostname": "relay.test",
+        "spool": {"path": str(r.spool)},
+        "lanes": {"rules": [{"lane": "bulk", "sender": "news@example.com"}]},
+    }
+    r.handler.reconfigure(from_mapping(base, r.spool.parent))
+    assert QUEUED.match(
+        await r.send("news@example.com", ["a@example.org"], message("<m2@app.example>"))
+    )
+    assert [m[6] for m in r.messages()] == ["transactional", "bulk"]
+
+
+async def test_nul_characters_are_stripped_and_logged(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    r = await start()
+    m = QUEUED.match(
+        await r.send("app@example.com", ["a@example.org"], message(body=b"a\0b\0\r\n"))
+    )
+    assert m
+    assert r.body(m.group(1)).endswith(b"\r\n\r\nab\r\n")
+    [rec] = [x for x in caplog.records if "NUL characters removed" in x.getMessage()]
+    assert rec.levelname == "WARNING"

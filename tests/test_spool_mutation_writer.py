@@ -281,8 +281,15 @@ def test_the_lock_file_serialises_writers_of_several_processes(tmp_path: Path) -
                 done.result(0.3)
             fcntl.flock(fd, fcntl.LOCK_UN)
             assert done.result(WAIT) == 7
-            # and the writer lets go of it after each batch
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # and the writer lets go of it after each batch (just after it answers)
+            for _ in range(int(WAIT * 100)):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    threading.Event().wait(0.01)
+            else:
+                raise AssertionError("the writer kept the lock")
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
