@@ -1121,3 +1121,66 @@ async def test_nul_characters_are_stripped_and_logged(
     assert r.body(m.group(1)).endswith(b"\r\n\r\nab\r\n")
     [rec] = [x for x in caplog.records if "NUL characters removed" in x.getMessage()]
     assert rec.levelname == "WARNING"
+
+
+def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (r.levelname, getattr(r, "event", ""), dict(getattr(r, "fields", {})))
+        for r in caplog.records
+        if r.name == "relay.inbound"
+    ]
+
+
+async def test_the_log_records_every_outcome_with_its_fields(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="relay.inbound")
+    r = await start()
+    m = QUEUED.match(await r.send("app@example.com", ["a@example.org", "b@example.org"], MSG))
+    assert m
+    qid = m.group(1)
+    size = r.messages()[0][3]
+    assert await r.send("app@example.com", ["a@example.org"], MSG) == (
+        "250 2.0.0 Ok: already queued (duplicate suppressed)"
+    )
+    keyed = message("<k@app.example>", Idempotency_Key="key-1")
+    assert QUEUED.match(await r.send("", ["c@example.org"], keyed))
+    other = message("<k@app.example>", body=b"other\r\n", Idempotency_Key="key-1")
+    assert (await r.send("app@example.com", ["c@example.org"], other)).startswith("554 ")
+    faults.arm("spool.commit", "eio", times=1)
+    assert await r.send("app@example.com", ["d@example.org"], MSG) == UNAVAILABLE
+    got = events(caplog)
+    accepted = [e for e in got if e[1] == "accepted"]
+    assert accepted[0] == (
+        "INFO",
+        "accepted",
+        {
+            "queue_id": qid,
+            "message_id": "<m1@app.example>",
+            "idempotency_key": None,
+            "sender": "app@example.com",
+            "rcpts": ["a@example.org", "b@example.org"],
+            "duplicates": 0,
+            "size": size,
+            "lane": "transactional",
+            "client": NS,
+        },
+    )
+    assert accepted[1][2]["sender"] == "<>" and accepted[1][2]["idempotency_key"] == "key-1"
+    assert [e for e in got if e[1] == "deduplicated"] == [
+        (
+            "INFO",
+            "deduplicated",
+            {"message_id": "<m1@app.example>", "rcpts": ["a@example.org"], "client": NS},
+        )
+    ]
+    assert [e for e in got if e[1] == "idempotency_conflict"] == [
+        (
+            "WARNING",
+            "idempotency_conflict",
+            {"idempotency_key": "key-1", "rcpts": ["c@example.org"], "client": NS},
+        )
+    ]
+    [failed] = [e for e in got if e[1] == "spool_error"]
+    assert failed[0] == "ERROR" and failed[2]["error"] == "disk I/O error"
+    assert re.fullmatch(r"[0-9A-F]{16}", str(failed[2]["queue_id"]))
