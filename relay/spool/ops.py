@@ -726,8 +726,11 @@ def _set_state(
     params.extend(src_list)
     if skip_suppressed:
         sql += (
-            " AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.address = lower(address)"
-            " AND s.scope IN ('', (SELECT m.identity FROM messages m WHERE m.id = msg_id)))"
+            # recipients.address, qualified: a bare `address` here is the suppression
+            # row's own column, and one lower-case entry stopped every retry
+            " AND NOT EXISTS (SELECT 1 FROM suppression s"
+            " WHERE s.address = lower(recipients.address) AND s.scope IN"
+            " ('', (SELECT m.identity FROM messages m WHERE m.id = recipients.msg_id)))"
         )
     if ids is not None:
         if not ids:
