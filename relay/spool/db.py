@@ -19,7 +19,10 @@ from pathlib import Path
 
 DB_NAME = "relay.sqlite"
 BUSY_TIMEOUT_MS = 5000
-CACHE_KIB = 32768  # 32 MiB per connection
+DEFAULT_CACHE_KIB = 2000  # SQLite's own default: the CLI, one query each
+# the daemon's writer: the dedup keys (hashes: random b-tree inserts) and the recipient
+# indexes of a deep queue outgrow 2 MiB, and every miss is a read (SpoolWriter)
+WRITER_CACHE_KIB = 32768
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: the first schema.
@@ -214,7 +217,9 @@ def db_path(spool_dir: Path) -> Path:
     return spool_dir / DB_NAME
 
 
-def connect(spool_dir: Path, *, create: bool = True) -> sqlite3.Connection:
+def connect(
+    spool_dir: Path, *, create: bool = True, cache_kib: int = DEFAULT_CACHE_KIB
+) -> sqlite3.Connection:
     """Open the spool with the durability pragmas, migrating it if needed."""
     if create:
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
@@ -231,9 +236,7 @@ def connect(spool_dir: Path, *, create: bool = True) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
-    # SQLite's default page cache is 2 MiB; the dedup keys (hashes: random b-tree inserts)
-    # and the recipient indexes of a deep queue outgrow it, and every miss is a read
-    conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+    conn.execute(f"PRAGMA cache_size=-{cache_kib}")
     migrate(conn)
     return conn
 

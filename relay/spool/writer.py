@@ -70,7 +70,7 @@ class SpoolWriter:
         self.on_commit: Callable[[float, int], None] | None = None
 
     def start(self) -> None:
-        self._conn = db.connect(self.spool_dir)
+        self._conn = db.connect(self.spool_dir, cache_kib=db.WRITER_CACHE_KIB)
         self._lock_fd = os.open(self.spool_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
         self._thread.start()
