@@ -65,6 +65,15 @@ def say(line: str = "") -> None:
 # --- the two systems ----------------------------------------------------------------------
 
 
+def port_free(port: int) -> None:
+    """A stale relay or sink left on a bench port would be measured instead: refuse."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return
+    raise RuntimeError(f"127.0.0.1:{port} is already in use (a relay or smtp-sink left over?)")
+
+
 def wait_port(port: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -128,6 +137,7 @@ inbound: {{processes: {PROCESSES}}}
 {os.environ.get("RELAY_BENCH_CONFIG", "")}
 """
         )
+        port_free(RELAY_PORT)
         self.log = open(self.dir / "relay.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [str(RELAY), "serve", "-c", str(self.conf)], stdout=self.log, stderr=self.log
@@ -159,6 +169,7 @@ class Sink:
     """Postfix's smtp-sink with its running counter (-c) read from a file."""
 
     def __init__(self, port: int) -> None:
+        port_free(port)
         self.out = tempfile.NamedTemporaryFile(prefix="sink-", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             ["smtp-sink", "-u", "nobody", "-c", f"127.0.0.1:{port}", "512"],
