@@ -36,12 +36,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from relay import __version__, alerts, faults, fdlimit, health, smtpd_adapter
 from relay.admin import AdminServer
-from relay.config import Config, ConfigError, ListenerTLS, load_config
+from relay.config import Config, ConfigError, load_config
 from relay.delivery import smtpclient_adapter
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
@@ -49,13 +49,12 @@ from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
 from relay.httpd import HttpServer, Request, Response
 from relay.inbound import InboundHandler, InboundStats, Suppressions
-from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess
+from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
-from relay.tls_listener import implicit_context
 from relay.unsubscribe import UnsubscribeHandler
 
 log = logging.getLogger(__name__)
@@ -153,20 +152,7 @@ class Daemon:
                 gate=self._refusal,
                 feedback=self.feedback,
             )
-            tls: dict[str, Any] = {}
-            if lst.tls is not None and lst.tls.implicit:  # RFC 8314 §3
-                tls = {
-                    "ssl": implicit_context(lst.tls, _current_tls(h)),
-                    "ssl_handshake_timeout": self.config.limits.command_timeout,
-                }
-            srv = await loop.create_server(
-                h.protocol,
-                host=lst.host,
-                port=lst.port,
-                reuse_address=True,
-                backlog=LISTEN_BACKLOG,
-                **tls,
-            )
+            srv = await listen(loop, h, self.config, LISTEN_BACKLOG)
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:
@@ -761,11 +747,6 @@ def _write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-def _current_tls(handler: InboundHandler) -> Callable[[], ListenerTLS | None]:
-    """The listener's TLS as configured now (SIGHUP replaces handler.listener)."""
-    return lambda: handler.listener.tls
 
 
 def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:

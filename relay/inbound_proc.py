@@ -94,25 +94,8 @@ class InboundProcess:
                 gate=lambda: None,
                 feedback=feedback,
             )
-            tls: dict[str, Any] = {}
-            if lst.tls is not None and lst.tls.implicit:
-
-                def current(h: InboundHandler = h) -> Any:
-                    return h.listener.tls
-
-                tls = {
-                    "ssl": implicit_context(lst.tls, current),
-                    "ssl_handshake_timeout": self.config.limits.command_timeout,
-                }
-            srv = await loop.create_server(
-                h.protocol,
-                host=lst.host,
-                port=lst.port,
-                reuse_address=True,
-                reuse_port=True,  # several inbound processes on one port
-                backlog=self.backlog,
-                **tls,
-            )
+            # reuse_port: several inbound processes on one port
+            srv = await listen(loop, h, self.config, self.backlog, reuse_port=True)
             self.handlers.append(h)
             self.servers.append(srv)
         for sig, fn in (
@@ -189,3 +172,31 @@ def _die_with_parent() -> None:
         return
     if os.getppid() == 1:  # it died before the call
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def listen(
+    loop: asyncio.AbstractEventLoop,
+    h: InboundHandler,
+    config: Config,
+    backlog: int,
+    reuse_port: bool = False,
+) -> asyncio.Server:
+    """The SMTP listener of a handler (the main process's or an inbound process's), with
+    implicit TLS (RFC 8314 §3) when its listener has it, as configured now (SIGHUP
+    replaces handler.listener)."""
+    lst = h.listener
+    tls: dict[str, Any] = {}
+    if lst.tls is not None and lst.tls.implicit:
+        tls = {
+            "ssl": implicit_context(lst.tls, lambda: h.listener.tls),
+            "ssl_handshake_timeout": config.limits.command_timeout,
+        }
+    return await loop.create_server(
+        h.protocol,
+        host=lst.host,
+        port=lst.port,
+        reuse_address=True,
+        reuse_port=reuse_port or None,
+        backlog=backlog,
+        **tls,
+    )

@@ -516,19 +516,24 @@ def mark_delay_warned(conn: sqlite3.Connection, msg_id: str, now: float) -> bool
     )
 
 
+def oldest_arrival(conn: sqlite3.Connection, states: str) -> float | None:
+    """When the oldest message with a recipient in `states` (an `sql_in` list) arrived:
+    arrival order from the messages_created index, stopping at the first match, instead of
+    joining every waiting recipient (seconds at a million, in the writer)."""
+    row = conn.execute(
+        "SELECT m.created_at FROM messages m INDEXED BY messages_created WHERE EXISTS"
+        " (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
+        f" AND r.state IN {states}) ORDER BY m.created_at LIMIT 1"
+    ).fetchone()
+    return None if row is None else float(row[0])
+
+
 def queue_health(
     conn: sqlite3.Connection, now: float, stall_after: float
 ) -> tuple[float | None, int]:
     """(age of the oldest waiting recipient, recipients overdue by more than `stall_after`:
     due and not taken, or taken and not finished). Held recipients are the operator's."""
-    # arrival order from the index: stops at the first message still in the queue (this
-    # runs in the writer every few seconds; a join over a deep queue stalled accepts)
-    row = conn.execute(
-        "SELECT m.created_at FROM messages m INDEXED BY messages_created WHERE EXISTS"
-        " (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
-        f" AND r.state IN {_IN_QUEUE}) ORDER BY m.created_at LIMIT 1"
-    ).fetchone()
-    oldest = None if row is None else row[0]
+    oldest = oldest_arrival(conn, _IN_QUEUE)  # runs in the writer every few seconds
     cutoff = now - stall_after
     due = sum(
         conn.execute(
@@ -993,14 +998,7 @@ def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
     by_state = {s.value: 0 for s in RcptState}
     for r in conn.execute("SELECT state, count(*) FROM recipients GROUP BY state"):
         by_state[r[0]] = r[1]
-    # the oldest message with an unfinished recipient: arrival order from the index, so
-    # this stops at the first one instead of joining every waiting recipient
-    row = conn.execute(
-        "SELECT m.created_at FROM messages m INDEXED BY messages_created WHERE EXISTS"
-        " (SELECT 1 FROM recipients r WHERE r.msg_id = m.id"
-        f" AND r.state IN {_UNFINISHED}) ORDER BY m.created_at LIMIT 1"
-    ).fetchone()
-    oldest = None if row is None else row[0]
+    oldest = oldest_arrival(conn, _UNFINISHED)
     msgs = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
     supp = conn.execute("SELECT count(*) FROM suppression").fetchone()[0]
     dedup = conn.execute("SELECT count(*) FROM dedup").fetchone()[0]
