@@ -47,7 +47,6 @@ class IncomingBody:
         # header block detection
         self._head = bytearray()
         self.head: bytes | None = None  # the header block once known (with its final CRLF)
-        self._body_started = 0  # octets of the data before the body (head + empty line)
         self._hasher: ContentHasher | None = None  # for a message without a Message-ID
         self._writing: asyncio.Future[None] | None = None  # a write running in a thread
 
@@ -66,33 +65,37 @@ class IncomingBody:
     # --- the header block ---------------------------------------------------------------
 
     def _scan_head(self, data: bytes) -> bytes:
-        """Collect the header block; returns the part of `data` that is body."""
+        """Collect the header block; returns the part of `data` that is body.
+
+        What is decided depends on the octets alone, never on how the reads split them
+        (the content Message-ID of a resubmission must not change with TCP segmentation):
+        the header block is everything up to the first empty line when that block (with its
+        final CRLF) is at most HEAD_MAX octets; a message that starts with an empty line has
+        none; a message whose first empty line comes later is all body."""
         if self.head is not None:
             return data
-        if not self._head and data.startswith(b"\r\n"):  # no header block at all
-            self.head = b""
-            self._body_started = 2
-            return data[2:]
         start = max(0, len(self._head) - 3)
         self._head += data
+        if self._head.startswith(b"\r\n"):  # no header block at all
+            return self._decided(b"", 2)
         i = self._head.find(b"\r\n\r\n", start)
-        if i >= 0:
-            self.head = bytes(self._head[: i + 2])
-            body = bytes(self._head[i + 4 :])
-            self._body_started = i + 4
-            self._head = bytearray()
-            return body
-        if len(self._head) > HEAD_MAX:
-            # no empty line within HEAD_MAX: treat it all as body (see `header_block`)
-            self.head = b""
-            body = bytes(self._head)
-            self._head = bytearray()
-            return body
+        if i >= 0 and i + 2 <= HEAD_MAX:
+            return self._decided(bytes(self._head[: i + 2]), i + 4)
+        # a later match starts at len - 3 or after, so past len - 1 the block cannot fit
+        if i >= 0 or len(self._head) > HEAD_MAX + 1:
+            return self._decided(b"", 0)  # all body (see `header_block`)
         return b""
+
+    def _decided(self, head: bytes, body_at: int) -> bytes:
+        self.head = head
+        body = bytes(self._head[body_at:])
+        self._head = bytearray()
+        return body
 
     def header_block(self) -> bytes:
         """The header block; at the end, a message with no empty line is all header block
-        (as relay/message.py's `split_message`) when it fits HEAD_MAX."""
+        (as relay/message.py's `split_message`) when it is at most HEAD_MAX + 1 octets (a
+        longer one was all body as soon as that length was reached)."""
         if self.head is not None:
             return self.head
         return bytes(self._head)
