@@ -439,20 +439,18 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
                 r["destination"] = route.via[0]
 
 
-def _waiting_by_destination(
-    args: argparse.Namespace, conn: sqlite3.Connection
-) -> list[tuple[str, float]]:
-    """(destination as delivery names it, message arrival) of every unfinished recipient."""
+def _queued_by_destination(args: argparse.Namespace, conn: sqlite3.Connection) -> dict[str, int]:
+    """Unfinished recipients per destination as delivery names it: counted in SQL without
+    routes; with routes, each recipient's route is matched while the rows stream by."""
     routing = getattr(args, "routing", None)
-    out = []
-    for dest, address, sender, client, listener, created in ops.waiting_recipients(conn):
-        if routing is not None and routing.routes:
-            route = routing.match(
-                sender=sender, recipient=address, client=client, listener=listener
-            )
-            if not route.mx:
-                dest = route.via[0]
-        out.append((dest, created))
+    if routing is None or not routing.routes:
+        return ops.waiting_per_destination(conn)
+    out: dict[str, int] = {}
+    for dest, address, sender, client, listener in ops.waiting_recipients(conn):
+        route = routing.match(sender=sender, recipient=address, client=client, listener=listener)
+        if not route.mx:
+            dest = route.via[0]
+        out[dest] = out.get(dest, 0) + 1
     return out
 
 
@@ -824,9 +822,7 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
         runtime = ops.get_runtime(conn, "daemon")
         live = runtime[0].get("destinations", {}) if runtime else {}
         susp = ops.suspensions(conn, now)
-        queued: dict[str, int] = {}
-        for dest, _created in _waiting_by_destination(args, conn):
-            queued[dest] = queued.get(dest, 0) + 1
+        queued = _queued_by_destination(args, conn)
         names = set(live) | set(susp) | set(queued)
         out = []
         for n in sorted(names):

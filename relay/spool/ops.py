@@ -552,17 +552,28 @@ def queue_health(
 
 def waiting_recipients(
     conn: sqlite3.Connection,
-) -> list[tuple[str, str, str, str, str | None, float]]:
-    """(destination, address, sender, client, listener, message created_at) of every
-    unfinished recipient: for `queue summary` and `destination list`."""
-    return [
-        (r[0], r[1], r[2], r[3], r[4], r[5])
-        for r in conn.execute(
-            "SELECT r.destination, r.address, m.sender, m.client, m.listener, m.created_at"
-            f" FROM recipients r JOIN messages m ON m.id = r.msg_id WHERE r.state IN"
-            f" {_UNFINISHED}"
+) -> Iterator[tuple[str, str, str, str, str | None]]:
+    """(destination, address, sender, client, listener) of every unfinished recipient,
+    streamed from the cursor (`destination list` with routes: memory stays flat whatever the
+    spool size)."""
+    for r in conn.execute(
+        "SELECT r.destination, r.address, m.sender, m.client, m.listener"
+        f" FROM recipients r JOIN messages m ON m.id = r.msg_id WHERE r.state IN"
+        f" {_UNFINISHED}"
+    ):
+        yield (r[0], r[1], r[2], r[3], r[4])
+
+
+def waiting_per_destination(conn: sqlite3.Connection) -> dict[str, int]:
+    """Unfinished recipients per stored destination (`destination list` without routes),
+    counted in SQL over the recipients_waiting index."""
+    return {
+        dest: count
+        for dest, count in conn.execute(
+            "SELECT destination, count(*) FROM recipients INDEXED BY recipients_waiting"
+            f" WHERE state IN {_UNFINISHED} GROUP BY destination"
         )
-    ]
+    }
 
 
 def waiting_by_age(
