@@ -24,6 +24,7 @@ from relay.delivery.transport import RcptResult
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import db, ops
 from relay.spool.writer import SpoolWriter
+from tests.bodyfiles import write_body
 
 # --- judgements -------------------------------------------------------------------------------
 
@@ -449,7 +450,7 @@ def test_a_dsn_reads_a_file_stored_body_in_a_thread(tmp_path: Path, monkeypatch)
     w = SpoolWriter(cfg.spool_path)
     w.start()
     body = b"Subject: big\r\nMessage-ID: <big@x.test>\r\n\r\n" + b"x" * 100 + b"\r\n"
-    rel = bodies.write_body(cfg.spool_path, "Q1BIG", body)
+    rel = write_body(cfg.spool_path, "Q1BIG", body)
     msg = ops.NewMessage(
         "Q1BIG",
         "big@x.test",

@@ -29,6 +29,7 @@ from relay.model import RcptState
 from relay.spool import bodies, db, ops
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolError, SpoolWriter
+from tests.bodyfiles import write_body
 from tests.harness import ROOT
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
@@ -437,30 +438,6 @@ def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_write_body_is_durable(spool: Path, fsyncs: list[str]) -> None:
-    spool.mkdir()  # as db.connect leaves it: no bodies/ folder yet
-    data = b"Subject: big\r\n\r\n" + b"x" * 200_000
-    rel = bodies.write_body(spool, "ABCDEF", data)
-    assert rel == "bodies/AB/ABCDEF"
-    assert (spool / rel).read_bytes() == data == bodies.read_body(spool, rel)
-    assert [p.name for p in (spool / "bodies" / "AB").iterdir()] == ["ABCDEF"]  # no tmp
-    folder = str((spool / "bodies" / "AB").resolve())
-    # the file's data, under its temporary name (so before the rename)
-    assert sum(p.endswith("/bodies/AB/.ABCDEF.tmp") for p in fsyncs) == 1
-    # every folder that gained an entry: the new bodies/ in the spool, AB/ in bodies/, and
-    # the file's final name in AB/ (last)
-    assert {str(spool.resolve()), str((spool / "bodies").resolve()), folder} <= set(fsyncs)
-    assert fsyncs[-1] == folder
-
-    # a second body in the same folder: its data, then its folder
-    fsyncs.clear()
-    rel2 = bodies.write_body(spool, "ABXYZ", b"second")
-    assert rel2 == "bodies/AB/ABXYZ"
-    assert fsyncs[0].endswith("/bodies/AB/.ABXYZ.tmp") and fsyncs[1:] == [folder]
-    bodies.delete_bodies(spool, [rel, rel2, "bodies/XX/missing"])
-    assert not (spool / rel).exists()
-
-
 async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: list[str]) -> None:
     """Through the real inbound hook: a body above inline_max goes to a file that is
     written and fsync'd before the job that inserts its row runs."""
@@ -539,9 +516,9 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
 
 
 def test_orphan_sweep(spool: Path) -> None:
-    keep = bodies.write_body(spool, "KEEP0001", b"referenced")
-    orphan = bodies.write_body(spool, "ORPH0001", b"nobody names me")
-    fresh = bodies.write_body(spool, "FRSH0001", b"a write in flight")
+    keep = write_body(spool, "KEEP0001", b"referenced")
+    orphan = write_body(spool, "ORPH0001", b"nobody names me")
+    fresh = write_body(spool, "FRSH0001", b"a write in flight")
     tmp = spool / "bodies" / "OR" / ".ORPH0002.tmp"  # a crash in the middle of a write
     tmp.write_bytes(b"half")
     old = time.time() - 3600
@@ -561,7 +538,7 @@ def test_prune_removes_old_finished_messages_and_expired_dedup_keys(
 ) -> None:
     day = 86400.0
     now = T0 + 30 * day
-    rel = bodies.write_body(spool, "OLDDONE1", b"big old body")
+    rel = write_body(spool, "OLDDONE1", b"big old body")
     accept(
         conn,
         new_message(

@@ -17,6 +17,7 @@ from relay import dedup, faults
 from relay.message import split_message
 from relay.spool import bodies, incoming
 from relay.spool.incoming import IncomingBody
+from tests.bodyfiles import write_body
 
 HOST = "relay.test"
 
@@ -192,7 +193,8 @@ async def test_finish_fsyncs_the_file(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(os, "fsync", spy)
     b = await fed(tmp_path, [b"Subject: s\r\n\r\n" + b"x" * 50], inline_max=10)
     assert b.tmp_path is not None
-    assert synced == [str(b.tmp_path.resolve())]
+    # the first large body: the spool folder gained "bodies", then the file's data
+    assert synced == [str(tmp_path), str(b.tmp_path.resolve())]
     synced.clear()
     rel = await b.commit("ABCDEF0123456789")
     assert rel == "bodies/AB/ABCDEF0123456789"
@@ -251,22 +253,12 @@ def _umask() -> int:
     return old
 
 
-def test_write_body_leaves_no_temporary_file_when_the_write_fails(tmp_path: Path) -> None:
-    faults.arm("body.write", "eio", times=1)
-    try:
-        with pytest.raises(OSError, match="Input/output error"):
-            bodies.write_body(tmp_path, "ABC", b"data")
-    finally:
-        faults.disarm_all()
-    assert [p.name for p in (tmp_path / "bodies" / "AB").iterdir()] == []
-    assert bodies.write_body(tmp_path, "ABC", b"data") == "bodies/AB/ABC"
-    path = tmp_path / "bodies/AB/ABC"
-    assert stat.S_IMODE(path.stat().st_mode) == 0o640 & ~_umask()
-    assert bodies.body_path(tmp_path, "XYZ") == tmp_path / "bodies" / "XY" / "XYZ"
+def test_body_path() -> None:
+    assert bodies.body_path(Path("/s"), "XYZ") == Path("/s/bodies/XY/XYZ")
 
 
 def test_load_joins_the_rows_prefix_and_the_file(tmp_path: Path) -> None:
-    rel = bodies.write_body(tmp_path, "ABC", b"file part")
+    rel = write_body(tmp_path, "ABC", b"file part")
     assert bodies.load(tmp_path, b"prefix ", rel) == b"prefix file part"
     assert bodies.load(tmp_path, None, rel) == b"file part"
     assert bodies.load(tmp_path, b"inline", None) == b"inline"
@@ -277,7 +269,7 @@ def test_load_joins_the_rows_prefix_and_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 64, 1 << 18])
 def test_stored_blocks_end_at_line_ends_and_join_to_the_message(tmp_path: Path, size: int) -> None:
     data = b"".join(b"line %d %s\r\n" % (i, b"x" * (i % 13)) for i in range(60)) + b"tail"
-    rel = bodies.write_body(tmp_path, "QID1", data)
+    rel = write_body(tmp_path, "QID1", data)
     sb = bodies.StoredBody.open(tmp_path, b"Received: x\r\n", rel)
     assert sb.size == len(data) + 13 and sb.prefix == b"Received: x\r\n"
     assert sb.path == tmp_path / rel
@@ -291,19 +283,23 @@ def test_stored_blocks_end_at_line_ends_and_join_to_the_message(tmp_path: Path, 
 
 
 def test_stored_blocks_of_a_message_ending_in_crlf_and_a_missing_file(tmp_path: Path) -> None:
-    rel = bodies.write_body(tmp_path, "QID2", b"a\r\nb\r\n")
+    rel = write_body(tmp_path, "QID2", b"a\r\nb\r\n")
     sb = bodies.StoredBody.open(tmp_path, b"", rel)
     assert list(sb.blocks(2)) == [b"a\r\n", b"b\r\n"]
     assert sb.size == 6
+    # an empty line read on its own is a block of its own, not carried into the next one
+    rel = write_body(tmp_path, "QID3", b"ab\r\n\r\ncd")
+    sb = bodies.StoredBody.open(tmp_path, b"", rel)
+    assert list(sb.blocks(2)) == [b"ab\r\n", b"\r\n", b"cd"]
     with pytest.raises(FileNotFoundError):
         bodies.StoredBody.open(tmp_path, b"p", "bodies/NO/NOPE")
 
 
-def test_sweep_removes_old_orphans_only(tmp_path: Path) -> None:
+def test_sweep_removes_old_orphans_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert bodies.sweep(tmp_path, set()) == []  # no bodies/ yet
-    kept = bodies.write_body(tmp_path, "AAKEEP", b"k")
-    orphan = bodies.write_body(tmp_path, "AAORPH", b"o")
-    young = bodies.write_body(tmp_path, "BBYOUNG", b"y")
+    kept = write_body(tmp_path, "AAKEEP", b"k")
+    orphan = write_body(tmp_path, "AAORPH", b"o")
+    young = write_body(tmp_path, "BBYOUNG", b"y")
     old = time.time() - 120
     for rel in (kept, orphan):
         os.utime(tmp_path / rel, (old, old))
@@ -311,5 +307,14 @@ def test_sweep_removes_old_orphans_only(tmp_path: Path) -> None:
     assert (tmp_path / kept).exists() and (tmp_path / young).exists()
     assert not (tmp_path / orphan).exists()
     assert bodies.sweep(tmp_path, {kept}, grace=0.0) == [young]
+    # the default grace is 60 s; a file exactly that old is still spared (a write in flight)
+    now = 1_800_000_000
+    monkeypatch.setattr(bodies.time, "time", lambda: float(now))
+    edge = write_body(tmp_path, "CCEDGE", b"e")
+    older = write_body(tmp_path, "CCOLDER", b"o")
+    os.utime(tmp_path / edge, ns=((now - 60) * 10**9, (now - 60) * 10**9))
+    os.utime(tmp_path / older, ns=((now - 61) * 10**9, (now - 61) * 10**9))
+    assert bodies.sweep(tmp_path, {kept}) == [older]
+    assert (tmp_path / edge).exists()
     bodies.delete_bodies(tmp_path, [kept, "bodies/ZZ/missing"])
     assert not (tmp_path / kept).exists()

@@ -2,58 +2,25 @@
 
 Rules:
 - A body file is written to a temporary name, fsync'd, renamed into place, and its folder
-  fsync'd, all before the row that names it commits. So a committed row always has its body
-  on disk; a crash in between leaves only an orphan file, which `sweep` removes.
+  fsync'd, all before the row that names it commits (relay/spool/incoming.py writes them). So
+  a committed row always has its body on disk; a crash in between leaves only an orphan
+  file, which `sweep` removes.
 - Small bodies (below `spool.inline_max`) are stored inline in the message row instead: the
   same group commit that makes the row durable makes the body durable, with no extra fsync.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from relay import faults
-from relay.spool.db import fsync_dir
 
 BODIES = "bodies"
 
 
 def body_path(spool_dir: Path, queue_id: str) -> Path:
     return spool_dir / BODIES / queue_id[:2] / queue_id
-
-
-def write_body(spool_dir: Path, queue_id: str, data: bytes) -> str:
-    """Write durably; returns the path relative to the spool folder (as stored in the row)."""
-    final = body_path(spool_dir, queue_id)
-    folder = final.parent
-    if not folder.exists():
-        new_root = not folder.parent.exists()  # the first large body: bodies/ is new too
-        folder.mkdir(parents=True, exist_ok=True, mode=0o750)
-        fsync_dir(folder.parent)
-        if new_root:
-            fsync_dir(folder.parent.parent)  # make the spool folder's "bodies" entry durable
-    tmp = folder / f".{queue_id}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    try:
-        try:
-            faults.hit("body.write")
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # disk full or I/O error: leave no partial file behind
-        raise
-    os.replace(tmp, final)
-    fsync_dir(folder)
-    return str(final.relative_to(spool_dir))
 
 
 def read_body(spool_dir: Path, rel: str) -> bytes:

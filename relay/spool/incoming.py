@@ -134,7 +134,10 @@ class IncomingBody:
     def _create(self) -> tuple[Path, int]:
         folder = self.spool_dir / bodies.BODIES / TMP
         if not folder.exists():
+            new_root = not folder.parent.exists()  # the first large body: bodies/ is new
             folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+            if new_root:  # the spool folder's "bodies" entry, before any row names a body
+                fsync_dir(self.spool_dir)
         path = folder / f".{secrets.token_hex(12)}.tmp"
         return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
 
