@@ -6,8 +6,10 @@ CRLF-ended blocks; the orphan sweep. Every byte and file is checked (tests/MUTAN
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from relay.spool.incoming import IncomingBody
 from tests.bodyfiles import write_body
 
 HOST = "relay.test"
+WAIT = 10.0  # seconds: a bound on waits, never a sleep
 
 MESSAGES = [
     b"Subject: a\r\nX-Long: b\r\n c\r\n\r\nbody line\r\nsecond\r\n",
@@ -242,6 +245,52 @@ async def test_a_failed_write_raises_and_discard_leaves_nothing(tmp_path: Path) 
     b.discard()
     assert list((tmp_path / "bodies" / "tmp").iterdir()) == []
     b.discard()  # twice is harmless
+
+
+async def test_discard_during_a_write_waits_for_the_write_then_removes_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone while its body is being written: the descriptor is closed and the
+    file removed only once the writing thread is done with them."""
+    started, release = threading.Event(), threading.Event()
+    real = incoming._write_all
+
+    def slow(fd: int, data: bytes) -> None:
+        started.set()
+        assert release.wait(WAIT)
+        real(fd, data)
+
+    monkeypatch.setattr(incoming, "_write_all", slow)
+    b = IncomingBody(tmp_path, 10)
+    task = asyncio.ensure_future(b.add(b"Subject: s\r\n\r\n" + b"x" * 50))
+    assert await asyncio.to_thread(started.wait, WAIT)
+    tmp = b.tmp_path
+    assert tmp is not None
+    b.discard()
+    assert tmp.exists()  # the write is still running: nothing closed or removed yet
+    release.set()
+    await asyncio.wait_for(task, WAIT)  # the write itself succeeded
+    for _ in range(200):
+        if not tmp.exists():
+            break
+        await asyncio.sleep(0.01)
+    assert not tmp.exists() and b.tmp_path is None
+
+
+async def test_body_folders_are_private_to_the_relay(tmp_path: Path) -> None:
+    b = await fed(tmp_path, [b"Subject: s\r\n\r\n" + b"x" * 50], inline_max=10)
+    rel = await b.commit("ABCDEF")
+    for folder in (tmp_path / "bodies", tmp_path / "bodies" / "tmp", (tmp_path / rel).parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750 & ~_umask(), folder
+
+
+async def test_rewrite_on_disk_reads_the_stored_file_and_may_empty_it(tmp_path: Path) -> None:
+    big = b"Subject: s\r\n\r\n" + b"z" * 100
+    f = await fed(tmp_path, [big], inline_max=10)
+    await f.rewrite(lambda d: d[:12] + b"X\r\n")
+    assert f.tmp_path is not None and f.tmp_path.read_bytes() == b"Subject: s\r\nX\r\n"
+    await f.rewrite(lambda d: b"")
+    assert f.tmp_path.read_bytes() == b"" and f.size == 0
 
 
 # --- stored bodies ------------------------------------------------------------------------

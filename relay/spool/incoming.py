@@ -135,7 +135,9 @@ class IncomingBody:
         folder = self.spool_dir / bodies.BODIES / TMP
         if not folder.exists():
             new_root = not folder.parent.exists()  # the first large body: bodies/ is new
-            folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+            # one level at a time: mkdir(parents=True) gives the parents the default mode
+            folder.parent.mkdir(exist_ok=True, mode=0o750)
+            folder.mkdir(exist_ok=True, mode=0o750)
             if new_root:  # the spool folder's "bodies" entry, before any row names a body
                 fsync_dir(self.spool_dir)
         path = folder / f".{secrets.token_hex(12)}.tmp"
@@ -194,7 +196,7 @@ class IncomingBody:
         final = bodies.body_path(self.spool_dir, queue_id)
         folder = final.parent
         if not folder.exists():
-            folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+            folder.mkdir(exist_ok=True, mode=0o750)  # bodies/ exists: the temporary file is in it
             fsync_dir(folder.parent)
         os.replace(self._tmp, final)
         fsync_dir(folder)
@@ -236,9 +238,3 @@ def _rewrite_file(path: Path, fd: int, fn: Callable[[bytes], bytes | None]) -> i
     _write_all(fd, new)
     os.fsync(fd)
     return len(new)
-
-
-def _pread(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
