@@ -135,8 +135,8 @@ class IncomingBody:
         folder = self.spool_dir / bodies.BODIES / TMP
         if not folder.exists():
             new_root = not folder.parent.exists()  # the first large body: bodies/ is new
-            # one level at a time: mkdir(parents=True) gives the parents the default mode
-            folder.parent.mkdir(exist_ok=True, mode=0o750)
+            # bodies/ with its own mode (mkdir(parents=True) gives parents the default one)
+            folder.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
             folder.mkdir(exist_ok=True, mode=0o750)
             if new_root:  # the spool folder's "bodies" entry, before any row names a body
                 fsync_dir(self.spool_dir)
