@@ -709,3 +709,284 @@ def test_iso_utc_and_queue_ids() -> None:
     assert len(qid) == 16 and qid[:11] == f"{1_700_000_000_012:011X}"
     assert int(qid[11:], 16) < 1 << 20
     assert len({ops.new_queue_id(T0)[11:] for _ in range(20)}) > 1  # random low bits
+
+
+# --- prune's side tables, the clock defaults, statement sizes (mutation survivors) ---------
+
+DAY = 86400.0
+
+
+def prune_side_tables(conn: sqlite3.Connection, now: float, retention: float) -> dict[str, Any]:
+    """What prune left of the tables it trims by age alone (no message involved)."""
+    with db.transaction(conn):
+        assert ops.prune(conn, now, dedup_window=60, retention=retention) == []
+    q = {
+        "engine_commands": "SELECT at FROM engine_commands ORDER BY at",
+        "feedback_events": "SELECT at FROM feedback_events ORDER BY at",
+        "identity_hours": "SELECT hour FROM identity_hours ORDER BY hour",
+        "feedback_mail": "SELECT at FROM feedback_mail ORDER BY at",
+        "alerts": "SELECT sent_at FROM alerts ORDER BY id",
+    }
+    return {t: [r[0] for r in conn.execute(sql)] for t, sql in q.items()}
+
+
+def fill_side_tables(conn: sqlite3.Connection, now: float) -> int:
+    hour = int(now // 3600)
+    for at in (now - DAY - 1, now - DAY, now - 1):
+        run(conn, ops.engine_command, "kick", "*", at)
+    for i, at in enumerate((now - 30 * DAY - 1, now - 30 * DAY, now - 29 * DAY)):
+        conn.execute(
+            "INSERT INTO feedback_events (provider, event_id, recipient, at, type, outcome)"
+            " VALUES ('p', ?, 'a@x', ?, 'bounce', 'logged')",
+            (f"e{i}", at),
+        )
+    for h in (hour - 193, hour - 192, hour):
+        conn.execute("INSERT INTO identity_hours (identity, hour) VALUES ('i', ?)", (h,))
+    for at in (now - 10 * DAY - 1, now - 10 * DAY, now - DAY - 1, now - DAY, now):
+        conn.execute(
+            "INSERT INTO feedback_mail (at, peer, sender, rcpt, size, body, events)"
+            " VALUES (?, 'p', 's', 'r', 1, x'61', 0)",
+            (at,),
+        )
+    for sent_at in (now - 10 * DAY - 1, now - 10 * DAY, now - DAY - 1, now - DAY, None):
+        conn.execute(
+            "INSERT INTO alerts (event, severity, key, count, first_at, last_at, send_at,"
+            " summary, samples, sinks, next_try_at, sent_at)"
+            " VALUES ('health', 'info', 'k', 1, 0, 0, 0, 's', '[]', '[]', 0, ?)",
+            (sent_at,),
+        )
+    return hour
+
+
+def test_prune_trims_each_side_table_at_its_own_horizon(conn: sqlite3.Connection) -> None:
+    now = T0
+    hour = fill_side_tables(conn, now)
+    # retention shorter than a day: feedback mail and sent alerts are still kept a day;
+    # a row exactly at a horizon stays, one a second (an hour) older goes
+    assert prune_side_tables(conn, now, retention=3600) == {
+        "engine_commands": [now - DAY, now - 1],
+        "feedback_events": [now - 30 * DAY, now - 29 * DAY],
+        "identity_hours": [hour - 192, hour],
+        "feedback_mail": [now - DAY, now],
+        "alerts": [now - DAY, None],  # an alert not sent yet is never pruned
+    }
+
+
+def test_prune_keeps_feedback_mail_and_sent_alerts_as_long_as_messages(
+    conn: sqlite3.Connection,
+) -> None:
+    now = T0
+    hour = fill_side_tables(conn, now)
+    assert prune_side_tables(conn, now, retention=10 * DAY) == {
+        "engine_commands": [now - DAY, now - 1],
+        "feedback_events": [now - 30 * DAY, now - 29 * DAY],
+        "identity_hours": [hour - 192, hour],
+        "feedback_mail": [now - 10 * DAY, now - DAY - 1, now - DAY, now],
+        "alerts": [now - 10 * DAY, now - DAY - 1, now - DAY, None],
+    }
+
+
+def test_hold_and_release_touch_the_given_messages_suppressed_or_not(
+    conn: sqlite3.Connection,
+) -> None:
+    """Only `queue retry` leaves a suppressed address alone; hold and release move it."""
+    put(conn, "M1", ["gone@example.org", "ok@example.org"])
+    put(conn, "M2", ["other@example.org"])
+    assert run(conn, ops.suppression_add, "gone@example.org", "bounced", T0)
+    assert run(conn, ops.hold, ["M1", "M2"], T0 + 1) == 3
+    assert run(conn, ops.release, ["M1"], T0 + 2) == 2
+    for a in ("gone@example.org", "ok@example.org"):
+        assert rcpt(conn, a) == {
+            "state": "deferred",
+            "attempts": 0,
+            "next_attempt_at": T0 + 2,
+            "reason": None,
+            "updated_at": T0 + 2,
+            "retry_base": None,
+            "last_reply": None,
+        }
+    assert rcpt(conn, "other@example.org") == {
+        "state": "held",
+        "attempts": 0,
+        "next_attempt_at": T0,
+        "reason": None,
+        "updated_at": T0 + 1,
+        "retry_base": None,
+        "last_reply": None,
+    }
+
+
+def test_a_message_without_recipients_reads_as_sent_with_no_attempts(
+    conn: sqlite3.Connection,
+) -> None:
+    conn.execute(
+        "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
+        " identity) VALUES ('BARE', 'b@x', 's@x', 3, ?, 'c', 'p', 'bulk', 'i')",
+        (T0,),
+    )
+    assert ops.list_messages(conn) == []  # nothing unfinished
+    assert ops.list_messages(conn, include_finished=True) == [
+        {
+            "id": "BARE",
+            "state": "sent",
+            "message_id": "b@x",
+            "sender": "s@x",
+            "size": 3,
+            "created_at": "2023-11-14T22:13:20Z",
+            "lane": "bulk",
+            "client": "c",
+            "listener": None,
+            "attempts": 0,
+            "next_attempt_at": None,
+            "recipients": [],
+        }
+    ]
+
+
+def test_a_waiting_recipient_without_a_due_time_shows_none(conn: sqlite3.Connection) -> None:
+    put(conn, "M1", ["a@example.org", "b@example.org"])
+    set_rcpt(conn, "a@example.org", state="deferred", next_attempt_at=None)
+    set_rcpt(conn, "b@example.org", next_attempt_at=T0 + 60)
+    [doc] = ops.list_messages(conn)
+    assert doc["next_attempt_at"] == "2023-11-14T22:14:20Z"
+    assert [(r["address"], r["state"], r["next_attempt_at"]) for r in doc["recipients"]] == [
+        ("a@example.org", "deferred", None),
+        ("b@example.org", "pending", "2023-11-14T22:14:20Z"),
+    ]
+    set_rcpt(conn, "b@example.org", next_attempt_at=None)
+    assert ops.list_messages(conn)[0]["next_attempt_at"] is None
+
+
+def test_show_message_of_a_finished_message_among_others(conn: sqlite3.Connection) -> None:
+    put(conn, "M0", ["z@example.net"], created_at=T0 - 10)  # older, still queued
+    put(conn, "M1", ["a@example.org"], listener=None)
+    set_rcpt(conn, "a@example.org", state="delivered", attempts=1, last_reply="250 ok")
+    conn.execute("UPDATE messages SET client = 'user:bob', peer = '192.0.2.7' WHERE id = 'M1'")
+    assert ops.show_message(conn, "M1") == {
+        "id": "M1",
+        "state": "sent",
+        "message_id": "m1@app.example",
+        "sender": "app@example.com",
+        "size": 10,
+        "created_at": "2023-11-14T22:13:20Z",
+        "lane": "transactional",
+        "client": "user:bob",
+        "listener": None,
+        "attempts": 1,
+        "next_attempt_at": None,
+        "recipients": [
+            {
+                "address": "a@example.org",
+                "state": "delivered",
+                "attempts": 1,
+                "last_reply": "250 ok",
+                "destination": "example.org",
+                "next_attempt_at": None,
+                "reason": None,
+                "upstream_id": None,
+            }
+        ],
+        "peer": "192.0.2.7",
+        "identity": "example.com",
+        "attempt_log": [],
+    }
+
+
+def test_the_clock_is_read_when_no_instant_is_given(conn: sqlite3.Connection) -> None:
+    import time
+
+    before = time.time()
+    qid = ops.new_queue_id()
+    after = time.time()
+    assert int(before * 1000) <= int(qid[:11], 16) <= int(after * 1000)
+    put(conn, "PAST", ["a@example.org"], created_at=T0)
+    put(conn, "FUTURE", ["b@example.org"], created_at=after + 3600)
+    assert [d["id"] for d in ops.iter_messages(conn, older_than=0)] == ["PAST"]
+    assert [d["id"] for d in ops.iter_messages(conn, older_than=3 * DAY)] == ["PAST"]
+    lo = time.time() - T0
+    age = ops.stats(conn)["oldest_queued_age"]
+    hi = time.time() - T0
+    assert round(lo, 3) <= age <= round(hi, 3)
+
+
+def test_queue_health_ages(conn: sqlite3.Connection) -> None:
+    assert run(conn, ops.queue_health, T0, 60) == (None, 0)
+    put(conn, "M1", ["a@example.org"])
+    assert run(conn, ops.queue_health, T0 + 0.25, 60) == (0.25, 0)
+    assert run(conn, ops.queue_health, T0 - 5, 60) == (0.0, 0)  # the clock went back
+    assert run(conn, ops.queue_health, T0 + 60, 60) == (60.0, 1)  # due for exactly 60 s
+
+
+def test_stats_rounds_the_oldest_age_to_milliseconds(conn: sqlite3.Connection) -> None:
+    put(conn, "M1", ["a@example.org"], created_at=T0 - 100)
+    assert ops.stats(conn, now=T0 + 0.123456) == {
+        "messages": 1,
+        "recipients": {
+            "pending": 1, "deferred": 0, "sending": 0, "delivered": 0, "bounced": 0,
+            "failed": 0, "suppressed": 0, "held": 0,
+        },
+        "oldest_queued_age": 100.123,
+        "suppressed_addresses": 0,
+        "dedup_keys": 1,
+        "destinations": {"example.org": {"pending": 1}},
+    }  # fmt: skip
+
+
+def test_put_runtime_stores_json_with_sorted_keys(conn: sqlite3.Connection) -> None:
+    run(conn, ops.put_runtime, "engine", {"b": 1, "a": {"z": 2, "y": [3]}}, T0)
+    assert conn.execute("SELECT value FROM runtime").fetchone()[0] == (
+        '{"a": {"y": [3], "z": 2}, "b": 1}'
+    )
+
+
+class Recorder:
+    """The connection, with every statement and its parameters written down."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.calls: list[tuple[str, list[Any]]] = []
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        self.calls.append((sql, list(params)))
+        return self.conn.execute(sql, params)
+
+
+def test_load_envelopes_asks_each_id_once_at_most_500_per_statement(
+    conn: sqlite3.Connection,
+) -> None:
+    ids = [f"Q{i:05d}" for i in range(1203)]
+    with db.transaction(conn):
+        conn.executemany(
+            "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
+            " lane, identity) VALUES (?, 'm', 's', 1, 0, 'c', 'p', 'l', 'i')",
+            [(i,) for i in ids],
+        )
+    rec = Recorder(conn)
+    env = ops.load_envelopes(rec, [*ids, *ids[:10]])  # type: ignore[arg-type]
+    assert sorted(env) == ids
+    assert sorted(len(p) for _sql, p in rec.calls) == [203, 500, 500]
+    assert sorted(i for _sql, p in rec.calls for i in p) == ids
+
+
+def test_iter_messages_reads_pages_of_500(conn: sqlite3.Connection) -> None:
+    ids = [f"Q{i:05d}" for i in range(1001)]
+    with db.transaction(conn):
+        conn.executemany(
+            "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
+            " lane, identity) VALUES (?, 'm', 's', 1, ?, 'c', 'p', 'l', 'i')",
+            [(q, T0 + n // 3) for n, q in enumerate(ids)],  # 3 messages a second
+        )
+        conn.executemany(
+            "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
+            " dedup_key, updated_at) VALUES (?, 'a@x', 'x', 0, 'pending', ?, 0)",
+            [(q, q) for q in ids],
+        )
+    rec = Recorder(conn)
+    docs = ops.iter_messages(rec, now=T0)  # type: ignore[arg-type]
+    assert next(docs)["id"] == "Q00000"
+    assert len(rec.calls) == 2  # the first page and its recipients, nothing more yet
+    assert [d["id"] for d in docs] == ids[1:]
+    pages = [p for sql, p in rec.calls if "FROM messages m" in sql]
+    assert [p[-1] for p in pages] == [500, 500, 500]  # the LIMIT of each page
+    rcpt_reads = [len(p) for sql, p in rec.calls if sql.startswith("SELECT msg_id")]
+    assert rcpt_reads == [500, 500, 1]
