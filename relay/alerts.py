@@ -102,7 +102,7 @@ def record(
     send_at = now if ev.event in IMMEDIATE else now + coalesce
     cur = conn.execute(
         "INSERT INTO alerts (event, severity, key, count, first_at, last_at, send_at, summary,"
-        " samples, sinks, next_try_at, sent_at) VALUES (?,?,?,1,?,?,?,?,?,?,?,?)",
+        " samples, sinks, next_try_at, sent_at) VALUES (?,?,?,1,?,?,?,?,?,?,?,?) RETURNING id",
         (
             ev.event,
             ev.severity,
@@ -117,7 +117,7 @@ def record(
             None if sinks else now,
         ),
     )
-    return int(cur.lastrowid or 0)
+    return int(cur.fetchone()[0])
 
 
 def due(conn: sqlite3.Connection, now: float, limit: int = 50) -> list[dict[str, Any]]:

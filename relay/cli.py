@@ -380,9 +380,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(yaml.safe_dump(config.redacted(), sort_keys=False), end="")
         return EXIT_OK
     try:
-        conn = db.connect(config.spool_path)
+        conn = db.open_spool(config.spool_path, config.spool_pg)
     except (sqlite3.Error, OSError) as e:
-        print(f"relay: cannot open the spool at {config.spool_path}: {e}", file=sys.stderr)
+        where = str(config.spool_path)
+        if config.spool_pg is not None:
+            from relay.spool.pg import redact
+
+            where = redact(config.spool_pg.dsn)
+        print(f"relay: cannot open the spool at {where}: {e}", file=sys.stderr)
         return EXIT_FAIL
     try:
         return _dispatch(args, conn, config.spool_path)

@@ -39,7 +39,12 @@ DEFAULT_PATH = "/etc/relay/relay.yaml"
 DEFAULTS: dict[str, Any] = {
     "hostname": None,
     "listen": [{"address": "127.0.0.1:2525", "allow": ["127.0.0.0/8", "::1/128"]}],
-    "spool": {"path": "../var/spool", "inline_max": "128KiB", "retention": "7d"},
+    "spool": {
+        "path": "../var/spool",
+        "inline_max": "128KiB",
+        "retention": "7d",
+        "backend": "sqlite",
+    },
     "dedup": {"window": "7d"},
     "limits": {
         "max_message_size": "25MiB",
@@ -823,6 +828,14 @@ class LogConf:
 
 
 @dataclass(frozen=True, slots=True)
+class PgSpool:
+    """spool.backend: postgresql (relay/spool/pg.py)."""
+
+    dsn: str = field(repr=False)  # may hold a password: shown only through pg.redact
+    password_file: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     path: Path | None
     hostname: str
@@ -853,6 +866,8 @@ class Config:
     inbound_processes: int = 0  # inbound.processes: extra SMTP processes (inbound_proc.py)
     feedback: FeedbackConf = field(default_factory=FeedbackConf)
     dkim: Mapping[str, tuple[DkimKey, ...]] = field(default_factory=dict)  # by domain
+    # spool.backend: postgresql: where the spool lives (None: SQLite under spool_path)
+    spool_pg: PgSpool | None = None
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -898,6 +913,11 @@ class Config:
         sh = out.get("upstream", {}).get("smarthost", {})
         if sh.get("password_file"):
             sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
+        sp = out.get("spool", {})
+        if isinstance(sp, dict) and isinstance(sp.get("dsn"), str):
+            from relay.spool.pg import redact
+
+            sp["dsn"] = redact(sp["dsn"])
         return out
 
 
@@ -992,6 +1012,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError("spool.path: required")
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
     retention = spool.duration("retention")
+    spool_pg = _spool_backend(spool, base_dir)
     spool.finish()
 
     dedup = _Reader(top.get("dedup"), "dedup")
@@ -1235,7 +1256,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         hostname=hostname,
         listen=listeners,
         spool_path=spool_path,
-        inline_max=inline_max,
+        # on PostgreSQL every body lives in its row: the nodes of a fleet share no disk
+        inline_max=inline_max if spool_pg is None else max(inline_max, limits.max_message_size),
         dedup_window=dedup_window,
         limits=limits,
         upstream=upstream,
@@ -1259,8 +1281,26 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         routing=route_table,
         feedback=feedback,
         dkim=dkim_keys,
+        spool_pg=spool_pg,
         inbound_processes=inbound_processes,
     )
+
+
+def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
+    backend = spool.string("backend", ("sqlite", "postgresql"))
+    dsn = spool.opt_str("dsn")
+    password_file = spool.path_("password_file", base)
+    if backend == "sqlite":
+        if dsn is not None or password_file is not None:
+            raise ConfigError("spool.dsn: only with spool.backend: postgresql")
+        return None
+    if not dsn:
+        raise ConfigError("spool.dsn: required with spool.backend: postgresql")
+    if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
+        raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
+    if password_file is not None and not password_file.is_file():
+        raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
+    return PgSpool(dsn, password_file)
 
 
 def _listener(item: object, key: str, base: Path) -> Listener:

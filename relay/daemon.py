@@ -76,7 +76,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.writer = SpoolWriter(config.spool_path)
+        self.writer = SpoolWriter(config.spool_path, config.spool_pg)
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)
         self.guard = InboundGuard(config, self.metrics)
@@ -112,8 +112,9 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.writer.on_commit = self._on_commit
         await asyncio.to_thread(self.writer.start)
-        st = os.stat(db.db_path(self.config.spool_path))
-        self._spool_id = (st.st_dev, st.st_ino)
+        if self.config.spool_pg is None:  # a file that can be deleted or replaced under us
+            st = os.stat(db.db_path(self.config.spool_path))
+            self._spool_id = (st.st_dev, st.st_ino)
         await self.suppressions.refresh(self.writer)
         self.feedback = FeedbackService(
             lambda: self.config,
@@ -638,6 +639,28 @@ class Daemon:
         return problems
 
     async def _spool_check(self) -> tuple[health.Status, str]:
+        if self.config.spool_pg is None:
+            gone = await self._spool_file_check()
+            if gone is not None:
+                return gone
+        t0 = time.monotonic()
+        try:  # a commit of its own: after a failed one, this is what proves it works again
+            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+        except Exception as e:
+            return "critical", (
+                f"the spool cannot commit ({e or type(e).__name__}): new mail"
+                " gets 451 4.3.0 while it cannot"
+            )
+        if not self.writer.healthy:
+            return "critical", "the last spool commit failed: new mail gets 4xx until one works"
+        latency = max(self._commit_max, time.monotonic() - t0)
+        self._commit_max = 0.0
+        if latency > SLOW_COMMIT:
+            return "warning", f"slow spool: a group commit took {latency:.1f}s"
+        return "ok", f"writable; commit latency {latency * 1000:.0f} ms"
+
+    async def _spool_file_check(self) -> tuple[health.Status, str] | None:
+        """The SQLite file deleted or replaced under the running daemon, or None."""
         path = db.db_path(self.config.spool_path)
         try:
             st = await asyncio.to_thread(os.stat, path)
@@ -656,21 +679,7 @@ class Daemon:
                 f"the spool database {path} was replaced under the running"
                 " daemon: new mail is refused (451 4.3.0); restart relay"
             )
-        t0 = time.monotonic()
-        try:  # a commit of its own: after a failed one, this is what proves it works again
-            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
-        except Exception as e:
-            return "critical", (
-                f"the spool cannot commit ({e or type(e).__name__}): new mail"
-                " gets 451 4.3.0 while it cannot"
-            )
-        if not self.writer.healthy:
-            return "critical", "the last spool commit failed: new mail gets 4xx until one works"
-        latency = max(self._commit_max, time.monotonic() - t0)
-        self._commit_max = 0.0
-        if latency > SLOW_COMMIT:
-            return "warning", f"slow spool: a group commit took {latency:.1f}s"
-        return "ok", f"writable; commit latency {latency * 1000:.0f} ms"
+        return None
 
     async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
         hc = self.config.health

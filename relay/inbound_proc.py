@@ -53,7 +53,7 @@ class InboundProcess:
         self.notify_fd = notify_fd
         self.backlog = listen_backlog
         self.metrics = Metrics()
-        self.writer = SpoolWriter(config.spool_path)
+        self.writer = SpoolWriter(config.spool_path, config.spool_pg)
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)
         self.guard = InboundGuard(config, self.metrics)

@@ -9,18 +9,20 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from relay import cli
 from relay.spool import db, ops
+from tests.pgserver import BACKENDS, open_backend
 
 T0 = 1_800_000_000.0
 
 
-@pytest.fixture
-def conn(tmp_path: Path) -> Iterator[sqlite3.Connection]:
-    c = db.connect(tmp_path / "spool")
+@pytest.fixture(params=BACKENDS)
+def conn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    c = cast(sqlite3.Connection, open_backend(request, tmp_path / "spool"))
     with db.transaction(c):
         for i in range(23):
             # several messages share one arrival time: the cursor must break the tie by id

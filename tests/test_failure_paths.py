@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from relay import faults
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.harness import RelayProcess, Upstream, deep_merge, make_message, smarthost_config
+from tests.pgserver import BACKENDS, backend_writer
 
 
 @pytest.fixture(autouse=True)
@@ -27,9 +29,9 @@ def _clean_faults() -> Iterator[None]:
 # --- the writer, in-process --------------------------------------------------------------------
 
 
-@pytest.fixture()
-def writer(tmp_path: Path) -> Iterator[SpoolWriter]:
-    w = SpoolWriter(tmp_path)
+@pytest.fixture(params=BACKENDS)
+def writer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SpoolWriter]:
+    w = cast(SpoolWriter, backend_writer(request, tmp_path))
     w.start()
     w.run_sync(lambda c: c.execute("CREATE TABLE IF NOT EXISTS t (v TEXT)"))
     yield w

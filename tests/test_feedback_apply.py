@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -14,13 +15,14 @@ from relay.feedback.apply import Applied, apply_events, match, rates
 from relay.feedback.events import FeedbackEvent
 from relay.model import RcptState
 from relay.spool import db, ops
+from tests.pgserver import BACKENDS, open_backend
 
 T0 = 1_800_000_000.0
 
 
-@pytest.fixture
-def conn(tmp_path: Path) -> Iterator[sqlite3.Connection]:
-    c = db.connect(tmp_path / "spool")
+@pytest.fixture(params=BACKENDS)
+def conn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    c = cast(sqlite3.Connection, open_backend(request, tmp_path / "spool"))
     yield c
     c.close()
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -31,6 +31,7 @@ from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.bodyfiles import write_body
 from tests.harness import ROOT
+from tests.pgserver import BACKENDS, backend_writer, open_backend
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 NS = "listener:127.0.0.1:2525"
@@ -42,9 +43,10 @@ def spool(tmp_path: Path) -> Path:
     return tmp_path / "spool"
 
 
-@pytest.fixture
-def conn(spool: Path) -> Iterator[sqlite3.Connection]:
-    c = db.connect(spool)
+@pytest.fixture(params=BACKENDS)
+def conn(request: pytest.FixtureRequest, spool: Path) -> Iterator[sqlite3.Connection]:
+    """The spool contract: each test that takes `conn` runs on SQLite and on PostgreSQL."""
+    c = cast(sqlite3.Connection, open_backend(request, spool))
     yield c
     c.close()
 
@@ -595,9 +597,9 @@ def test_prune_removes_old_finished_messages_and_expired_dedup_keys(
 # --- the group-commit writer ------------------------------------------------------------------
 
 
-@pytest.fixture
-def writer(spool: Path) -> Iterator[SpoolWriter]:
-    w = SpoolWriter(spool)
+@pytest.fixture(params=BACKENDS)
+def writer(request: pytest.FixtureRequest, spool: Path) -> Iterator[SpoolWriter]:
+    w = cast(SpoolWriter, backend_writer(request, spool))
     w.start()
     yield w
     w.close()
@@ -638,12 +640,12 @@ async def test_a_failing_job_fails_alone_and_the_batch_commits(
     assert await first == "blocked"
     assert (await good1).queue_id == "G1"
     assert (await good2).queue_id == "G2"
-    with pytest.raises(SpoolError, match="UNIQUE constraint failed"):
+    with pytest.raises(SpoolError, match=r"UNIQUE constraint failed|duplicate key value"):
         await failing
     assert writer.batches == 2 and writer.jobs == 4
     assert writer.healthy
     # what another connection sees: both good jobs committed, nothing of the bad one
-    other = db.connect(spool)
+    other = db.open_spool(spool, writer.pg)
     try:
         assert {r[0] for r in other.execute("SELECT id FROM messages")} == {"G1", "G2"}
         assert {r[0] for r in other.execute("SELECT address FROM recipients")} == {
@@ -670,7 +672,7 @@ async def test_group_commit_batches_concurrent_accepts(writer: SpoolWriter, spoo
     assert [r.queue_id for r in results] == [f"Q{i:04d}" for i in range(n)]
     assert writer.jobs == n
     assert 1 <= writer.batches < n
-    other = db.connect(spool)
+    other = db.open_spool(spool, writer.pg)
     try:
         assert other.execute("SELECT count(*) FROM messages").fetchone()[0] == n
         assert other.execute("SELECT count(*) FROM recipients").fetchone()[0] == n
@@ -958,12 +960,16 @@ async def test_lazy_jobs_commit_without_fsync_only_in_a_batch_of_their_own(
     writer: SpoolWriter,
 ) -> None:
     """A batch of lazy jobs (the engine's claims) commits with synchronous=NORMAL; one
-    durable job in the batch makes it FULL; FULL is back afterwards."""
+    durable job in the batch makes it FULL; FULL is back afterwards. On PostgreSQL every
+    commit is durable (synchronous_commit stays on: 2 here)."""
 
     def mode(c: sqlite3.Connection) -> int:
+        if db.dialect(c) == "postgresql":
+            return 2 if c.execute("SHOW synchronous_commit").fetchone()[0] == "on" else 0
         return int(c.execute("PRAGMA synchronous").fetchone()[0])
 
-    assert await writer.run(mode, lazy=True) == 1  # NORMAL
+    normal = 1 if writer.pg is None else 2
+    assert await writer.run(mode, lazy=True) == normal  # NORMAL
     assert await writer.run(mode) == 2  # FULL again
     started, release = threading.Event(), threading.Event()
 
@@ -979,5 +985,5 @@ async def test_lazy_jobs_commit_without_fsync_only_in_a_batch_of_their_own(
     durable = asyncio.ensure_future(writer.run(mode))
     await asyncio.sleep(0.05)
     release.set()
-    assert await first == 1
+    assert await first == normal
     assert (await lazy, await durable) == (2, 2)

@@ -126,8 +126,8 @@ def _apply(conn: sqlite3.Connection, ev: FeedbackEvent, now: float) -> Applied:
     recipient = ev.recipient.strip().strip("<>").lower()
     reason = ev.reason[:MAX_REASON]
     fresh = conn.execute(
-        "INSERT OR IGNORE INTO feedback_events (provider, event_id, recipient, at, type,"
-        " outcome, reason) VALUES (?,?,?,?,?,'pending',?)",
+        "INSERT INTO feedback_events (provider, event_id, recipient, at, type,"
+        " outcome, reason) VALUES (?,?,?,?,?,'pending',?) ON CONFLICT DO NOTHING",
         (ev.provider, ev.event_id, recipient, now, ev.type, reason),
     ).rowcount
     if not fresh:
@@ -189,7 +189,7 @@ def _count(conn: sqlite3.Connection, identity: str, now: float, column: str) -> 
     assert column in ("bounced", "complained")
     conn.execute(
         f"INSERT INTO identity_hours (identity, hour, {column}) VALUES (?, ?, 1)"
-        f" ON CONFLICT (identity, hour) DO UPDATE SET {column} = {column} + 1",
+        f" ON CONFLICT (identity, hour) DO UPDATE SET {column} = identity_hours.{column} + 1",
         (identity, int(now // 3600)),
     )
 
@@ -200,9 +200,10 @@ def rates(conn: sqlite3.Connection, now: float) -> list[dict[str, object]]:
     hour = int(now // 3600)
     rows = conn.execute(
         "SELECT identity,"
-        " total(CASE WHEN hour > ? THEN delivered END), total(CASE WHEN hour > ? THEN bounced END),"
-        " total(CASE WHEN hour > ? THEN complained END),"
-        " total(delivered), total(bounced), total(complained)"
+        " coalesce(sum(CASE WHEN hour > ? THEN delivered END), 0),"
+        " coalesce(sum(CASE WHEN hour > ? THEN bounced END), 0),"
+        " coalesce(sum(CASE WHEN hour > ? THEN complained END), 0),"
+        " sum(delivered), sum(bounced), sum(complained)"
         " FROM identity_hours WHERE hour > ? GROUP BY identity ORDER BY identity",
         (hour - 24, hour - 24, hour - 24, hour - 24 * 7),
     ).fetchall()

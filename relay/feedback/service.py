@@ -374,7 +374,7 @@ def _spool_verp_key(c: sqlite3.Connection) -> bytes:
         return bytes.fromhex(row[0])
     key = secrets.token_bytes(32)
     c.execute(
-        "INSERT OR IGNORE INTO runtime (name, value, updated_at) VALUES (?,?,?)",
+        "INSERT INTO runtime (name, value, updated_at) VALUES (?,?,?) ON CONFLICT DO NOTHING",
         (VERP_KEY, key.hex(), time.time()),
     )
     row = c.execute("SELECT value FROM runtime WHERE name = ?", (VERP_KEY,)).fetchone()

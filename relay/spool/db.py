@@ -16,6 +16,10 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from relay.config import PgSpool
 
 DB_NAME = "relay.sqlite"
 BUSY_TIMEOUT_MS = 5000
@@ -239,6 +243,27 @@ def connect(
     conn.execute(f"PRAGMA cache_size=-{cache_kib}")
     migrate(conn)
     return conn
+
+
+def open_spool(
+    spool_dir: Path,
+    pg: PgSpool | None = None,
+    *,
+    create: bool = True,
+    cache_kib: int = DEFAULT_CACHE_KIB,
+) -> sqlite3.Connection:
+    """The configured spool: SQLite under `spool_dir`, or PostgreSQL at `pg.dsn` (whose
+    connection speaks the subset of sqlite3.Connection the spool uses: relay/spool/pg.py)."""
+    if pg is None:
+        return connect(spool_dir, create=create, cache_kib=cache_kib)
+    from relay.spool import pg as pgmod
+
+    return cast(sqlite3.Connection, pgmod.connect(pg.dsn, pg.password_file))
+
+
+def dialect(conn: sqlite3.Connection) -> str:
+    """'sqlite' or 'postgresql': for the few statements that differ (pragmas, locks)."""
+    return str(getattr(conn, "dialect", "sqlite"))
 
 
 def migrate(conn: sqlite3.Connection) -> int:

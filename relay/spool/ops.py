@@ -149,7 +149,9 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
         ],
     )
     conn.executemany(
-        "INSERT OR REPLACE INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)",
+        "INSERT INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)"
+        " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+        " created_at = excluded.created_at, content_hash = excluded.content_hash",
         [(r.dedup_key, msg.queue_id, msg.created_at, r.content_hash) for r in fresh],
     )
     return AcceptResult(msg.queue_id, tuple(r.address for r in fresh), tuple(dupes))
@@ -325,7 +327,8 @@ def record(
             conn.execute(
                 "INSERT INTO identity_hours (identity, hour, delivered)"
                 " SELECT identity, ?, 1 FROM messages WHERE id = ?"
-                " ON CONFLICT (identity, hour) DO UPDATE SET delivered = delivered + 1",
+                " ON CONFLICT (identity, hour)"
+                " DO UPDATE SET delivered = identity_hours.delivered + 1",
                 (int(now // 3600), o.msg_id),
             )
         if o.log is not None:
@@ -345,14 +348,14 @@ def record(
             )
         if o.suppress is not None:
             conn.execute(
-                "INSERT OR IGNORE INTO suppression (address, scope, reason, created_at, source)"
-                " VALUES (?,'',?,?,'smtp')",
+                "INSERT INTO suppression (address, scope, reason, created_at, source)"
+                " VALUES (?,'',?,?,'smtp') ON CONFLICT DO NOTHING",
                 (o.suppress[0].lower(), o.suppress[1], now),
             )
         for scope in o.counters:
             conn.execute(
                 "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, 1)"
-                " ON CONFLICT (scope, day) DO UPDATE SET count = count + 1",
+                " ON CONFLICT (scope, day) DO UPDATE SET count = daily_counts.count + 1",
                 (scope, day or ""),
             )
     return changed
@@ -655,8 +658,10 @@ def suppression_add(
 ) -> bool:
     return (
         conn.execute(
-            "INSERT OR REPLACE INTO suppression (address, scope, reason, created_at, source)"
-            " VALUES (?,?,?,?,?)",
+            "INSERT INTO suppression (address, scope, reason, created_at, source)"
+            " VALUES (?,?,?,?,?) ON CONFLICT (address, scope) DO UPDATE SET"
+            " reason = excluded.reason, created_at = excluded.created_at,"
+            " source = excluded.source",
             (address.lower(), scope.lower(), reason, now, source),
         ).rowcount
         > 0
@@ -676,10 +681,13 @@ def suppression_remove(conn: sqlite3.Connection, address: str, scope: str | None
 
 
 def suppression_version(conn: sqlite3.Connection) -> tuple[int, int, float]:
+    """A fingerprint of the suppression list that any add, re-add or removal changes (each
+    stamps or drops a created_at), read from the table alone (both backends)."""
     row = conn.execute(
-        "SELECT count(*), coalesce(max(rowid), 0), total(created_at) FROM suppression"
+        "SELECT count(*), coalesce(sum(length(address) + length(scope)), 0),"
+        " coalesce(sum(created_at), 0.0) FROM suppression"
     ).fetchone()
-    return (row[0], row[1], row[2])
+    return (int(row[0]), int(row[1]), float(row[2]))
 
 
 # --- feedback (relay/feedback/apply.py writes; these read for the CLI) -----------------------

@@ -33,10 +33,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from relay import faults
 from relay.spool import db
+
+if TYPE_CHECKING:
+    from relay.config import PgSpool
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,9 @@ class SpoolError(Exception):
 
 
 class SpoolWriter:
-    def __init__(self, spool_dir: Path) -> None:
+    def __init__(self, spool_dir: Path, pg: PgSpool | None = None) -> None:
         self.spool_dir = spool_dir
+        self.pg = pg
         self._q: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
@@ -70,8 +74,11 @@ class SpoolWriter:
         self.on_commit: Callable[[float, int], None] | None = None
 
     def start(self) -> None:
-        self._conn = db.connect(self.spool_dir, cache_kib=db.WRITER_CACHE_KIB)
-        self._lock_fd = os.open(self.spool_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
+        self._conn = db.open_spool(self.spool_dir, self.pg, cache_kib=db.WRITER_CACHE_KIB)
+        if self.pg is not None:  # the local state beside the database (health, caches)
+            self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if self.pg is None:  # PostgreSQL has row locks of its own, across machines
+            self._lock_fd = os.open(self.spool_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
         self._thread.start()
 
@@ -139,7 +146,7 @@ class SpoolWriter:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _transaction(self, conn: sqlite3.Connection, batch: list[Item]) -> None:
-        lazy = all(item[3] for item in batch)
+        lazy = all(item[3] for item in batch) and db.dialect(conn) == "sqlite"
         if lazy:
             conn.execute("PRAGMA synchronous=NORMAL")
         try:
