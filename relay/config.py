@@ -836,6 +836,14 @@ class PgSpool:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetConf:
+    """fleet: several relays on one PostgreSQL spool (README "Running a fleet")."""
+
+    node: str | None = None  # this daemon's name in the fleet; None: <hostname>:<pid>
+    lease: float = 30.0  # a claim's lease; renewed every lease/3 while the node runs
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     path: Path | None
     hostname: str
@@ -868,6 +876,7 @@ class Config:
     dkim: Mapping[str, tuple[DkimKey, ...]] = field(default_factory=dict)  # by domain
     # spool.backend: postgresql: where the spool lives (None: SQLite under spool_path)
     spool_pg: PgSpool | None = None
+    fleet: FleetConf = field(default_factory=lambda: FleetConf())
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -1013,6 +1022,11 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
     retention = spool.duration("retention")
     spool_pg = _spool_backend(spool, base_dir)
+    fl = _Reader(top.get("fleet"), "fleet")
+    fleet = FleetConf(node=fl.opt_str("node") or None, lease=fl.opt_duration("lease") or 30.0)
+    if fleet.lease < 3:
+        raise ConfigError("fleet.lease: at least 3s (it is renewed every lease/3)")
+    fl.finish()
     spool.finish()
 
     dedup = _Reader(top.get("dedup"), "dedup")
@@ -1282,6 +1296,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         feedback=feedback,
         dkim=dkim_keys,
         spool_pg=spool_pg,
+        fleet=fleet,
         inbound_processes=inbound_processes,
     )
 

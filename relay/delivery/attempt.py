@@ -412,7 +412,7 @@ async def record(e: Engine, outcomes: Sequence[ops.RcptUpdate]) -> None:
     sinks = alerts.sinks_of(conf)
 
     def job(c: Any) -> None:
-        ops.record(c, outcomes, now, day)
+        ops.record(c, outcomes, now, day, owner=e.node)
         for ev in evs:
             alerts.record(c, ev, now, conf.coalesce, sinks)
 

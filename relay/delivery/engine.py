@@ -31,14 +31,16 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import random
+import socket
 import time
 import zoneinfo
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from relay import alerts, shaping
+from relay import __version__, alerts, shaping
 from relay.config import Config
 from relay.delivery import (
     attempt,
@@ -78,8 +80,13 @@ _Claimed = tuple[
 ]
 
 
-def _start_up(now: float, day: str, c: Any) -> tuple[int, dict[str, int]]:
-    return ops.recover(c, now), ops.daily_counts(c, day)
+def _start_up(now: float, day: str, node: str, fleet: bool, c: Any) -> tuple[int, dict[str, int]]:
+    if not fleet:  # the one engine of a SQLite spool: every claim in the spool was ours
+        return ops.recover(c, now), ops.daily_counts(c, day)
+    # a fleet: claims of this node's previous life (a stable fleet.node), and those of any
+    # node whose lease ran out; live nodes' claims are theirs
+    n = ops.recover(c, now, owner=node) + ops.reclaim_expired(c, now, node)
+    return n, ops.daily_counts(c, day)
 
 
 class Engine:
@@ -123,6 +130,12 @@ class Engine:
         self._sts_conf: object = None
         self.sts_hosts: dict[str, str] = {}  # mta-sts.<domain> -> address (nameservers set)
         self.sts_seen: dict[tuple[str, str], int] = {}  # failures already in the metric
+        # the fleet (spool.backend: postgresql): this node's name, its leases, and how many
+        # nodes share each destination's rate (README "Running a fleet")
+        self.fleet = config.spool_pg is not None
+        self.node = config.fleet.node or f"{socket.gethostname()}:{os.getpid()}"
+        self.fleet_size = 1
+        self.started_at = clock()
         self.apply_config(config)
 
     # --- configuration ------------------------------------------------------------------
@@ -207,6 +220,8 @@ class Engine:
                 upstream=self.config.routing.upstreams.get(name),
             )
             self.dests[name] = st
+            if self.fleet_size > 1:
+                self.retune(st)
         return st
 
     def token_source(self, up: UpstreamHost) -> TokenSource | None:
@@ -221,13 +236,17 @@ class Engine:
 
     def retune(self, st: DestState) -> None:
         rate = st.adaptive.effective_rate()
+        burst = st.conf.burst
+        if rate and self.fleet_size > 1:  # each live node sends its share of the rate
+            rate = rate / self.fleet_size
+            burst = max(1, math.ceil(burst / self.fleet_size))
         now = self.clock()
         if not rate:
             st.bucket = None
         elif st.bucket is None:
-            st.bucket = shaping.TokenBucket(rate=rate, burst=st.conf.burst, updated=now)
+            st.bucket = shaping.TokenBucket(rate=rate, burst=burst, updated=now)
         else:
-            st.bucket.burst = st.conf.burst
+            st.bucket.burst = burst
             st.bucket.set_rate(rate, now)
         self.metrics.effective_rate.labels(st.name).set(rate or 0)
         self.metrics.effective_connections.labels(st.name).set(st.adaptive.effective_connections())
@@ -245,7 +264,9 @@ class Engine:
             now = self.clock()
             day = self.ledger.day_of(now)
             try:
-                recovered, counts = await self.writer.run(functools.partial(_start_up, now, day))
+                recovered, counts = await self.writer.run(
+                    functools.partial(_start_up, now, day, self.node, self.fleet)
+                )
                 break
             except Exception as e:
                 log_event(log, logging.ERROR, "engine_error", "start-up pass failed", exc=e)
@@ -262,6 +283,7 @@ class Engine:
                 count=recovered,
             )
         self.ledger.load(day, counts)
+        beat = asyncio.create_task(self._heartbeat_loop(), name="fleet-heartbeat")
         try:
             while not self.stopping:
                 try:
@@ -277,7 +299,47 @@ class Engine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
         finally:
+            beat.cancel()
             self._loop_exited.set()
+
+    @property
+    def lease(self) -> float:
+        return self.config.fleet.lease
+
+    async def _heartbeat_loop(self) -> None:
+        """Every lease/3: renew this node's leases and heartbeat; in a fleet, also give the
+        claims of nodes whose lease ran out back to the queue, and learn how many nodes
+        share each destination's rate."""
+        while True:
+            now = self.clock()
+            try:
+                self.fleet_size = await self.writer.run(
+                    functools.partial(self._beat, now, self._inflight)
+                )
+            except Exception as e:
+                log_event(log, logging.ERROR, "engine_error", "fleet heartbeat failed", exc=e)
+            else:
+                for st in self.dests.values():
+                    self.retune(st)
+            await asyncio.sleep(self.lease / 3)
+
+    def _beat(self, now: float, inflight: int, c: Any) -> int:
+        ops.renew_leases(c, self.node, now + self.lease)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        ops.heartbeat(c, self.node, self.started_at, now, inflight, info)
+        if not self.fleet:
+            return 1
+        n = ops.reclaim_expired(c, now, self.node)
+        if n:
+            log_event(
+                log,
+                logging.WARNING,
+                "recovered",
+                "claims of a node whose lease expired are due again",
+                count=n,
+            )
+        ops.prune_nodes(c, now, 86400.0)
+        return ops.live_nodes(c, now, self.lease)
 
     def _max_inflight(self) -> int:
         # a memory bound over all destinations; each destination is bounded on its own by
@@ -362,7 +424,9 @@ class Engine:
                 cmds: list[tuple[int, str, str]] = []
             else:
                 cmds = ops.engine_commands(c, self._cmd_seen)
-            claims = ops.claim_due(c, now, cap, skip, waiting, expired_before)
+            claims = ops.claim_due(
+                c, now, cap, skip, waiting, expired_before, self.node, now + self.lease
+            )
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
             # recipient is made `suppressed` (final), ask the spool, so that an operator's

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from relay.delivery import attempt, decide
 from relay.delivery.jobs import DestState, Job
@@ -171,4 +171,9 @@ async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> N
                 back.extend(outs)
     if back:
         await attempt.record(e, back)
-    await e.writer.run(lambda c: ops.recover(c, now))
+
+    def give_back(c: Any) -> None:  # this node's claims only: the fleet's others are theirs
+        ops.recover(c, now, owner=e.node)
+        ops.node_gone(c, e.node)
+
+    await e.writer.run(give_back)

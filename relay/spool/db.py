@@ -214,6 +214,21 @@ MIGRATIONS: list[str] = [
     CREATE INDEX recipients_waiting ON recipients(state, destination, msg_id);
     DROP INDEX recipients_state;
     """,
+    # 6 -> 7: a fleet of relays on one database (spool.backend: postgresql). A claim is a
+    # lease: the node that holds it and until when; a node renews its leases while it
+    # works, and records an outcome only over a claim it still holds. `nodes` is each
+    # running daemon's heartbeat, its work in flight and its share of the fleet.
+    """
+    ALTER TABLE recipients ADD COLUMN lease_owner TEXT;
+    ALTER TABLE recipients ADD COLUMN lease_until REAL;
+    CREATE TABLE nodes (
+        name         TEXT PRIMARY KEY,
+        started_at   REAL NOT NULL,
+        heartbeat_at REAL NOT NULL,
+        inflight     INTEGER NOT NULL DEFAULT 0,
+        info         TEXT NOT NULL DEFAULT '{}'   -- JSON: host, pid, version, listeners
+    );
+    """,
 ]
 
 

@@ -31,6 +31,7 @@ from relay.model import (
     sources_for,
     sql_in,
 )
+from relay.spool import db
 
 _DUE = sql_in(WAITING)
 # recipients_due's WHERE exactly as migration 0 spells it: SQLite uses a partial index only
@@ -113,6 +114,25 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
         return AcceptResult(None, (), tuple(dupes), tuple(conflicts))
     if not fresh:
         return AcceptResult(None, (), tuple(dupes))
+    # Take the keys before queueing: on a database a fleet shares, another node may have
+    # taken one since the read above. Its INSERT waits on ours (or ours on its) at the
+    # unique key; the loser finds a live key, writes nothing and reports a duplicate.
+    won: list[NewRecipient] = []
+    for r in fresh:
+        took = conn.execute(
+            "INSERT INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)"
+            " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+            " created_at = excluded.created_at, content_hash = excluded.content_hash"
+            " WHERE dedup.created_at <= ? RETURNING key",
+            (r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, cutoff),
+        ).fetchone()
+        if took is None:
+            dupes.append(r.address)
+        else:
+            won.append(r)
+    fresh = won
+    if not fresh:
+        return AcceptResult(None, (), tuple(dupes))
     conn.execute(
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
         " identity, body, body_path, listener) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -148,12 +168,6 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
             for r in fresh
         ],
     )
-    conn.executemany(
-        "INSERT INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)"
-        " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-        " created_at = excluded.created_at, content_hash = excluded.content_hash",
-        [(r.dedup_key, msg.queue_id, msg.created_at, r.content_hash) for r in fresh],
-    )
     return AcceptResult(msg.queue_id, tuple(r.address for r in fresh), tuple(dupes))
 
 
@@ -180,6 +194,8 @@ def claim_due(
     skip: Sequence[tuple[int, str | None]] = (),
     waiting: Sequence[tuple[int, str | None]] = (),
     expired_before: float = float("-inf"),
+    owner: str | None = None,
+    lease_until: float | None = None,
 ) -> list[Claim]:
     """Mark up to `limit` due recipients `sending`, transactional lane first. `skip` lists
     (lane priority, recipient domain) pairs not to claim now (a domain of None: every
@@ -188,7 +204,11 @@ def claim_due(
     `waiting` lists pairs whose destination takes no attempt now (circuit open,
     suspended): they stay in the spool untouched, rather than being claimed and written
     back each pass, except recipients older than `expired_before` (retry.max_age), which
-    are claimed so that they fail as dead letters on time."""
+    are claimed so that they fail as dead letters on time.
+
+    A claim is a lease: `owner` (the node) holds it until `lease_until`, renewed while it
+    works (renew_leases). On PostgreSQL the rows are selected FOR UPDATE SKIP LOCKED: the
+    nodes of a fleet claim disjoint recipients without waiting for each other."""
     where = ""
     params: list[Any] = [now]
     closed = {p for p, d in [*skip, *waiting] if d is None}
@@ -216,6 +236,7 @@ def claim_due(
     # used only when the query spells its WHERE the same way, and without it every claim
     # scanned and sorted every due recipient (34 ms per claim, in the writer, at 100,000)
     rows: list[Any] = []
+    lock = " FOR UPDATE OF r SKIP LOCKED" if db.dialect(conn) == "postgresql" else ""
     full = {p for p, d in skip if d is None}
     if expired_before == float("-inf"):
         full |= {p for p, d in waiting if d is None}
@@ -229,16 +250,41 @@ def claim_due(
             " JOIN messages m ON m.id = r.msg_id"
             f" WHERE r.state IN {_DUE_INDEXED} AND r.lane_prio = ? AND r.next_attempt_at <= ?"
             + where
-            + " ORDER BY r.next_attempt_at LIMIT ?",
+            + " ORDER BY r.next_attempt_at LIMIT ?"
+            + lock,
             [prio, *params[:-1], limit - len(rows)],
         ).fetchall()
     if not rows:
         return []
     conn.executemany(
-        f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ? WHERE id = ?",
-        [(now, r[0]) for r in rows],
+        f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
+        " lease_owner = ?, lease_until = ? WHERE id = ?",
+        [(now, owner, lease_until, r[0]) for r in rows],
     )
     return [Claim(*r) for r in rows]
+
+
+def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
+    """Extend every claim `owner` holds to `until` (its heartbeat)."""
+    return conn.execute(
+        f"UPDATE recipients SET lease_until = ? WHERE lease_owner = ?"
+        f" AND state = '{RcptState.SENDING}'",
+        (until, owner),
+    ).rowcount
+
+
+def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str) -> int:
+    """Claims of other nodes whose lease ran out (the node died or lost the database) are
+    due again. Never `owner`'s own: it renews them while it runs, so a late renewal of its
+    own must not turn its work in flight into a second copy."""
+    return conn.execute(
+        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        " updated_at = ?, reason = 'recovered: lease of ' || coalesce(lease_owner, '?')"
+        " || ' expired', lease_owner = NULL, lease_until = NULL"
+        f" WHERE state = '{RcptState.SENDING}' AND lease_until < ?"
+        " AND (lease_owner IS NULL OR lease_owner <> ?)",
+        (now, now, now, owner),
+    ).rowcount
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,18 +343,26 @@ class RcptUpdate:
 
 
 def record(
-    conn: sqlite3.Connection, outcomes: Sequence[RcptUpdate], now: float, day: str | None = None
+    conn: sqlite3.Connection,
+    outcomes: Sequence[RcptUpdate],
+    now: float,
+    day: str | None = None,
+    owner: str | None = None,
 ) -> int:
-    """Apply outcomes of claimed recipients; returns how many rows changed."""
+    """Apply outcomes of claimed recipients; returns how many rows changed. With `owner`,
+    only over claims that node still holds: a node whose lease expired (and whose
+    recipients another node may have claimed since) never records over someone else's."""
     changed = 0
+    # (a claim with no owner is one made before leases: nobody else holds it)
+    held = "" if owner is None else " AND (lease_owner = ? OR lease_owner IS NULL)"
     for o in outcomes:
         if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
         cur = conn.execute(
             "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
             " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
-            " upstream_id = coalesce(?, upstream_id)"
-            f" WHERE id = ? AND state = '{RcptState.SENDING}'",
+            " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
+            f" WHERE id = ? AND state = '{RcptState.SENDING}'" + held,
             (
                 o.state.value,
                 1 if o.count_attempt else 0,
@@ -318,6 +372,7 @@ def record(
                 now,
                 o.upstream_id,
                 o.rcpt_id,
+                *(() if owner is None else (owner,)),
             ),
         )
         changed += cur.rowcount
@@ -361,13 +416,78 @@ def record(
     return changed
 
 
-def recover(conn: sqlite3.Connection, now: float) -> int:
-    """After a crash: every claim that never recorded an outcome is due again."""
+# --- the fleet: nodes on one database ----------------------------------------------------
+
+
+def heartbeat(
+    conn: sqlite3.Connection,
+    node: str,
+    started_at: float,
+    now: float,
+    inflight: int,
+    info: dict[str, Any],
+) -> None:
+    """`node` is alive at `now` with `inflight` recipients in flight."""
+    conn.execute(
+        "INSERT INTO nodes (name, started_at, heartbeat_at, inflight, info) VALUES (?,?,?,?,?)"
+        " ON CONFLICT (name) DO UPDATE SET started_at = excluded.started_at,"
+        " heartbeat_at = excluded.heartbeat_at, inflight = excluded.inflight,"
+        " info = excluded.info",
+        (node, started_at, now, inflight, json.dumps(info, sort_keys=True)),
+    )
+
+
+def node_gone(conn: sqlite3.Connection, node: str) -> None:
+    conn.execute("DELETE FROM nodes WHERE name = ?", (node,))
+
+
+def live_nodes(conn: sqlite3.Connection, now: float, within: float) -> int:
+    """How many nodes beat within the last `within` seconds (at least 1: the caller)."""
+    row = conn.execute("SELECT count(*) FROM nodes WHERE heartbeat_at >= ?", (now - within,))
+    return max(1, int(row.fetchone()[0]))
+
+
+def list_nodes(conn: sqlite3.Connection, now: float, within: float) -> list[dict[str, Any]]:
+    """Every node of the fleet, live or not, with its claims in flight (for the CLI)."""
+    held = dict(
+        conn.execute(
+            f"SELECT lease_owner, count(*) FROM recipients WHERE state = '{RcptState.SENDING}'"
+            " AND lease_owner IS NOT NULL GROUP BY lease_owner"
+        ).fetchall()
+    )
+    out = []
+    for name, started, beat, inflight, info in conn.execute(
+        "SELECT name, started_at, heartbeat_at, inflight, info FROM nodes ORDER BY name"
+    ):
+        out.append(
+            {
+                "node": name,
+                "alive": beat >= now - within,
+                "started_at": iso_utc(started),
+                "heartbeat_at": iso_utc(beat),
+                "heartbeat_age": round(max(0.0, now - beat), 3),
+                "inflight": int(inflight),
+                "claims": int(held.get(name, 0)),
+                **json.loads(info),
+            }
+        )
+    return out
+
+
+def prune_nodes(conn: sqlite3.Connection, now: float, older_than: float) -> int:
+    return conn.execute("DELETE FROM nodes WHERE heartbeat_at < ?", (now - older_than,)).rowcount
+
+
+def recover(conn: sqlite3.Connection, now: float, owner: str | None = None) -> int:
+    """After a crash: every claim that never recorded an outcome is due again (`owner`
+    None: every claim, for the one engine of a SQLite spool at its start), or only the
+    claims `owner` holds (a node of a fleet giving its work back as it stops)."""
+    mine = "" if owner is None else " AND lease_owner = ?"
     return conn.execute(
         f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
-        f" updated_at = ?, reason = 'recovered after restart'"
-        f" WHERE state = '{RcptState.SENDING}'",
-        (now, now),
+        " updated_at = ?, reason = 'recovered after restart', lease_owner = NULL,"
+        f" lease_until = NULL WHERE state = '{RcptState.SENDING}'" + mine,
+        (now, now) if owner is None else (now, now, owner),
     ).rowcount
 
 
