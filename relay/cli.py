@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sqlite3
 import sys
 import time
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         "check-config", parents=[common], help="validate the config and print it, secrets redacted"
     )
     sub.add_parser("stats", parents=[common], help="queue counts and destination state")
+    sub.add_parser(
+        "fleet",
+        parents=[common],
+        help="the relays on this spool: heartbeats and work in flight (a PostgreSQL fleet)",
+    )
     sub.add_parser(
         "status",
         parents=[common],
@@ -306,6 +312,27 @@ def _alive(pid: object) -> bool:
     return True
 
 
+def _fleet(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
+    nodes = ops.list_nodes(conn, now, args.lease)
+    if args.json:
+        _print_json(nodes)
+    else:
+        _print_nodes(nodes)
+    return EXIT_OK
+
+
+def _print_nodes(nodes: list[dict[str, Any]]) -> None:
+    alive = sum(1 for n in nodes if n["alive"])
+    print(f"fleet: {len(nodes)} node{'s' * (len(nodes) != 1)}, {alive} alive")
+    for n in nodes:
+        print(
+            f"  {n['node']:<24} {'alive' if n['alive'] else 'SILENT':<6}"
+            f" heartbeat {n['heartbeat_age']:.0f}s ago, in flight {n['inflight']},"
+            f" claims {n['claims']}, host {n.get('host', '?')} pid {n.get('pid', '?')}"
+            f" (since {n['started_at']})"
+        )
+
+
 def _status(args: argparse.Namespace, spool: Any) -> int:
     """`relay status`: the daemon's health file, judged like a monitoring plugin. Reads no
     database: it works when the spool is the problem."""
@@ -340,6 +367,10 @@ def _status(args: argparse.Namespace, spool: Any) -> int:
         _print_json(doc)
     else:
         print(text)
+        fleet = doc.get("fleet")
+        if fleet:  # as this node saw the fleet at its last heartbeat
+            print(f"node {fleet['node']}; ", end="")
+            _print_nodes(fleet["nodes"])
     return code
 
 
@@ -364,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log.level, "text", config.log.unmask)
     # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing
+    args.lease = config.fleet.lease  # a node is alive while its heartbeat is this fresh
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
     if args.cmd == "check-dns":  # DNS only, no spool
@@ -492,6 +524,8 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
     now = time.time()
     if args.cmd == "stats":
         return _stats(args, conn, now)
+    if args.cmd == "fleet":
+        return _fleet(args, conn, now)
     if args.cmd == "feedback":
         return _feedback(args, conn)
     if args.cmd == "alerts":
@@ -902,15 +936,21 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
 def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> int:
     st = ops.stats(conn, now)
     runtime = ops.get_runtime(conn, "daemon")
+    nodes = ops.list_nodes(conn, now, args.lease)
     if runtime is not None:
         live, updated = runtime
+        if live.get("host", socket.gethostname()) == socket.gethostname():
+            running = _alive(live.get("pid"))
+        else:  # a node of the fleet on another machine: its heartbeat says
+            running = any(n["node"] == live.get("node") and n["alive"] for n in nodes)
         st["daemon"] = {
             **live,
             "snapshot_age_seconds": round(now - updated, 1),
-            "running": _alive(live.get("pid")) and now - updated < STALE_AFTER,
+            "running": running and now - updated < STALE_AFTER,
         }
     else:
         st["daemon"] = None
+    st["fleet"] = nodes
     st["feedback"] = feedback_rates(conn, now)
     if args.json:
         _print_json(st)
@@ -949,6 +989,8 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
             )
     else:
         print("daemon: no snapshot (not running yet?)")
+    if len(nodes) > 1 or any(n.get("node") != (d or {}).get("node") for n in nodes):
+        _print_nodes(nodes)
     if st["feedback"]:
         print("feedback per identity (24h | 7d): delivered, bounces, complaints")
     for f in st["feedback"]:

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Coroutine
@@ -336,6 +337,9 @@ class Daemon:
             return
         snap = self.engine.snapshot().as_json()
         snap["pid"] = os.getpid()
+        snap["host"] = socket.gethostname()
+        snap["node"] = self.engine.node
+        snap["fleet_size"] = self.engine.fleet_size
         snap["started_at"] = ops.iso_utc(self.started_at)
         snap["inbound"] = {
             "accepted": self.stats.accepted,
@@ -344,7 +348,15 @@ class Daemon:
             "sessions": self.stats.sessions,
         }
         now = time.time()
-        await self.writer.run(lambda c: ops.put_runtime(c, "daemon", snap, now))
+        node = self.engine.node
+
+        def put(c: Any) -> None:
+            # a fleet: the last node's view as `daemon`, and each node's own view
+            ops.put_runtime(c, "daemon", snap, now)
+            if self.config.spool_pg is not None:
+                ops.put_runtime(c, f"node:{node}", snap, now)
+
+        await self.writer.run(put)
 
     async def _prune(self) -> None:
         now = time.time()
@@ -615,6 +627,9 @@ class Daemon:
     def health_doc(self) -> dict[str, Any]:
         doc = self.health.as_dict(ops.iso_utc)
         doc["uptime_seconds"] = round(time.time() - self.started_at, 1)
+        e = self.engine
+        if e is not None and e.fleet:  # the fleet as this node saw it at its last heartbeat
+            doc["fleet"] = {"node": e.node, "live": e.fleet_size, "nodes": e.fleet_nodes}
         return doc
 
     async def readiness_problems(self) -> list[str]:

@@ -209,3 +209,180 @@ def test_the_schema_migrates_once_for_nodes_starting_together(pg_dsn: str) -> No
     assert conns[0].execute("SELECT count(*) FROM relay_schema").fetchone()[0] == 1
     for c in conns:
         c.close()
+
+
+# --- daily ceilings counted fleet-wide ---------------------------------------------------------
+
+
+def holds(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
+    return {
+        (r[0], r[1]): int(r[2])
+        for r in conn.execute("SELECT node, scope, n FROM ceiling_holds").fetchall()
+    }
+
+
+def test_ceiling_room_is_granted_once_and_released_with_the_count(
+    conn: sqlite3.Connection,
+) -> None:
+    day = "2026-12-04"
+    run(conn, ops.heartbeat, "A", T0, T0, 0, {})
+    want = {"dest:x.test": (10, 6), "id:news": (100, 6)}
+    assert run(conn, ops.ceiling_take, "A", day, want, T0 + 30) == {
+        "dest:x.test": 6,
+        "id:news": 6,
+    }
+    # B wants 6 more: only 4 are left under the destination's 10 (A holds 6)
+    assert run(conn, ops.ceiling_take, "B", day, {"dest:x.test": (10, 6)}, T0 + 30) == {
+        "dest:x.test": 4
+    }
+    assert run(conn, ops.ceiling_take, "B", day, {"dest:x.test": (10, 1)}, T0 + 30) == {
+        "dest:x.test": 0
+    }
+    assert holds(conn) == {("A", "dest:x.test"): 6, ("A", "id:news"): 6, ("B", "dest:x.test"): 4}
+    # A's job of 6 ends with 5 delivered: the count takes 5, the hold lets go of 6
+    put(conn, "M1", ["a@x.test"])
+    (cl,) = run(conn, ops.claim_due, T0 + 1, 1, owner="A", lease_until=T0 + 30)
+    upd = ops.RcptUpdate(
+        cl.rcpt_id, "M1", RcptState.DELIVERED, True, None, "250", counters=("dest:x.test",)
+    )
+    with db.transaction(conn):
+        ops.record(conn, [upd] * 1, T0 + 2, day, owner="A")
+        ops.ceiling_release(conn, "A", {"dest:x.test": 6, "id:news": 6})
+    assert holds(conn) == {("B", "dest:x.test"): 4}
+    assert ops.daily_counts(conn, day)["dest:x.test"] == 1
+    # 10 - 1 counted - 4 held by B = 5
+    assert run(conn, ops.ceiling_take, "A", day, {"dest:x.test": (10, 9)}, T0 + 30) == {
+        "dest:x.test": 5
+    }
+    # releasing more than held never goes below zero, and empty holds are dropped
+    run(conn, ops.ceiling_release, "B", {"dest:x.test": 99})
+    assert ("B", "dest:x.test") not in holds(conn)
+
+
+def test_a_dead_nodes_holds_count_as_sent_and_a_clean_stop_frees_them(
+    conn: sqlite3.Connection,
+) -> None:
+    day = "2026-12-04"
+    run(conn, ops.ceiling_take, "dead", day, {"dest:x.test": (10, 3)}, T0 + 10)
+    run(conn, ops.ceiling_take, "alive", day, {"dest:x.test": (10, 2)}, T0 + 10)
+    run(conn, ops.ceiling_take, "me", day, {"dest:x.test": (10, 1)}, T0 + 10)
+    assert run(conn, ops.renew_leases, "alive", T0 + 100) == 0  # renews its holds too
+    assert run(conn, ops.renew_leases, "me", T0 + 100) == 0
+    run(conn, ops.reclaim_expired, T0 + 11, "me", day)
+    # the dead node may have sent its 3 before it died: they count, its hold is gone
+    assert ops.daily_counts(conn, day) == {"dest:x.test": 3}
+    assert holds(conn) == {("alive", "dest:x.test"): 2, ("me", "dest:x.test"): 1}
+    assert run(conn, ops.ceiling_take, "me", day, {"dest:x.test": (10, 9)}, T0 + 30) == {
+        "dest:x.test": 4
+    }
+    run(conn, ops.node_gone, "alive")
+    assert holds(conn) == {("me", "dest:x.test"): 5}
+
+
+def test_nodes_taking_room_at_once_never_exceed_the_ceiling(pg_dsn: str) -> None:
+    """Four nodes race for room under one ceiling, a few recipients at a time, delivering
+    some and releasing the rest as they go: the ceiling is met exactly, never passed."""
+    limit = 200
+    day = "2026-12-04"
+    sent: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def node(name: str) -> None:
+        c = cast(sqlite3.Connection, pg.connect(pg_dsn))
+        try:
+            while True:
+                got = run(c, ops.ceiling_take, name, day, {"dest:x.test": (limit, 7)}, T0 + 60)
+                g = got["dest:x.test"]
+                if g == 0:
+                    total = run(c, ops.daily_counts, day).get("dest:x.test", 0)
+                    if total >= limit:
+                        return
+                    continue  # others hold the rest: it comes back or counts
+                done = g - 1 if g > 1 else g  # one of each batch "fails"
+                with db.transaction(c):
+                    c.execute(
+                        "UPDATE daily_counts SET count = count + ? WHERE scope = ? AND day = ?",
+                        (done, "dest:x.test", day),
+                    )
+                    ops.ceiling_release(c, name, {"dest:x.test": g})
+                with lock:
+                    sent.append(done)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            c.close()
+
+    pg.connect(pg_dsn).close()  # the schema, once, before the racers
+    threads = [threading.Thread(target=node, args=(f"n{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert sum(sent) == limit
+
+
+# --- two nodes' transactions crossing: PostgreSQL's answers ------------------------------------
+
+
+def test_a_deadlock_victim_job_runs_again_in_the_same_batch(pg_dsn: str, tmp_path: Path) -> None:
+    """Two nodes lock two shared rows in opposite orders: PostgreSQL aborts one (here the
+    writer's job, which waited first); the writer runs the job again after its savepoint,
+    and it commits instead of failing (a failed record would have left its claims to expire
+    and be sent a second time by another node)."""
+    import psycopg
+
+    from relay.config import PgSpool
+    from relay.spool.writer import SpoolWriter
+
+    setup = cast(sqlite3.Connection, pg.connect(pg_dsn))
+    run(setup, ops.put_runtime, "x", 0, T0)
+    run(setup, ops.put_runtime, "y", 0, T0)
+    setup.close()
+    w = SpoolWriter(tmp_path / "spool", PgSpool(pg_dsn))
+    w.start()
+    other = psycopg.connect(pg_dsn, autocommit=False)
+    try:
+        other.execute("UPDATE runtime SET updated_at = 2 WHERE name = 'y'")  # holds y
+        waiting = threading.Event()
+        tries: list[int] = []
+
+        def job(c: sqlite3.Connection) -> str:
+            tries.append(1)
+            c.execute("UPDATE runtime SET updated_at = 1 WHERE name = 'x'")
+            waiting.set()
+            c.execute("UPDATE runtime SET updated_at = 1 WHERE name = 'y'")  # waits for other
+            return "done"
+
+        fut: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: fut.setdefault("r", w.run_sync(job)))
+        t.start()
+        assert waiting.wait(10)
+        threading.Event().wait(0.3)  # the job waits on y before `other` waits on x
+        other.execute("UPDATE runtime SET updated_at = 2 WHERE name = 'x'")  # deadlock
+        other.commit()
+        t.join(30)
+        assert fut.get("r") == "done"
+        assert len(tries) == 2
+    finally:
+        other.close()
+        w.close()
+    check = cast(sqlite3.Connection, pg.connect(pg_dsn))
+    got = dict(check.execute("SELECT name, updated_at FROM runtime").fetchall())
+    check.close()
+    assert got == {"x": 1, "y": 1}
+
+
+def test_a_commit_postgresql_turned_into_a_rollback_is_a_failure(pg_dsn: str) -> None:
+    """After an error PostgreSQL answers COMMIT with ROLLBACK, not with an error: the spool
+    must not report a batch written when nothing was."""
+    c = pg.connect(pg_dsn)
+    c.execute("BEGIN")
+    c.execute("INSERT INTO runtime (name, value, updated_at) VALUES ('a', '1', 1)")
+    with pytest.raises(sqlite3.Error):
+        c.execute("SELECT * FROM no_such_table")
+    with pytest.raises(sqlite3.OperationalError, match="rolled back"):
+        c.execute("COMMIT")
+    assert c.execute("SELECT count(*) FROM runtime WHERE name = 'a'").fetchone()[0] == 0
+    c.close()

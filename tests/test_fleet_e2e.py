@@ -177,3 +177,80 @@ def test_three_nodes_one_killed_every_message_once(
         f"fleet: {TOTAL} accepted over 3 nodes; killed {name} after {KILL_AFTER} with"
         f" {len(held)} claims in flight; {len(twice)} sent twice"
     )
+
+
+def test_three_nodes_share_one_daily_ceiling_and_each_shows_the_fleet(
+    upstream: UpFactory, relay: RelayFactory, pg_dsn: str
+) -> None:
+    """`daily_limit: 1000` on three nodes: the fleet delivers exactly 1,000 (not 3,000, not
+    one more), the rest waits for the next window; any node's CLI shows all three."""
+    limit, total = 1000, 1300
+    up = upstream()
+    config = {
+        "spool": {"backend": "postgresql", "dsn": pg_dsn},
+        "fleet": {"lease": "3s"},
+        "destinations": {"*": {"rate": "unlimited", "max_connections": 4, "daily_limit": limit}},
+    }
+    nodes = [relay(upstream=up, config=config, name=f"ceil{i}") for i in range(3)]
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+
+    def client(t: int) -> None:
+        with smtplib.SMTP("127.0.0.1", nodes[t].port, timeout=60) as s:
+            for i in range(t, total, 3):
+                s.sendmail("app@example.com", [f"u{i}@example.org"], make_message(i))
+
+    workers = [threading.Thread(target=client, args=(t,), daemon=True) for t in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+        assert not w.is_alive()
+
+    def waiting() -> int:
+        return int(
+            rows(
+                pg_dsn,
+                "SELECT count(*) FROM recipients WHERE state = 'deferred'"
+                " AND reason LIKE 'daily limit 1000 reached%%'",
+            )[0][0]
+        )
+
+    deadline = time.monotonic() + 90
+    while len(up.received) < limit or waiting() < total - limit:
+        assert time.monotonic() < deadline, (len(up.received), waiting())
+        time.sleep(0.2)
+    time.sleep(2.0)  # a node over-sending would show it now
+    got = [m.rcpt_tos[0] for m in list(up.received)]
+    assert len(set(got)) == len(got), "a recipient delivered twice"
+    assert len(up.received) == limit
+    assert waiting() == total - limit
+    assert rows(pg_dsn, "SELECT count FROM daily_counts WHERE scope = 'dest:smarthost'") == [
+        (limit,)
+    ]
+    assert time.strftime("%Y-%m-%d", time.gmtime()) == day, "the test ran across a window"
+    assert rows(pg_dsn, "SELECT count(*) FROM ceiling_holds WHERE n > 0")[0][0] == 0
+
+    # the fleet from any node: three alive, the fleet's count in each node's stats
+    fleet = nodes[2].cli_json("fleet")
+    assert sorted(n["alive"] for n in fleet) == [True] * 3
+    assert len({(n["host"], n["pid"]) for n in fleet}) == 3
+    assert {n["pid"] for n in fleet} == {r.proc.pid for r in nodes if r.proc is not None}
+    st = nodes[0].cli_json("stats")
+    assert len(st["fleet"]) == 3 and st["daemon"]["running"] is True
+    assert st["recipients"]["delivered"] == limit
+    nodes[1].wait_until(
+        lambda: (
+            (nodes[1].cli_json("stats")["daemon"] or {})
+            .get("destinations", {})
+            .get("smarthost", {})
+            .get("delivered_today")
+            == limit
+        ),
+        timeout=10,
+        what="a node's live view counting the whole fleet's deliveries",
+    )
+    status = nodes[1].cli_json("status")
+    assert status["fleet"]["live"] == 3
+    assert len(status["fleet"]["nodes"]) == 3
+    text = nodes[0].cli("fleet", check=True).stdout
+    assert text.startswith("fleet: 3 nodes, 3 alive"), text

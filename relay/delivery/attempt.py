@@ -395,13 +395,17 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
             dataclasses.replace(o, counters=scopes) if o.state is RcptState.DELIVERED else o
             for o in outcomes
         ]
+    # a fleet releases the room it held under the ceilings in the commit that counts
+    release = {scope: n for scope in job.reserved} if e.fleet and job.reserved else None
     try:
-        await record(e, outcomes)
+        await record(e, outcomes, release)
     finally:
         e.job_done(n)
 
 
-async def record(e: Engine, outcomes: Sequence[ops.RcptUpdate]) -> None:
+async def record(
+    e: Engine, outcomes: Sequence[ops.RcptUpdate], release: dict[str, int] | None = None
+) -> None:
     now = e.clock()
     day = e.ledger.day_of(now)
     delay = min(RECORD_RETRY_FIRST, e.config.delivery.poll_interval)
@@ -413,6 +417,8 @@ async def record(e: Engine, outcomes: Sequence[ops.RcptUpdate]) -> None:
 
     def job(c: Any) -> None:
         ops.record(c, outcomes, now, day, owner=e.node)
+        if release:
+            ops.ceiling_release(c, e.node, release)
         for ev in evs:
             alerts.record(c, ev, now, conf.coalesce, sinks)
 

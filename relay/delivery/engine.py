@@ -37,7 +37,7 @@ import socket
 import time
 import zoneinfo
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from relay import __version__, alerts, shaping
@@ -78,6 +78,22 @@ _Claimed = tuple[
     dict[str, tuple[float, str]],
     dict[tuple[str, str], tuple[str, float] | None],  # (address, identity)
 ]
+
+
+def _retry_later(job: Job, now: float, e: Exception) -> list[ops.RcptUpdate]:
+    """A job the engine could not dispatch: due again in a minute, no attempt spent."""
+    return [
+        ops.RcptUpdate(
+            rcpt_id=cl.rcpt_id,
+            msg_id=job.msg_id,
+            state=RcptState.DEFERRED,
+            count_attempt=False,
+            next_attempt_at=now + 60,
+            last_reply=None,
+            reason=f"internal error: {type(e).__name__}",
+        )
+        for cl in job.claims
+    ]
 
 
 def _start_up(now: float, day: str, node: str, fleet: bool, c: Any) -> tuple[int, dict[str, int]]:
@@ -135,6 +151,7 @@ class Engine:
         self.fleet = config.spool_pg is not None
         self.node = config.fleet.node or f"{socket.gethostname()}:{os.getpid()}"
         self.fleet_size = 1
+        self.fleet_nodes: list[dict[str, Any]] = []  # at the last heartbeat (a fleet only)
         self.started_at = clock()
         self.apply_config(config)
 
@@ -312,24 +329,29 @@ class Engine:
         share each destination's rate."""
         while True:
             now = self.clock()
+            day = self.ledger.day_of(now)
             try:
-                self.fleet_size = await self.writer.run(
-                    functools.partial(self._beat, now, self._inflight)
+                self.fleet_size, counts, self.fleet_nodes = await self.writer.run(
+                    functools.partial(self._beat, now, day, self._inflight)
                 )
             except Exception as e:
                 log_event(log, logging.ERROR, "engine_error", "fleet heartbeat failed", exc=e)
             else:
+                if counts is not None:  # the fleet's deliveries today, for stats and _waiting
+                    self.ledger.load(day, counts)
                 for st in self.dests.values():
                     self.retune(st)
             await asyncio.sleep(self.lease / 3)
 
-    def _beat(self, now: float, inflight: int, c: Any) -> int:
+    def _beat(
+        self, now: float, day: str, inflight: int, c: Any
+    ) -> tuple[int, dict[str, int] | None, list[dict[str, Any]]]:
         ops.renew_leases(c, self.node, now + self.lease)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
         ops.heartbeat(c, self.node, self.started_at, now, inflight, info)
         if not self.fleet:
-            return 1
-        n = ops.reclaim_expired(c, now, self.node)
+            return 1, None, []
+        n = ops.reclaim_expired(c, now, self.node, day)
         if n:
             log_event(
                 log,
@@ -339,7 +361,9 @@ class Engine:
                 count=n,
             )
         ops.prune_nodes(c, now, 86400.0)
-        return ops.live_nodes(c, now, self.lease)
+        nodes = ops.list_nodes(c, now, self.lease)
+        live = max(1, sum(1 for n in nodes if n["alive"]))
+        return live, ops.daily_counts(c, day), nodes
 
     def _max_inflight(self) -> int:
         # a memory bound over all destinations; each destination is bounded on its own by
@@ -480,6 +504,13 @@ class Engine:
                 )
             job.claims.append(cl)
         immediate: list[ops.RcptUpdate] = []
+        if self.fleet:
+            try:
+                await self._take_ceilings(jobs.values(), now)
+            except Exception as e:  # never strand a claim: wait a minute and try again
+                log_event(log, logging.ERROR, "engine_error", "ceiling room not taken", exc=e)
+                immediate.extend(u for job in jobs.values() for u in _retry_later(job, now, e))
+                jobs = {}
         for job in jobs.values():
             try:
                 immediate.extend(dispatch.dispatch(self, job, now, stored))
@@ -492,21 +523,37 @@ class Engine:
                     queue_id=job.msg_id,
                     exc=e,
                 )
-                immediate.extend(
-                    ops.RcptUpdate(
-                        rcpt_id=cl.rcpt_id,
-                        msg_id=job.msg_id,
-                        state=RcptState.DEFERRED,
-                        count_attempt=False,
-                        next_attempt_at=now + 60,
-                        last_reply=None,
-                        reason=f"internal error: {type(e).__name__}",
-                    )
-                    for cl in job.claims
+                immediate.extend(_retry_later(job, now, e))
+        if self.ledger.grants is not None:
+            # room taken for this pass and not used (suppressed, suspended, split) goes back
+            left = {s: n for s, n in self.ledger.grants.items() if n > 0}
+            self.ledger.grants = None
+            if left:
+                await self.writer.run(
+                    functools.partial(ops.ceiling_release, node=self.node, scopes=left)
                 )
         if immediate:
             await attempt.record(self, immediate)
         return len(claims)
+
+    async def _take_ceilings(self, jobs: Iterable[Job], now: float) -> None:
+        """A fleet counts its daily ceilings in the database: the room this pass may use,
+        taken in one transaction before dispatch (relay/delivery/ledger.py)."""
+        wants: dict[str, tuple[int, int]] = {}
+        for job in jobs:
+            st = self.dest(job.destination)
+            ident = self.config.identity(job.identity)
+            for scope, _name, limit in self.ledger.limits(
+                st.name, st.conf.daily_limit, job.identity, ident, now
+            ):
+                wants[scope] = (limit, wants.get(scope, (limit, 0))[1] + len(job.claims))
+        if not wants:
+            return
+        day = self.ledger.day_of(now)
+        until = now + self.lease
+        self.ledger.grants = await self.writer.run(
+            lambda c: ops.ceiling_take(c, self.node, day, wants, until)
+        )
 
     def job_queued(self, n: int) -> None:
         self._inflight += n

@@ -9,6 +9,9 @@ Rules:
 - A new window (shaping.window_tz / window_length) starts the counts from zero;
   reservations of jobs in flight carry over (their deliveries land in the new window).
 - Deliveries are counted per destination even without a ceiling, for `relay stats`.
+- In a fleet (PostgreSQL spool) the ceilings are the database's: before a claim pass is
+  dispatched, the engine takes room for it (ops.ceiling_take), and `room` is what is left
+  of that grant (`grants`); what dispatch does not use goes back at the end of the pass.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Ledger:
     day: str = ""
     counts: dict[str, int] = field(default_factory=dict)  # delivered, this window
     reserved: dict[str, int] = field(default_factory=dict)  # in flight
+    grants: dict[str, int] | None = None  # fleet: room the database granted this pass
 
     def day_of(self, now: float) -> str:
         return shaping.day_key(now, self.tz, self.window_length)
@@ -78,7 +82,10 @@ class Ledger:
         self.roll(now)
         room: tuple[int, float, str] | None = None
         for scope, name, limit in limits:
-            left = max(0, limit - self.counts.get(scope, 0) - self.reserved.get(scope, 0))
+            if self.grants is not None:
+                left = max(0, self.grants.get(scope, 0))
+            else:
+                left = max(0, limit - self.counts.get(scope, 0) - self.reserved.get(scope, 0))
             if room is None or left < room[0]:
                 nxt = shaping.next_window(now, self.tz, self.window_length)
                 room = (left, nxt, shaping.ceiling_reason(limit, name, nxt))
@@ -87,6 +94,8 @@ class Ledger:
     def reserve(self, scopes: tuple[str, ...], n: int) -> None:
         for scope in scopes:
             self.reserved[scope] = self.reserved.get(scope, 0) + n
+            if self.grants is not None:
+                self.grants[scope] = self.grants.get(scope, 0) - n
 
     def release(
         self,

@@ -228,6 +228,15 @@ MIGRATIONS: list[str] = [
         inflight     INTEGER NOT NULL DEFAULT 0,
         info         TEXT NOT NULL DEFAULT '{}'   -- JSON: host, pid, version, listeners
     );
+    -- room under the daily ceilings a node holds for its work in flight (ceiling_take),
+    -- released when the outcome is recorded; a dead node's holds count as sent
+    CREATE TABLE ceiling_holds (
+        node  TEXT NOT NULL,
+        scope TEXT NOT NULL,
+        n     INTEGER NOT NULL,
+        until REAL NOT NULL,   -- the node's lease: renewed by its heartbeat
+        PRIMARY KEY (node, scope)
+    );
     """,
 ]
 
@@ -274,6 +283,15 @@ def open_spool(
     from relay.spool import pg as pgmod
 
     return cast(sqlite3.Connection, pgmod.connect(pg.dsn, pg.password_file))
+
+
+# a job that lost a lock race on PostgreSQL (deadlock victim, serialization failure,
+# lock_timeout; relay/spool/pg.py keeps the SQLSTATE): the writer runs it again at once
+RETRYABLE = frozenset({"40P01", "40001", "55P03"})
+
+
+def retryable(e: BaseException) -> bool:
+    return getattr(e, "sqlstate", None) in RETRYABLE
 
 
 def dialect(conn: sqlite3.Connection) -> str:

@@ -265,7 +265,8 @@ def claim_due(
 
 
 def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
-    """Extend every claim `owner` holds to `until` (its heartbeat)."""
+    """Extend every claim `owner` holds to `until` (its heartbeat), and its ceiling holds."""
+    conn.execute("UPDATE ceiling_holds SET until = ? WHERE node = ?", (until, owner))
     return conn.execute(
         f"UPDATE recipients SET lease_until = ? WHERE lease_owner = ?"
         f" AND state = '{RcptState.SENDING}'",
@@ -273,10 +274,26 @@ def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
     ).rowcount
 
 
-def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str) -> int:
+def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str = "") -> int:
     """Claims of other nodes whose lease ran out (the node died or lost the database) are
     due again. Never `owner`'s own: it renews them while it runs, so a late renewal of its
-    own must not turn its work in flight into a second copy."""
+    own must not turn its work in flight into a second copy. The room such a node held
+    under the daily ceilings counts as sent in window `day`: it may have sent before it
+    died, and a fleet must never exceed a ceiling (the cost: up to its work in flight
+    under-sent that day)."""
+    dead = conn.execute(
+        "SELECT node, scope, n FROM ceiling_holds WHERE until < ? AND node <> ?"
+        " ORDER BY scope, node",  # daily_counts rows in scope order, as everywhere
+        (now, owner),
+    ).fetchall()
+    for node, scope, n in dead:
+        if n > 0:
+            conn.execute(
+                "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, ?)"
+                " ON CONFLICT (scope, day) DO UPDATE SET count = daily_counts.count + ?",
+                (scope, day, n, n),
+            )
+        conn.execute("DELETE FROM ceiling_holds WHERE node = ? AND scope = ?", (node, scope))
     return conn.execute(
         f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered: lease of ' || coalesce(lease_owner, '?')"
@@ -355,6 +372,12 @@ def record(
     changed = 0
     # (a claim with no owner is one made before leases: nobody else holds it)
     held = "" if owner is None else " AND (lease_owner = ? OR lease_owner IS NULL)"
+    # the counters every node bumps (the fleet's hot rows) go last, summed, in one order:
+    # daily_counts by scope, then identity_hours; a node that locks them in another
+    # order than its peer deadlocks with it (relay/spool/ops.py ceiling_take locks
+    # daily_counts too)
+    bumps: dict[str, int] = {}
+    delivered_ids: list[str] = []
     for o in outcomes:
         if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
@@ -379,13 +402,7 @@ def record(
         if cur.rowcount == 0:
             continue  # deleted or changed by an operator meanwhile
         if o.state is RcptState.DELIVERED:  # the denominator of bounce and complaint rates
-            conn.execute(
-                "INSERT INTO identity_hours (identity, hour, delivered)"
-                " SELECT identity, ?, 1 FROM messages WHERE id = ?"
-                " ON CONFLICT (identity, hour)"
-                " DO UPDATE SET delivered = identity_hours.delivered + 1",
-                (int(now // 3600), o.msg_id),
-            )
+            delivered_ids.append(o.msg_id)
         if o.log is not None:
             conn.execute(
                 "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
@@ -408,11 +425,32 @@ def record(
                 (o.suppress[0].lower(), o.suppress[1], now),
             )
         for scope in o.counters:
+            bumps[scope] = bumps.get(scope, 0) + 1
+    for scope in sorted(bumps):
+        conn.execute(
+            "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, ?)"
+            " ON CONFLICT (scope, day) DO UPDATE SET count = daily_counts.count + ?",
+            (scope, day or "", bumps[scope], bumps[scope]),
+        )
+    per_identity: dict[str, int] = {}
+    for i in range(0, len(delivered_ids), 500):
+        chunk = delivered_ids[i : i + 500]
+        marks = ",".join("?" * len(chunk))
+        by_id = dict(
             conn.execute(
-                "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, 1)"
-                " ON CONFLICT (scope, day) DO UPDATE SET count = daily_counts.count + 1",
-                (scope, day or ""),
-            )
+                f"SELECT id, identity FROM messages WHERE id IN ({marks})", chunk
+            ).fetchall()
+        )
+        for mid in chunk:
+            if mid in by_id:
+                per_identity[by_id[mid]] = per_identity.get(by_id[mid], 0) + 1
+    for identity in sorted(per_identity):
+        n = per_identity[identity]
+        conn.execute(
+            "INSERT INTO identity_hours (identity, hour, delivered) VALUES (?, ?, ?)"
+            " ON CONFLICT (identity, hour) DO UPDATE SET delivered = identity_hours.delivered + ?",
+            (identity, int(now // 3600), n, n),
+        )
     return changed
 
 
@@ -438,7 +476,61 @@ def heartbeat(
 
 
 def node_gone(conn: sqlite3.Connection, node: str) -> None:
+    """`node` stopped cleanly: its claims went back first, so its holds go too."""
+    conn.execute("DELETE FROM ceiling_holds WHERE node = ?", (node,))
     conn.execute("DELETE FROM nodes WHERE name = ?", (node,))
+
+
+def ceiling_take(
+    conn: sqlite3.Connection,
+    node: str,
+    day: str,
+    wants: dict[str, tuple[int, int]],
+    until: float,
+) -> dict[str, int]:
+    """Room under fleet-wide daily ceilings: for each scope, `wants[scope]` = (limit,
+    recipients wanted); grants up to that many so that the window's count plus every
+    node's holds stays within the limit, and holds the grant for `node` (lease `until`).
+    The scope's counter row is locked (FOR UPDATE on PostgreSQL; SQLite's writer is
+    alone) so two nodes cannot both take the last room; scopes in sorted order, so two
+    passes never wait on each other's locks."""
+    lock = " FOR UPDATE" if db.dialect(conn) == "postgresql" else ""
+    granted: dict[str, int] = {}
+    for scope in sorted(wants):
+        limit, want = wants[scope]
+        conn.execute(
+            "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, 0)"
+            " ON CONFLICT (scope, day) DO NOTHING",
+            (scope, day),
+        )
+        count = conn.execute(
+            "SELECT count FROM daily_counts WHERE scope = ? AND day = ?" + lock, (scope, day)
+        ).fetchone()[0]
+        held = conn.execute(
+            "SELECT coalesce(sum(n), 0) FROM ceiling_holds WHERE scope = ?", (scope,)
+        ).fetchone()[0]
+        g = max(0, min(want, limit - int(count) - int(held)))
+        granted[scope] = g
+        if g:
+            conn.execute(
+                "INSERT INTO ceiling_holds (node, scope, n, until) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (node, scope) DO UPDATE SET n = ceiling_holds.n + ?,"
+                " until = ?",
+                (node, scope, g, until, g, until),
+            )
+    return granted
+
+
+def ceiling_release(conn: sqlite3.Connection, node: str, scopes: dict[str, int]) -> None:
+    """`node`'s work of `scopes[scope]` recipients ended (its deliveries are counted in the
+    same commit) or was not dispatched: that room is no longer held."""
+    for scope, n in scopes.items():
+        conn.execute(
+            "UPDATE ceiling_holds SET n = CASE WHEN n > ? THEN n - ? ELSE 0 END"
+            " WHERE node = ? AND scope = ?",
+            (n, n, node, scope),
+        )
+    conn.execute("DELETE FROM ceiling_holds WHERE node = ? AND n <= 0", (node,))
 
 
 def live_nodes(conn: sqlite3.Connection, now: float, within: float) -> int:

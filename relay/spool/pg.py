@@ -147,6 +147,7 @@ def _wrap(e: psycopg.Error) -> sqlite3.Error:
     )
     err = cls(f"postgresql: {str(e).strip()}")
     err.__cause__ = e
+    setattr(err, "sqlstate", e.sqlstate)  # noqa: B010 (the writer retries on it)
     return err
 
 
@@ -180,9 +181,14 @@ class PgConnection:
             if query == "BEGIN" and self._conn.broken:
                 self._conn = self._open()
             try:
-                return self._conn.execute(query, params)
+                cur = self._conn.execute(query, params)
             except psycopg.Error as e:
                 raise _wrap(e) from e
+            if query == "COMMIT" and cur.statusmessage == "ROLLBACK":
+                # PostgreSQL answers COMMIT in a failed transaction with a ROLLBACK, not an
+                # error: every job of the batch would be reported written, and none is
+                raise sqlite3.OperationalError("postgresql: the transaction was rolled back")
+            return cur
 
     def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> Any:
         query = translate(sql)

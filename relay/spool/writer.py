@@ -50,6 +50,7 @@ Job = Callable[[sqlite3.Connection], Any]
 Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoop | None", bool]
 
 MAX_BATCH = 512
+JOB_TRIES = 3  # a job that lost a lock race on PostgreSQL runs again (db.retryable)
 LOCK_NAME = "write.lock"
 
 
@@ -170,19 +171,24 @@ class SpoolWriter:
         for item in batch:
             if not _take(item):  # its caller gave up (cancelled): not run
                 continue
-            try:
-                conn.execute("SAVEPOINT job")
-                faults.hit("spool.job")
-                res = item[0](conn)
-                conn.execute("RELEASE job")
-                results.append((item, res, None))
-            except Exception as e:
+            for attempt in range(JOB_TRIES):
                 try:
-                    conn.execute("ROLLBACK TO job")
+                    conn.execute("SAVEPOINT job")
+                    faults.hit("spool.job")
+                    res = item[0](conn)
                     conn.execute("RELEASE job")
-                except sqlite3.Error:
-                    pass
-                results.append((item, None, e))
+                    results.append((item, res, None))
+                    break
+                except Exception as e:
+                    try:
+                        conn.execute("ROLLBACK TO job")
+                        conn.execute("RELEASE job")
+                    except sqlite3.Error:
+                        pass
+                    if attempt + 1 < JOB_TRIES and db.retryable(e):
+                        continue  # a deadlock victim: the peer has its locks now
+                    results.append((item, None, e))
+                    break
         try:
             faults.hit("spool.commit")
             conn.execute("COMMIT")
