@@ -154,7 +154,10 @@ class Daemon:
                 gate=self._refusal,
                 feedback=self.feedback,
             )
-            srv = await listen(loop, h, self.config, LISTEN_BACKLOG)
+            # a fleet on PostgreSQL: several daemons on one machine may share the port
+            # (SO_REUSEPORT; the kernel spreads connections; README "Running a fleet")
+            pg = self.config.spool_pg is not None
+            srv = await listen(loop, h, self.config, LISTEN_BACKLOG, reuse_port=pg)
             self.handlers.append(h)
             self.servers.append(srv)
         if self.config.admin_listen is not None:

@@ -254,3 +254,38 @@ def test_three_nodes_share_one_daily_ceiling_and_each_shows_the_fleet(
     assert len(status["fleet"]["nodes"]) == 3
     text = nodes[0].cli("fleet", check=True).stdout
     assert text.startswith("fleet: 3 nodes, 3 alive"), text
+
+
+def test_two_daemons_on_one_machine_share_the_smtp_port(
+    upstream: UpFactory, relay: RelayFactory, pg_dsn: str
+) -> None:
+    """relay@a and relay@b: one PostgreSQL spool, one SMTP port (SO_REUSEPORT), each its own
+    local state and admin port. The kernel spreads the connections; both take mail, and
+    every message is delivered once."""
+    up = upstream()
+    config: dict[str, Any] = {
+        "spool": {"backend": "postgresql", "dsn": pg_dsn},
+        "destinations": {"*": {"rate": "unlimited"}},
+    }
+    a = relay(upstream=up, config={**config, "fleet": {"node": "host-a"}}, name="a")
+    b_conf = {**config, "fleet": {"node": "host-b"}}
+    b_conf["listen"] = [{"address": f"127.0.0.1:{a.port}", "allow": ["127.0.0.0/8"]}]
+    b = relay(upstream=up, config=b_conf, name="b", start=False)
+    b.port = a.port
+    b.start()
+    n = 120
+    for i in range(n):  # a connection each: the kernel picks a listener per connection
+        with smtplib.SMTP("127.0.0.1", a.port, timeout=30) as s:
+            s.sendmail("app@example.com", [f"u{i}@example.org"], make_message(i))
+    up.wait_for(n, timeout=60)
+    time.sleep(0.5)
+    assert sorted(m.rcpt_tos[0] for m in up.received) == sorted(
+        f"u{i}@example.org" for i in range(n)
+    )
+    took = {
+        r.config["fleet"]["node"]: sum(1 for e in r.events() if e.get("event") == "accepted")
+        for r in (a, b)
+    }
+    assert took["host-a"] > 0 and took["host-b"] > 0, took
+    assert took["host-a"] + took["host-b"] == n
+    assert sorted(x["node"] for x in a.cli_json("fleet")) == ["host-a", "host-b"]

@@ -143,3 +143,52 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     ours = [line for line in output.splitlines() if "relay.service" in line]
     assert proc.returncode == 0, output
     assert ours == [], "\n".join(ours)
+
+
+TEMPLATE = UNIT.parent / "relay@.service"
+
+
+def test_the_fleet_template_is_the_unit_with_the_instance_name() -> None:
+    """relay@.service (several daemons on one machine, one PostgreSQL spool) is relay.service
+    but for its instance name in the config file, the state directory, the journal tag and
+    the description: a hardening or lifecycle change to one cannot miss the other."""
+    unit, template = parse_unit(UNIT.read_text()), parse_unit(TEMPLATE.read_text())
+    differs = {
+        (sec, key)
+        for sec in unit.keys() | template.keys()
+        for key in unit.get(sec, {}).keys() | template.get(sec, {}).keys()
+        if unit.get(sec, {}).get(key) != template.get(sec, {}).get(key)
+    }
+    assert differs == {
+        ("Unit", "Description"),
+        ("Service", "ExecStart"),
+        ("Service", "StateDirectory"),
+        ("Service", "SyslogIdentifier"),
+    }
+    assert _one(template, "Service", "ExecStart").endswith("-c /etc/relay/%i.yaml")
+    assert _one(template, "Service", "StateDirectory") == "relay/%i"
+    assert _one(template, "Service", "SyslogIdentifier") == "relay@%i"
+    assert "spool.path: /var/lib/relay/%i" in TEMPLATE.read_text()
+
+
+def test_systemd_analyze_verify_template(tmp_path: Path) -> None:
+    if not SYSTEMD_ANALYZE.exists():
+        pytest.skip(f"{SYSTEMD_ANALYZE} is not installed; cannot verify the unit file")
+    relay_script = Path(sys.executable).parent / "relay"
+    exe = str(relay_script) if os.access(relay_script, os.X_OK) else "/bin/true"
+    text = re.sub(r"^ExecStart=\S+", f"ExecStart={exe}", TEMPLATE.read_text(), flags=re.M)
+    copy = tmp_path / "relay@.service"
+    copy.write_text(text)
+    inst = tmp_path / "relay@a.service"  # verify needs an instance: a link to the template
+    inst.symlink_to(copy)
+    proc = subprocess.run(
+        [str(SYSTEMD_ANALYZE), "verify", "--man=no", str(inst)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": ""},
+    )
+    output = proc.stdout + proc.stderr
+    ours = [line for line in output.splitlines() if "relay@" in line]
+    assert proc.returncode == 0, output
+    assert ours == [], "\n".join(ours)
