@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import faulthandler
+import fcntl
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
+DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
 PRUNE_EVERY = 600.0
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
@@ -106,11 +108,41 @@ class Daemon:
         self._supervisors: list[asyncio.Task[None]] = []
         self._wake_fd: int | None = None
         self._inbound_ready = 0  # `r` bytes read: inbound processes (re)started listening
+        self._lock_fd: int | None = None  # DAEMON_LOCK, SQLite spools
 
     # --- lifecycle ------------------------------------------------------------------------
 
+    def _lock_spool(self) -> bool:
+        """One daemon per SQLite spool: a second one would take the first one's claims in
+        flight for a crash's leftovers and send them again. (A fleet shares a PostgreSQL
+        spool through leases instead; more SMTP processes on SQLite: inbound.processes.)
+        The lock is held for the life of the process; the kernel drops it at exit."""
+        path = self.config.spool_path
+        path.mkdir(parents=True, exist_ok=True, mode=0o750)
+        fd = os.open(path / DAEMON_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            log_event(
+                log,
+                logging.ERROR,
+                "spool_locked",
+                "another relay daemon runs on this spool; not starting a second one",
+                spool=str(path),
+                pid=holder,
+            )
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        return True
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        if self.config.spool_pg is None and not self._lock_spool():
+            return 75  # EX_TEMPFAIL
         self.writer.on_commit = self._on_commit
         await asyncio.to_thread(self.writer.start)
         if self.config.spool_pg is None:  # a file that can be deleted or replaced under us

@@ -289,3 +289,20 @@ def test_two_daemons_on_one_machine_share_the_smtp_port(
     assert took["host-a"] > 0 and took["host-b"] > 0, took
     assert took["host-a"] + took["host-b"] == n
     assert sorted(x["node"] for x in a.cli_json("fleet")) == ["host-a", "host-b"]
+
+
+def test_a_second_daemon_on_one_sqlite_spool_refuses_to_start(relay: RelayFactory) -> None:
+    """SQLite has no leases: a second daemon would recover the first one's claims in flight
+    as a crash's leftovers and send them again. It says why and exits 75 (EX_TEMPFAIL)."""
+    first = relay(name="first")
+    second = relay(config={"spool": {"path": str(first.spool)}}, name="second", start=False)
+    second.start(wait=False)
+    assert second.proc is not None
+    assert second.proc.wait(30) == 75
+    (ev,) = [e for e in second.events() if e.get("event") == "spool_locked"]
+    assert ev["pid"] == str(first.proc.pid if first.proc else "")
+    assert ev["level"] == "error"
+    assert first.proc is not None and first.proc.poll() is None  # the first runs on
+    assert first.stop() == 0
+    second.start()  # the lock went with the first one
+    assert second.stop() == 0
