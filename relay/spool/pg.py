@@ -184,7 +184,7 @@ class PgConnection:
                 cur = self._conn.execute(query, params)
             except psycopg.Error as e:
                 raise _wrap(e) from e
-            if query == "COMMIT" and cur.statusmessage == "ROLLBACK":
+            if cur.statusmessage == "ROLLBACK" and query.strip().upper() == "COMMIT":
                 # PostgreSQL answers COMMIT in a failed transaction with a ROLLBACK, not an
                 # error: every job of the batch would be reported written, and none is
                 raise sqlite3.OperationalError("postgresql: the transaction was rolled back")
