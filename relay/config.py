@@ -844,6 +844,15 @@ class FleetConf:
 
 
 @dataclass(frozen=True, slots=True)
+class OutboxConf:
+    """outbox: the transactional outbox table on a PostgreSQL spool (relay/outbox.py)."""
+
+    enabled: bool = False
+    poll_interval: float = 1.0
+    batch: int = 100
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     path: Path | None
     hostname: str
@@ -877,6 +886,7 @@ class Config:
     # spool.backend: postgresql: where the spool lives (None: SQLite under spool_path)
     spool_pg: PgSpool | None = None
     fleet: FleetConf = field(default_factory=lambda: FleetConf())
+    outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -1028,6 +1038,18 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError("fleet.lease: at least 3s (it is renewed every lease/3)")
     fl.finish()
     spool.finish()
+    ob = _Reader(top.get("outbox"), "outbox")
+    outbox = OutboxConf(
+        enabled=ob.get("enabled") is not None and ob.boolean("enabled"),
+        poll_interval=ob.opt_duration("poll_interval") or 1.0,
+        batch=ob.opt_int("batch", 1) or 100,
+    )
+    if outbox.enabled and spool_pg is None:
+        raise ConfigError(
+            "outbox.enabled: the outbox is a table of a PostgreSQL spool"
+            " (spool.backend: postgresql)"
+        )
+    ob.finish()
 
     dedup = _Reader(top.get("dedup"), "dedup")
     dedup_window = dedup.duration("window")
@@ -1297,6 +1319,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         dkim=dkim_keys,
         spool_pg=spool_pg,
         fleet=fleet,
+        outbox=outbox,
         inbound_processes=inbound_processes,
     )
 

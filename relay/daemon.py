@@ -54,6 +54,7 @@ from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
+from relay.outbox import Outbox
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
@@ -109,6 +110,7 @@ class Daemon:
         self._wake_fd: int | None = None
         self._inbound_ready = 0  # `r` bytes read: inbound processes (re)started listening
         self._lock_fd: int | None = None  # DAEMON_LOCK, SQLite spools
+        self.outbox: Outbox | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -217,6 +219,9 @@ class Daemon:
             loop.add_signal_handler(sig, fn)
         if self.config.inbound_processes:
             await self._start_inbound(loop)
+        if self.config.outbox.enabled:  # README "The transactional outbox"
+            self.outbox = Outbox(lambda: self.config, self.writer, self.engine.wake)
+            self.outbox.start()
         await self.check_health()
         self._tasks = [
             loop.create_task(self.engine.run(), name="engine"),
@@ -276,6 +281,8 @@ class Daemon:
         # the listeners stay open while deliveries drain: a new client gets 421 4.3.2, not a
         # refused connection (RFC 5321 §3.8)
         assert self.engine is not None
+        if self.outbox is not None:  # no new rows taken while the engine drains
+            await self.outbox.stop()
         await self.engine.stop(max(0.0, deadline - time.monotonic()))
         if self.engine.mta_sts is not None:
             await self.engine.mta_sts.aclose()

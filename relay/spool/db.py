@@ -238,6 +238,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (node, scope)
     );
     """,
+    # 7 -> 8: the transactional outbox, `relay_outbox` (relay/outbox.py): PostgreSQL only
+    # (pg.PG_MIGRATIONS[7]); nothing on SQLite
+    """
+    """,
 ]
 
 

@@ -253,4 +253,29 @@ def migrate(conn: PgConnection) -> int:
 
 
 # statements a migration needs on PostgreSQL only, after its shared ones (by version)
-PG_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+# the transactional outbox (relay/outbox.py, README): an application writes these rows
+OUTBOX_TABLE = (
+    """
+    CREATE TABLE relay_outbox (
+        id              bigserial PRIMARY KEY,
+        idempotency_key text NOT NULL UNIQUE,
+        sender          text NOT NULL DEFAULT '',
+        recipients      text[] NOT NULL,
+        message         bytea NOT NULL,
+        lane            text NOT NULL DEFAULT 'transactional',
+        created_at      timestamptz NOT NULL DEFAULT now(),
+        state           text NOT NULL DEFAULT 'pending' CHECK (state IN
+                          ('pending', 'queued', 'delivered', 'failed', 'rejected', 'duplicate')),
+        attempts        integer NOT NULL DEFAULT 0,
+        next_attempt_at timestamptz,
+        upstream_id     text,
+        last_error      text,
+        queue_id        text,
+        updated_at      timestamptz
+    )
+    """,
+    "CREATE INDEX relay_outbox_open ON relay_outbox (id) WHERE state IN ('pending', 'queued')",
+)
+
+
+PG_MIGRATIONS: dict[int, tuple[str, ...]] = {7: OUTBOX_TABLE}
