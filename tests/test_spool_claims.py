@@ -50,6 +50,8 @@ def conn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sqlite3.Con
         ([(T, "a.test")], [], INF, ["t-b1", "b-b2", "b-a1", "b-b1"]),
         ([(T, "b.test"), (B, "b.test")], [], INF, ["t-a2", "t-a1", "b-a1"]),
         ([(T, None), (B, None)], [], INF, []),
+        ([(T, "b.test"), (B, None)], [], INF, ["t-a2", "t-a1"]),  # both kept
+        ([(B, None), (T, "b.test")], [], INF, ["t-a2", "t-a1"]),
         ([(T, None), (B, None)], [], OLD, []),  # full queues: not even the expired
         ([], [(B, None)], INF, ["t-a2", "t-a1", "t-b1"]),
         ([], [(B, None)], OLD, ["t-a2", "t-a1", "t-b1", "b-b2"]),

@@ -231,7 +231,6 @@ def claim_due(
                 " AND coalesce(r.retry_base, m.created_at) > ?)"
             )
             params.extend((prio, domain, expired_before))
-    params.append(limit)
     # one range of the recipients_due index per lane, in lane order: the partial index is
     # used only when the query spells its WHERE the same way, and without it every claim
     # scanned and sorted every due recipient (34 ms per claim, in the writer, at 100,000)
@@ -252,7 +251,7 @@ def claim_due(
             + where
             + " ORDER BY r.next_attempt_at LIMIT ?"
             + lock,
-            [prio, *params[:-1], limit - len(rows)],
+            [prio, *params, limit - len(rows)],
         ).fetchall()
     if not rows:
         return []
