@@ -386,3 +386,39 @@ def test_a_commit_postgresql_turned_into_a_rollback_is_a_failure(pg_dsn: str) ->
         c.execute("COMMIT")
     assert c.execute("SELECT count(*) FROM runtime WHERE name = 'a'").fetchone()[0] == 0
     c.close()
+
+
+def test_a_node_as_the_cli_shows_it(conn: sqlite3.Connection) -> None:
+    """`relay fleet --json`: every field, the alive edge (a beat exactly `within` ago is
+    alive), the age to the millisecond, never negative (a clock a little behind)."""
+    run(conn, ops.heartbeat, "n1", T0, T0 + 10.12345, 2, {"pid": 7, "host": "h"})
+    stored = conn.execute("SELECT info FROM nodes").fetchone()[0]
+    assert stored == '{"host": "h", "pid": 7}'  # sorted keys: one text per state
+    (node,) = ops.list_nodes(conn, T0 + 40.12345, 30)
+    assert node == {
+        "node": "n1",
+        "alive": True,
+        "started_at": ops.iso_utc(T0),
+        "heartbeat_at": ops.iso_utc(T0 + 10.12345),
+        "heartbeat_age": 30.0,
+        "inflight": 2,
+        "claims": 0,
+        "pid": 7,
+        "host": "h",
+    }
+    assert ops.list_nodes(conn, T0 + 40.2, 30)[0]["alive"] is False
+    assert ops.list_nodes(conn, T0 + 10.5, 30)[0]["heartbeat_age"] == 0.377
+    assert ops.list_nodes(conn, T0 + 10, 30)[0]["heartbeat_age"] == 0.0  # behind: not < 0
+
+
+def test_a_dead_nodes_single_hold_counts_one(conn: sqlite3.Connection) -> None:
+    day = "2026-12-04"
+    run(conn, ops.ceiling_take, "dead", day, {"dest:x.test": (10, 1)}, T0 + 10)
+    run(conn, ops.ceiling_take, "dead", day, {"dest:y.test": (10, 1)}, T0 + 10)
+    conn.execute("BEGIN")
+    conn.execute("UPDATE ceiling_holds SET n = 0 WHERE scope = 'dest:y.test'")
+    conn.execute("COMMIT")
+    run(conn, ops.reclaim_expired, T0 + 11, "me", day)
+    # one recipient held counts as one sent; an empty hold adds nothing
+    assert ops.daily_counts(conn, day) == {"dest:x.test": 1, "dest:y.test": 0}
+    assert holds(conn) == {}
