@@ -81,7 +81,9 @@ def test_sigkill_loses_nothing_and_the_restart_delivers_the_rest(
     upstream: UpFactory, relay: RelayFactory, pg_dsn: str
 ) -> None:
     up = upstream()
-    r = relay(upstream=up, config=pg_config(pg_dsn))
+    # a stable fleet.node: the restarted daemon takes its own claims back at once (under
+    # the default name, <hostname>:<pid>, they come back when their lease expires)
+    r = relay(upstream=up, config={**pg_config(pg_dsn), "fleet": {"node": "one"}})
     n = 40
     for i in range(n):
         data = make_message(i, message_id=f"<k{i}@app.example>")
