@@ -56,7 +56,7 @@ from aiosmtpd.smtp import (
 
 from relay import address as address_
 from relay import auth as auth_
-from relay import dedup, faults, longlines, smtpd_adapter
+from relay import dedup, faults, longlines, shaping, smtpd_adapter
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
@@ -957,14 +957,8 @@ class InboundHandler(AuthMechanisms):
         return "451 4.3.0 Spool unavailable; message not accepted, try again later"
 
     def identity_of(self, sender: str) -> str:
-        """The sending identity of an envelope sender (`shaping.identity_by`): daily ceilings,
-        scoped suppression (complaints, unsubscribes) and feedback rates are kept per identity."""
-        sender = "" if sender == "<>" else sender
-        return (
-            sender.rpartition("@")[2].lower()
-            if self.config.shaping.identity_by == "sender_domain"
-            else sender.lower()
-        ) or "<>"
+        """The sending identity of an envelope sender (shaping.sending_identity)."""
+        return shaping.sending_identity(self.config.shaping.identity_by, sender)
 
     def _namespace(self, session: Session) -> str:
         user = getattr(session, "auth_data", None)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relay import dedup
+from relay import dedup, longlines, shaping
 from relay.address import AddressError, check_mailbox
 from relay.config import Config
 from relay.lanes import LANE_PRIORITY
@@ -96,8 +96,6 @@ def prepare(
     data = data.replace(b"\n", b"\r\n")
     if not data.endswith(b"\r\n"):
         data += b"\r\n"
-    from relay import longlines
-
     data = longlines.conform(data) or data
     end = data.find(b"\r\n\r\n")
     head = data if end < 0 else data[: end + 4]
@@ -116,11 +114,7 @@ def prepare(
         f" with local id {queue_id};\r\n\t"
     ).encode() + date_header(now)[len(b"Date: ") :]
     body = trace + added + data
-    identity = (
-        sender.rpartition("@")[2].lower()
-        if config.shaping.identity_by == "sender_domain"
-        else sender.lower()
-    ) or "<>"
+    identity = shaping.sending_identity(config.shaping.identity_by, sender)
     msg = ops.NewMessage(
         queue_id=queue_id,
         message_id=dedup.normalize_message_id(mid),

@@ -245,6 +245,16 @@ def warmup_limit(w: Warmup, today: dt.date) -> int | None:
     return min(cap, math.floor(w.initial * w.factor ** (n - 1)))
 
 
+def sending_identity(identity_by: str, sender: str) -> str:
+    """The sending identity of an envelope sender (`shaping.identity_by`): daily ceilings,
+    scoped suppression (complaints, unsubscribes) and feedback rates are kept per identity.
+    `<>` (and an empty sender) is the identity `<>`."""
+    sender = "" if sender == "<>" else sender
+    return (
+        sender.rpartition("@")[2].lower() if identity_by == "sender_domain" else sender.lower()
+    ) or "<>"
+
+
 def effective_daily_limit(daily_limit: int | None, warmup_limit: int | None) -> int | None:
     """The smaller of the configured daily limit and the warm-up limit (``None`` = none)."""
     limits = [v for v in (daily_limit, warmup_limit) if v is not None]

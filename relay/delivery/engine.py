@@ -331,7 +331,7 @@ class Engine:
             now = self.clock()
             day = self.ledger.day_of(now)
             try:
-                self.fleet_size, counts, self.fleet_nodes = await self.writer.run(
+                size, counts, self.fleet_nodes = await self.writer.run(
                     functools.partial(self._beat, now, day, self._inflight)
                 )
             except Exception as e:
@@ -339,8 +339,10 @@ class Engine:
             else:
                 if counts is not None:  # the fleet's deliveries today, for stats and _waiting
                     self.ledger.load(day, counts)
-                for st in self.dests.values():
-                    self.retune(st)
+                if size != self.fleet_size:  # each node's share of the rates changed
+                    self.fleet_size = size
+                    for st in self.dests.values():
+                        self.retune(st)
             await asyncio.sleep(self.lease / 3)
 
     def _beat(
