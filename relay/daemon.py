@@ -753,6 +753,20 @@ class Daemon:
         ]
 
     async def _transition(self, t: health.Transition) -> None:
+        if t.name == "listeners" and (self._stop.is_set() or any(h.closing for h in self.handlers)):
+            # an orderly stop (SIGTERM, systemctl stop): /healthz says 503 so a balancer
+            # drains us, but it is the operator's own action, not an incident: logged at
+            # INFO, no alert (otherwise every restart pages someone)
+            log_event(
+                log,
+                logging.INFO,
+                "health_changed",
+                f"{t.name} is {t.new}",
+                check=t.name,
+                was=t.old,
+                detail=t.detail,
+            )
+            return
         if t.new == "ok":
             log_event(
                 log,

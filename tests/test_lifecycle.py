@@ -221,6 +221,14 @@ def test_sigterm_returns_slow_deliveries_at_shutdown_timeout(upstream, relay) ->
     assert r.proc.wait(timeout=25) == 0
     assert time.monotonic() - started < 20  # generous: shutdown_timeout is 2 s
     assert up.received == []
+    # the health passes during the 2 s of the stop saw the listeners refusing (421): an
+    # orderly stop is logged at INFO and raises no alert, so a restart pages nobody
+    stopping = [
+        e for e in r.events() if e.get("event") == "health_changed" and e["check"] == "listeners"
+    ]
+    assert stopping, "no health pass during the 2 s stop"
+    assert {e["level"] for e in stopping} == {"info"}, stopping
+    assert not [a for a in r.cli_json("alerts") if a["key"] == "listeners"]
     rows = r.cli_json("queue", "list")
     assert sorted(rc["state"] for m in rows for rc in m["recipients"]) == ["deferred"] * 3
     up.stall = {}
