@@ -18,8 +18,9 @@ Rules:
   998 octets re-encoded, Message-ID (derived from the idempotency key, so it is stable) and
   Date added when missing, a Received trace naming the row.
 - A row the relay cannot send (a bad address, no recipient, too big, an unknown lane, an
-  invalid key) is `rejected` with last_error, logged at ERROR (`outbox_rejected`), and
-  never retried: the application fixes it and inserts a new row.
+  invalid key) is `rejected` with last_error, logged at ERROR (`outbox_rejected`), alerted
+  (event `outbox_rejected`, recorded in the same transaction), and never retried: the
+  application fixes it and inserts a new row.
 - Write-back: every pass, each `queued` row whose recipients changed gets their progress:
   attempts (the most of any recipient), next_attempt_at (the soonest), upstream_id (the ids
   the upstream gave), last_error (per recipient not delivered); `delivered` when every
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relay import dedup, longlines, shaping
+from relay import alerts, dedup, longlines, shaping
 from relay.address import AddressError, check_mailbox
 from relay.config import Config
 from relay.lanes import LANE_PRIORITY
@@ -156,6 +157,21 @@ def take(conn: Any, config: Config, batch: int) -> Taken:
         except Rejected as e:
             _set(conn, row_id, "rejected", last_error=str(e))
             out.rejected.append((row_id, str(e)))
+            # no silent path: the alert is recorded in the same transaction as the state
+            # (coalesced per alerts.coalesce: a bad deploy's thousand rows make one alert)
+            alerts.record(
+                conn,
+                alerts.Event(
+                    "outbox_rejected",
+                    "warning",
+                    "outbox",
+                    f"outbox row {row_id} rejected: {e}",
+                    {"outbox_id": row_id, "reason": str(e)},
+                ),
+                time.time(),
+                config.alerts.coalesce,
+                alerts.sinks_of(config.alerts),
+            )
             continue
         res = ops.accept(conn, msg, config.dedup_window)
         if res.queue_id is None:

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from relay import outbox
+from relay.alerts import recent
 from relay.config import ConfigError, load_config
 from relay.spool import db, ops, pg
 from tests.harness import RelayProcess, Upstream
@@ -184,7 +185,17 @@ def test_rejected_rows_are_marked_and_the_rest_of_the_batch_goes(
     assert rows["bad"]["state"] == "rejected" and rows["bad"]["queue_id"] is None
     assert rows["bad"]["last_error"].startswith("recipient 'nobody'")
     assert rows["good"]["state"] == "queued"
+    # no silent path: one alert, recorded in the pass's own transaction (take commits)
+    [alert] = recent(conn, 10)
+    assert (alert["event"], alert["severity"], alert["key"], alert["count"]) == (
+        "outbox_rejected",
+        "warning",
+        "outbox",
+        1,
+    )
+    assert alert["summary"].startswith(f"outbox row {taken.rejected[0][0]} rejected: recipient")
     assert take(conn, config).rejected == []  # never retried
+    assert recent(conn, 10)[0]["count"] == 1
 
 
 def test_two_relays_taking_one_outbox_never_take_the_same_row(
