@@ -278,6 +278,9 @@ class RelaySMTP(SMTP):
         transport.close()
         if self._handler_coroutine is not None:  # as aiosmtpd's QUIT: read no more commands
             self._handler_coroutine.cancel()
+            reader = getattr(self, "_reader", None)
+            if reader is not None:  # not even those already received
+                smtpd_adapter.discard_unread(reader)
         self._relay_handler.guard.session_closed(
             reason, self._relay_peer_ip or "?", self.relay_listener.name
         )

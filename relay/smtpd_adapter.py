@@ -11,7 +11,8 @@ Rules:
     the strict line discipline below.
   * `SMTP._reset_timeout()` / `_set_post_data_state()`: our `smtp_DATA` keeps the idle
     timer alive while bytes arrive and resets the transaction after the final dot.
-  * `asyncio.StreamReader._buffer`: to put back what a block read took past the final dot.
+  * `asyncio.StreamReader._buffer`: to put back what a block read took past the final dot,
+    and to drop pipelined commands after our 421.
   * `aiosmtpd.smtp.inspect` / `aiosmtpd.smtp.dir`: module globals that `SMTP.__init__`
     calls per connection; replaced with per-class caches (CPU, see `_ClassInspect`).
 - The strict line discipline (RFC 5321 §2.3.8: lines end with CRLF; a bare CR or LF is
@@ -118,6 +119,15 @@ def unread(reader: asyncio.StreamReader, data: bytes) -> None:
     is a bytearray we prepend to (checked by `check()`)."""
     buf: bytearray = reader._buffer  # type: ignore[attr-defined]
     buf[0:0] = data
+
+
+def discard_unread(reader: asyncio.StreamReader) -> None:
+    """Drop the commands a client pipelined that were not read yet: after our 421 the
+    session must act on none of them (RFC 5321 §3.8). Cancelling the command loop is not
+    enough: the cancel lands at its next real wait, and reading a line that is already
+    buffered does not wait."""
+    buf: bytearray = reader._buffer  # type: ignore[attr-defined]
+    buf.clear()
 
 
 def reader_of(proto: SMTP) -> asyncio.StreamReader:
