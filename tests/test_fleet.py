@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import pytest
 
+from relay.delivery import engine
 from relay.model import RcptState
 from relay.spool import db, ops, pg
 from tests.pgserver import BACKENDS, open_backend
@@ -66,8 +67,8 @@ def test_expired_leases_of_other_nodes_come_back_and_own_ones_do_not(
     run(conn, ops.claim_due, T0 + 1, 1, owner="dead", lease_until=T0 + 10)
     run(conn, ops.claim_due, T0 + 1, 1, owner="me", lease_until=T0 + 10)
     run(conn, ops.claim_due, T0 + 1, 1, owner="alive", lease_until=T0 + 100)
-    assert run(conn, ops.reclaim_expired, T0 + 9.9, "me") == 0  # nothing expired yet
-    assert run(conn, ops.reclaim_expired, T0 + 11, "me") == 1  # dead's only
+    assert run(conn, ops.reclaim_expired, T0 + 9.9, "me", "2026-12-04") == 0  # nothing expired yet
+    assert run(conn, ops.reclaim_expired, T0 + 11, "me", "2026-12-04") == 1  # dead's only
     states = {a: lease_of(conn, a) for a in ("a@x.test", "b@x.test", "c@x.test")}
     assert states["a@x.test"] == (None, None, "deferred")
     assert rcpt(conn, "a@x.test")["reason"] == "recovered: lease of dead expired"
@@ -409,6 +410,19 @@ def test_a_node_as_the_cli_shows_it(conn: sqlite3.Connection) -> None:
     assert ops.list_nodes(conn, T0 + 40.2, 30)[0]["alive"] is False
     assert ops.list_nodes(conn, T0 + 10.5, 30)[0]["heartbeat_age"] == 0.377
     assert ops.list_nodes(conn, T0 + 10, 30)[0]["heartbeat_age"] == 0.0  # behind: not < 0
+
+
+def test_a_node_starting_counts_a_dead_nodes_holds_in_todays_window(
+    conn: sqlite3.Connection,
+) -> None:
+    """At engine start a fleet node takes back the claims of nodes whose lease ran out; the
+    room they held under the ceilings counts as sent today (it may have been), in the same
+    window the ledger then loads (before the fix: in a window named "", lost)."""
+    day = "2026-12-04"
+    run(conn, ops.ceiling_take, "dead", day, {"dest:x.test": (10, 4)}, T0 + 10)
+    _, counts = run(conn, lambda c: engine._start_up(T0 + 11, day, "me", True, c))
+    assert counts == {"dest:x.test": 4}
+    assert holds(conn) == {}
 
 
 def test_a_dead_nodes_single_hold_counts_one(conn: sqlite3.Connection) -> None:

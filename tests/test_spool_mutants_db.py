@@ -1,7 +1,9 @@
-"""Survivors of the spool mutation run (tests/MUTANTS.md) in `ops.record` and `db.connect`:
-the delivered counts of a pass larger than one 500-id chunk, an outcome whose recipient an
-operator changed meanwhile amid others that still count, and how a SQLite spool directory
-is created (parents, mode) or refused. Spool tests run on SQLite and PostgreSQL."""
+"""Survivors of the spool mutation run (tests/MUTANTS.md) in `ops.record`, `ops.accept`,
+`db.connect` and `db.open_spool`: the delivered counts of a pass larger than one 500-id
+chunk, an outcome whose recipient an operator changed meanwhile amid others that still
+count, a dedup key named twice in one message, a conflict's result, how a SQLite spool
+directory is created (parents, mode) or refused, and the PostgreSQL password file. Spool
+tests run on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from typing import cast
 
 import pytest
 
+from relay.config import PgSpool
 from relay.model import RcptState
 from relay.spool import db, ops
+from relay.spool.pg import PgConnection
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_spool_mutation_ops import T0, put, rcpt, run, set_rcpt
 
@@ -94,3 +98,90 @@ def test_connect_without_create_names_the_missing_spool(tmp_path: Path) -> None:
         db.connect(spool, create=False)
     assert str(e.value) == f"no spool at {db.db_path(spool)}"
     assert not spool.exists()
+
+
+def test_open_spool_without_create_refuses_a_missing_sqlite_spool(tmp_path: Path) -> None:
+    spool = tmp_path / "gone"
+    with pytest.raises(FileNotFoundError, match=r"^no spool at "):
+        db.open_spool(spool, create=False)
+    assert not spool.exists()
+
+
+def test_open_spool_on_postgresql_logs_in_with_the_password_file(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The password comes from spool.password_file (the server here trusts loopback, so the
+    password the connection was opened with is read back from libpq)."""
+    secret = tmp_path / "pg.secret"
+    secret.write_text("s3cret-from-file\n")
+    conn = db.open_spool(tmp_path / "local", PgSpool(dsn=pg_dsn, password_file=secret))
+    try:
+        assert cast(PgConnection, conn)._conn.info.password == "s3cret-from-file"
+        assert conn.execute("SELECT 1").fetchone()[0] == 1
+    finally:
+        conn.close()
+
+
+# --- ops.accept: one message naming the same dedup key twice ----------------------------------
+
+
+def message(
+    qid: str, rcpts: list[tuple[str, str]], content_hash: str | None = None
+) -> ops.NewMessage:
+    return ops.NewMessage(
+        queue_id=qid,
+        message_id=f"{qid.lower()}@app.example",
+        sender="app@example.com",
+        size=10,
+        created_at=T0,
+        client="listener:x",
+        peer="127.0.0.1",
+        lane="transactional",
+        lane_prio=0,
+        identity="example.com",
+        body=b"x",
+        body_path=None,
+        recipients=tuple(
+            ops.NewRecipient(a, a.rpartition("@")[2], k, content_hash) for a, k in rcpts
+        ),
+        listener=None,
+    )
+
+
+def test_a_key_named_twice_in_one_message_queues_its_first_recipient_only(
+    conn: sqlite3.Connection,
+) -> None:
+    """The second recipient with a key already taken by this message is a duplicate, in
+    recipient order, and the recipients after it are still looked at."""
+    run(conn, ops.accept, message("M0", [("old@x.test", "k-old")]), 60)
+    res = run(
+        conn,
+        ops.accept,
+        message(
+            "M1",
+            [("a@x.test", "k1"), ("b@x.test", "k1"), ("c@x.test", "k-old"), ("d@x.test", "k2")],
+        ),
+        60,
+    )
+    assert (res.queue_id, res.queued, res.duplicates) == (
+        "M1",
+        ("a@x.test", "d@x.test"),
+        ("b@x.test", "c@x.test"),
+    )
+
+
+def test_a_conflict_queues_nothing_and_names_the_duplicates_too(
+    conn: sqlite3.Connection,
+) -> None:
+    """An Idempotency-Key reused for other content: nothing of the message is queued; the
+    result names the conflicting recipients and the plain duplicates apart."""
+    run(conn, ops.accept, message("M0", [("a@x.test", "ka"), ("b@x.test", "kb")], "h1"), 60)
+    res = run(
+        conn,
+        ops.accept,
+        message("M1", [("a@x.test", "ka"), ("b@x.test", "kb")], "h2"),
+        60,
+    )
+    assert res == ops.AcceptResult(None, (), (), ("a@x.test", "b@x.test"))
+    res = run(conn, ops.accept, message("M2", [("b@x.test", "kb"), ("a@x.test", "ka")]), 60)
+    assert res == ops.AcceptResult(None, (), ("b@x.test", "a@x.test"), ())

@@ -101,7 +101,7 @@ def _start_up(now: float, day: str, node: str, fleet: bool, c: Any) -> tuple[int
         return ops.recover(c, now), ops.daily_counts(c, day)
     # a fleet: claims of this node's previous life (a stable fleet.node), and those of any
     # node whose lease ran out; live nodes' claims are theirs
-    n = ops.recover(c, now, owner=node) + ops.reclaim_expired(c, now, node)
+    n = ops.recover(c, now, owner=node) + ops.reclaim_expired(c, now, node, day)
     return n, ops.daily_counts(c, day)
 
 

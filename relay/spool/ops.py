@@ -273,7 +273,7 @@ def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
     ).rowcount
 
 
-def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str = "") -> int:
+def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str) -> int:
     """Claims of other nodes whose lease ran out (the node died or lost the database) are
     due again. Never `owner`'s own: it renews them while it runs, so a late renewal of its
     own must not turn its work in flight into a second copy. The room such a node held
