@@ -280,6 +280,44 @@ def test_a_dead_nodes_holds_count_as_sent_and_a_clean_stop_frees_them(
     assert holds(conn) == {("me", "dest:x.test"): 5}
 
 
+def test_a_node_taking_room_waits_for_the_node_holding_the_counter(pg_dsn: str) -> None:
+    """The counter row is locked while a node takes room: a second node's take waits for
+    the first one's commit and then sees its hold (without the lock it would read the
+    committed state from before, grant the same room again and pass the ceiling)."""
+    day = "2026-12-04"
+    a, b = pg.connect(pg_dsn), pg.connect(pg_dsn)
+    got: dict[str, int] = {}
+    try:
+        # the day's counter row exists already (the usual case: only the first take of a
+        # day creates it, and a row being inserted makes the other insert wait anyway)
+        a.execute("BEGIN")
+        assert ops.ceiling_take(a, "C", day, {"dest:x.test": (10, 0)}, T0 + 30) == {
+            "dest:x.test": 0
+        }
+        a.execute("COMMIT")
+        a.execute("BEGIN")
+        assert ops.ceiling_take(a, "A", day, {"dest:x.test": (10, 10)}, T0 + 30) == {
+            "dest:x.test": 10
+        }
+
+        def take_b() -> None:
+            b.execute("BEGIN")
+            got.update(ops.ceiling_take(b, "B", day, {"dest:x.test": (10, 10)}, T0 + 30))
+            b.execute("COMMIT")
+
+        t = threading.Thread(target=take_b)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive(), f"B took room while A held the counter: {got}"
+        a.execute("COMMIT")
+        t.join(10)
+        assert not t.is_alive()
+        assert got == {"dest:x.test": 0}
+    finally:
+        a.close()
+        b.close()
+
+
 def test_nodes_taking_room_at_once_never_exceed_the_ceiling(pg_dsn: str) -> None:
     """Four nodes race for room under one ceiling, a few recipients at a time, delivering
     some and releasing the rest as they go: the ceiling is met exactly, never passed."""
