@@ -11,6 +11,7 @@ not a (host, port) pair, and a bare status given its enhanced code."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
 import threading
@@ -524,3 +525,50 @@ async def test_a_peer_given_as_a_string_is_checked_as_an_address(start: Start) -
     assert r.handler.peer_allowed(session_from("10.1.2.3", loop))
     assert not r.handler.peer_allowed(session_from("10.2.0.1", loop))
     assert not r.handler.peer_allowed(session_from("/run/app.sock", loop))
+
+
+# --- after the first pass of triage (tests/MUTANTS.md) -------------------------------------------
+
+
+async def test_any_other_hook_error_is_logged_with_its_type_and_answered_451(
+    start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception in a hook that is not a failed handshake: a temporary 451 (never
+    aiosmtpd's permanent 500, so the client retries) and one ERROR line naming it."""
+    r = await start()
+    with caplog.at_level(logging.ERROR, logger="relay.inbound"):
+        reply = await r.handler.handle_exception(RuntimeError("boom"))
+    assert reply == "451 4.3.0 Internal error; message not accepted, try again later"
+    assert [(x.levelname, x.getMessage()) for x in caplog.records if x.name == "relay.inbound"] == [
+        ("ERROR", "inbound session error: RuntimeError: boom")
+    ]
+
+
+async def test_a_suppression_for_the_null_senders_identity_binds_bounces_only(
+    start: Start,
+) -> None:
+    """The sending identity of `MAIL FROM:<>` is `<>`: an entry scoped to it refuses the
+    recipient of a null-sender message, and not that of another sender."""
+    supp = Suppressions()
+    supp.add_local("x@example.org", "no bounces here", 1_700_000_000.0, scope="<>")
+    r = await start(suppressions=supp)
+    c = await r.connect()
+    assert (await c.cmd("MAIL FROM:<>"))[0] == 250
+    assert await c.cmd("RCPT TO:<x@example.org>") == (
+        550,
+        "550 5.1.1 Recipient is suppressed since 2023-11-14T22:13:20Z: no bounces here",
+    )
+    assert (await c.cmd("RSET"))[0] == 250
+    assert (await c.cmd("MAIL FROM:<app@example.com>"))[0] == 250
+    assert (await c.cmd("RCPT TO:<x@example.org>"))[0] == 250
+
+
+async def test_a_client_that_half_closes_still_gets_its_replies(start: Start) -> None:
+    """A client that sends its last command and shuts its side (EOF) still reads the reply:
+    the connection stays half-open until the command loop has answered (aiosmtpd's
+    eof_received, which the relay's wraps)."""
+    r = await start()
+    c = await r.connect()
+    c.writer.write(b"NOOP\r\n")
+    c.writer.write_eof()
+    assert await asyncio.wait_for(c.reader.read(), WAIT) == b"250 2.0.0 OK\r\n"
