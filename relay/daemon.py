@@ -753,41 +753,29 @@ class Daemon:
         ]
 
     async def _transition(self, t: health.Transition) -> None:
-        if t.name == "listeners" and (self._stop.is_set() or any(h.closing for h in self.handlers)):
-            # an orderly stop (SIGTERM, systemctl stop): /healthz says 503 so a balancer
-            # drains us, but it is the operator's own action, not an incident: logged at
-            # INFO, no alert (otherwise every restart pages someone)
-            log_event(
-                log,
-                logging.INFO,
-                "health_changed",
-                f"{t.name} is {t.new}",
-                check=t.name,
-                was=t.old,
-                detail=t.detail,
-            )
+        # an orderly stop (SIGTERM, systemctl stop) turns the listeners critical: /healthz
+        # says 503 so a balancer drains us, but it is the operator's own action, not an
+        # incident: logged at INFO, no alert (otherwise every restart pages someone)
+        stopping = t.name == "listeners" and (
+            self._stop.is_set() or any(h.closing for h in self.handlers)
+        )
+        ok = t.new == "ok"
+        log_event(
+            log,
+            logging.INFO
+            if ok or stopping
+            else (logging.ERROR if t.new == "critical" else logging.WARNING),
+            "health_resolved" if ok else "health_changed",
+            f"{t.name} is ok again" if ok else f"{t.name} is {t.new}",
+            check=t.name,
+            was=t.old,
+            detail=t.detail,
+        )
+        if stopping:
             return
-        if t.new == "ok":
-            log_event(
-                log,
-                logging.INFO,
-                "health_resolved",
-                f"{t.name} is ok again",
-                check=t.name,
-                was=t.old,
-                detail=t.detail,
-            )
+        if ok:
             ev = alerts.Event("resolved", "info", t.name, f"{t.name} ok again: {t.detail}")
         else:
-            log_event(
-                log,
-                logging.ERROR if t.new == "critical" else logging.WARNING,
-                "health_changed",
-                f"{t.name} is {t.new}",
-                check=t.name,
-                was=t.old,
-                detail=t.detail,
-            )
             name = "health"
             if t.name.startswith("destination:") and "refused our configuration" in t.detail:
                 name = "upstream_config_error"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import re
+import socket
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,30 @@ UNAVAILABLE = "451 4.3.0 Spool unavailable; message not accepted, try again late
 FULL = "452 4.3.1 Insufficient system storage; try again later"
 INTERNAL = "451 4.3.0 Internal error; message not accepted, try again later"
 QUEUED = re.compile(r"^250 2\.0\.0 Ok: queued as ([0-9A-F]{16})$")
+
+
+async def serve(
+    handler: InboundHandler, ssl: Any = None, sndbuf: int | None = None
+) -> tuple[asyncio.Server, int]:
+    """The handler's protocol on a free loopback port (with `sndbuf`, a small send buffer
+    that the accepted connections inherit)."""
+    server = await asyncio.get_running_loop().create_server(
+        handler.protocol, host="127.0.0.1", port=0, ssl=ssl
+    )
+    if sndbuf is not None:
+        server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def shut_down(made: list[tuple[Relay, asyncio.Server]]) -> None:
+    """Close what `serve` started: the clients, the listener, the guard and the writer."""
+    for relay, server in made:
+        for c in relay.clients:
+            await c.close()
+        server.close()
+        await server.wait_closed()
+        relay.handler.guard.close()
+        relay.writer.close()
 
 
 @pytest.fixture(autouse=True)
@@ -199,21 +224,13 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
             stats=stats,
             gate=gate,
         )
-        server = await asyncio.get_running_loop().create_server(
-            handler.protocol, host="127.0.0.1", port=0
-        )
-        port = server.sockets[0].getsockname()[1]
+        server, port = await serve(handler)
         relay = Relay(config, config.spool_path, writer, handler, port, queued)
         made.append((relay, server))
         return relay
 
     yield factory
-    for relay, server in made:
-        for c in relay.clients:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        relay.writer.close()
+    await shut_down(made)
 
 
 # --- the accept path ------------------------------------------------------------------------

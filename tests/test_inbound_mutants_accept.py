@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from relay import faults, inbound, unsubscribe
-from relay.config import from_mapping
+from relay.config import Config, from_mapping
 from relay.feedback.service import FeedbackService
-from relay.inbound import InboundHandler, Suppressions
+from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.message import rfc5322_date
 from relay.metrics import Metrics
 from relay.spool.writer import SpoolWriter
@@ -33,6 +33,8 @@ from tests.test_inbound_inprocess import (
     Relay,
     events,
     message,
+    serve,
+    shut_down,
 )
 
 BOUNCES = "bounces@relay.test"
@@ -45,6 +47,33 @@ NOT_A_REPORT = (
     b"From: someone@example.net\r\nTo: root\r\nSubject: hello there\r\n"
     b"Message-ID: <fb1@example.net>\r\n\r\njust a note\r\n"
 )
+
+
+async def handler_with_feedback(
+    config: Config,
+    writer: SpoolWriter,
+    suppressions: Suppressions,
+    queued: list[int],
+    feedback: bool,
+    stats: InboundStats | None = None,
+) -> InboundHandler:
+    """The listener's handler, with a started FeedbackService when `feedback` (feedback
+    mail is taken at DATA, never relayed); every queued message appends to `queued`."""
+    service = None
+    if feedback:
+        service = FeedbackService(
+            lambda: config, writer, Metrics(), lambda: (0.0, []), suppressions.add_local
+        )
+        await service.start()
+    return InboundHandler(
+        config,
+        config.listen[0],
+        writer,
+        suppressions,
+        on_queued=lambda: queued.append(1),
+        stats=stats,
+        feedback=service,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -76,37 +105,15 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         config = from_mapping(deep_merge(base, cfg or {}), tmp_path)
         writer = SpoolWriter(config.spool_path)
         writer.start()
-        suppressions = Suppressions()
-        service = None
-        if feedback:
-            service = FeedbackService(
-                lambda: config, writer, Metrics(), lambda: (0.0, []), suppressions.add_local
-            )
-            await service.start()
         queued: list[int] = []
-        handler = InboundHandler(
-            config,
-            config.listen[0],
-            writer,
-            suppressions,
-            on_queued=lambda: queued.append(1),
-            feedback=service,
-        )
-        server = await asyncio.get_running_loop().create_server(
-            handler.protocol, host="127.0.0.1", port=0
-        )
-        port = server.sockets[0].getsockname()[1]
+        handler = await handler_with_feedback(config, writer, Suppressions(), queued, feedback)
+        server, port = await serve(handler)
         relay = Relay(config, config.spool_path, writer, handler, port, queued)
         made.append((relay, server))
         return relay
 
     yield factory
-    for relay, server in made:
-        for c in relay.clients:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        relay.writer.close()
+    await shut_down(made)
 
 
 def qid_of(text: str) -> str:

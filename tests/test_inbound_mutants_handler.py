@@ -26,14 +26,23 @@ from aiosmtpd.smtp import Envelope, Session, TLSSetupException
 
 from relay import auth, faults, inbound
 from relay.config import from_mapping
-from relay.feedback.service import FeedbackService
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.metrics import Metrics
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
 from relay.tls_listener import implicit_context
 from tests.harness import deep_merge
-from tests.test_inbound_inprocess import MSG, QUEUED, WAIT, Client, Relay, message
+from tests.test_inbound_inprocess import (
+    MSG,
+    QUEUED,
+    WAIT,
+    Client,
+    Relay,
+    message,
+    serve,
+    shut_down,
+)
+from tests.test_inbound_mutants_accept import handler_with_feedback
 
 LISTENER = "127.0.0.1:2525"
 BOUNCES = "bounces@relay.test"
@@ -120,43 +129,21 @@ async def start(tmp_path: Path, ca: trustme.CA) -> AsyncIterator[Start]:
         config = from_mapping(deep_merge(base, cfg or {}), tmp_path)
         writer = SpoolWriter(config.spool_path)
         writer.start()
-        suppressions = suppressions or Suppressions()
-        service = None
-        if feedback:
-            service = FeedbackService(
-                lambda: config, writer, Metrics(), lambda: (0.0, []), suppressions.add_local
-            )
-            await service.start()
         queued: list[int] = []
-        handler = InboundHandler(
-            config,
-            config.listen[0],
-            writer,
-            suppressions,
-            on_queued=lambda: queued.append(1),
-            stats=stats,
-            feedback=service,
+        handler = await handler_with_feedback(
+            config, writer, suppressions or Suppressions(), queued, feedback, stats
         )
         lst = config.listen[0]
         context = None
         if lst.tls is not None and lst.tls.implicit:
             context = implicit_context(lst.tls, lambda: handler.listener.tls)
-        server = await asyncio.get_running_loop().create_server(
-            handler.protocol, host="127.0.0.1", port=0, ssl=context
-        )
-        port = server.sockets[0].getsockname()[1]
+        server, port = await serve(handler, context)
         relay = Relay(config, config.spool_path, writer, handler, port, queued)
         made.append((relay, server))
         return relay
 
     yield factory
-    for relay, server in made:
-        for c in relay.clients:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        relay.handler.guard.close()
-        relay.writer.close()
+    await shut_down(made)
 
 
 async def connect_tls(r: Relay, ca: trustme.CA) -> Client:

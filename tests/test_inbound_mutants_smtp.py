@@ -27,7 +27,15 @@ from relay.metrics import Metrics
 from relay.spool.writer import SpoolWriter
 from relay.tls_listener import implicit_context
 from tests.harness import deep_merge
-from tests.test_inbound_inprocess import QUEUED, WAIT, Client, Relay, message
+from tests.test_inbound_inprocess import (
+    QUEUED,
+    WAIT,
+    Client,
+    Relay,
+    message,
+    serve,
+    shut_down,
+)
 
 LISTENER = "127.0.0.1:2525"  # the listener's name (its configured address)
 LINE_TOO_LONG = "500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)"
@@ -77,24 +85,14 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         )
         tls = lst.tls
         context = implicit_context(tls, lambda: tls) if tls is not None else None
-        server = await asyncio.get_running_loop().create_server(
-            handler.protocol, host="127.0.0.1", port=0, ssl=context
-        )
-        if sndbuf is not None:  # the connections accepted inherit the listening socket's
-            server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        port = server.sockets[0].getsockname()[1]
+        server, port = await serve(handler, context, sndbuf)
         relay = Started(config, config.spool_path, writer, handler, port, queued)
         relay.metrics = metrics
         made.append((relay, server))
         return relay
 
     yield factory
-    for relay, server in made:
-        for c in relay.clients:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        relay.writer.close()
+    await shut_down(made)
 
 
 def logged(

@@ -7,6 +7,7 @@ tests run on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import stat
@@ -21,6 +22,7 @@ from relay.model import RcptState
 from relay.spool import db, ops
 from relay.spool.pg import PgConnection
 from tests.pgserver import BACKENDS, open_backend
+from tests.test_spool_mutants_more import new_message
 from tests.test_spool_mutation_ops import T0, put, rcpt, run, set_rcpt
 
 
@@ -128,23 +130,11 @@ def test_open_spool_on_postgresql_logs_in_with_the_password_file(
 def message(
     qid: str, rcpts: list[tuple[str, str]], content_hash: str | None = None
 ) -> ops.NewMessage:
-    return ops.NewMessage(
-        queue_id=qid,
-        message_id=f"{qid.lower()}@app.example",
-        sender="app@example.com",
-        size=10,
-        created_at=T0,
-        client="listener:x",
-        peer="127.0.0.1",
-        lane="transactional",
-        lane_prio=0,
-        identity="example.com",
-        body=b"x",
-        body_path=None,
+    return dataclasses.replace(
+        new_message(qid, "unused@x.test", "unused", T0),
         recipients=tuple(
             ops.NewRecipient(a, a.rpartition("@")[2], k, content_hash) for a, k in rcpts
         ),
-        listener=None,
     )
 
 
