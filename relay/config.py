@@ -449,7 +449,7 @@ class ListenerAuth:
 
 @dataclass(frozen=True, slots=True)
 class Listener:
-    name: str  # "host:port" as written: the dedup namespace for unauthenticated clients
+    name: str  # "host:port" as written
     host: str
     port: int
     allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
@@ -457,6 +457,9 @@ class Listener:
     tls: ListenerTLS | None = None
     require_tls: bool = False  # MAIL (anything but EHLO/NOOP/QUIT) needs STARTTLS first
     auth: ListenerAuth | None = None
+    # the dedup namespace of unauthenticated clients: `namespace:` or, by default, the name;
+    # listeners of a fleet that take the same clients share one (README, fleet)
+    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1369,8 +1372,14 @@ def _listener(item: object, key: str, base: Path) -> Listener:
             f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
             f" or set {key}.auth.allow_plaintext: true (loopback only)"
         )
+    namespace = r.opt_str("namespace")
+    if namespace is not None and not (
+        0 < len(namespace) <= 100 and namespace.isascii() and namespace.isprintable()
+    ):
+        raise ConfigError(f"{key}.namespace: 1 to 100 printable ASCII characters")
     r.finish()
     return Listener(
+        namespace=namespace or addr,
         name=addr,
         host=host,
         port=port,

@@ -970,7 +970,7 @@ class InboundHandler(AuthMechanisms):
             if isinstance(login, bytes):
                 login = login.decode("utf-8", errors="replace")
             return f"user:{login}"
-        return f"listener:{self.listener.name}"
+        return f"listener:{self.listener.namespace or self.listener.name}"
 
 
 def _strip_keyword(arg: str | None, keyword: str) -> str | None:

@@ -400,6 +400,8 @@ class RelayProcess:
             "shutdown_timeout": "10s",
         }
         self.config = deep_merge(base, config)
+        for lst in self.config["listen"]:  # a listener given by the test: "{port}" is ours
+            lst["address"] = lst["address"].replace("{port}", str(self.port))
         self.config_path = workdir / "relay.yaml"
         self.write_config()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

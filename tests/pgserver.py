@@ -7,6 +7,7 @@ sets it) they fail instead, so CI never passes by skipping them."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -58,8 +59,18 @@ def pg_dsn() -> Iterator[str]:
     try:
         yield with_search_path(BASE, schema)
     finally:
-        with psycopg.connect(BASE, autocommit=True) as c:
-            c.execute(f"DROP SCHEMA {schema} CASCADE")
+        # this teardown may run before a test's daemons are stopped (fixtures end in the
+        # reverse order of their set-up): DROP ... CASCADE can then lose a deadlock to a
+        # daemon's transaction; it is run again (the daemon's side commits or is gone)
+        for attempt in range(10):
+            try:
+                with psycopg.connect(BASE, autocommit=True) as c:
+                    c.execute(f"DROP SCHEMA {schema} CASCADE")
+                break
+            except (psycopg.errors.DeadlockDetected, psycopg.errors.LockNotAvailable):
+                if attempt == 9:
+                    raise
+                time.sleep(0.2)
 
 
 BACKENDS = ["sqlite", "postgresql"]

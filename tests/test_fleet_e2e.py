@@ -49,6 +49,10 @@ def test_three_nodes_one_killed_every_message_once(
         "spool": {"backend": "postgresql", "dsn": pg_dsn},
         "fleet": {"lease": f"{LEASE:g}s"},
         "destinations": {"*": {"rate": "unlimited", "max_connections": 4}},
+        # three nodes on one machine listen on three ports: one dedup namespace for the
+        # same clients, as on a fleet whose nodes all listen on 0.0.0.0:2525 (a message
+        # resubmitted to another node after a lost 250 is a duplicate, not a second copy)
+        "listen": [{"address": "127.0.0.1:{port}", "allow": ["127.0.0.0/8"], "namespace": "apps"}],
     }
     nodes = [relay(upstream=up, config=config, name=f"node{i}") for i in range(3)]
     victim = nodes[1]
@@ -357,3 +361,32 @@ def test_an_operator_change_on_one_node_binds_every_node_within_2_seconds(
     up.wait_for(1, timeout=10)
     assert time.monotonic() - t0 < 2 + MARGIN + 1.0  # + one delivery
     assert up.recipients() == ["held@example.org"]
+
+
+def data_reply(port: int, data: bytes) -> tuple[int, bytes]:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.ehlo("client.test")
+        s.mail("app@example.com")
+        s.rcpt("u@example.org")
+        return s.data(data)
+
+
+def test_a_message_resubmitted_to_another_node_of_one_namespace_is_queued_once(
+    upstream: UpFactory, relay: RelayFactory, pg_dsn: str
+) -> None:
+    """Two nodes that listen on different addresses but share `listen[].namespace`: the
+    same message (Message-ID, recipient) submitted to both is queued once; the second
+    node answers the duplicate's 250 (by default each listener address is its own
+    namespace, so that two tenants may reuse a Message-ID)."""
+    up = upstream()
+    shared = {
+        "spool": {"backend": "postgresql", "dsn": pg_dsn},
+        "listen": [{"address": "127.0.0.1:{port}", "allow": ["127.0.0.0/8"], "namespace": "apps"}],
+    }
+    a = relay(upstream=up, config=shared, name="ns-a")
+    b = relay(upstream=up, config=shared, name="ns-b")
+    msg = make_message(1, message_id="<once@app.example>")
+    assert data_reply(a.port, msg)[0] == 250
+    code, text = data_reply(b.port, msg)
+    assert (code, text) == (250, b"2.0.0 Ok: already queued (duplicate suppressed)")
+    assert rows(pg_dsn, "SELECT count(*) FROM recipients")[0][0] == 1
