@@ -450,6 +450,9 @@ class ListenerAuth:
 @dataclass(frozen=True, slots=True)
 class Listener:
     name: str  # "host:port" as written
+    # the dedup namespace of unauthenticated clients: `namespace:`, by default the name;
+    # listeners of a fleet that take the same clients share one (README, fleet)
+    namespace: str
     host: str
     port: int
     allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
@@ -457,9 +460,6 @@ class Listener:
     tls: ListenerTLS | None = None
     require_tls: bool = False  # MAIL (anything but EHLO/NOOP/QUIT) needs STARTTLS first
     auth: ListenerAuth | None = None
-    # the dedup namespace of unauthenticated clients: `namespace:` or, by default, the name;
-    # listeners of a fleet that take the same clients share one (README, fleet)
-    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1379,8 +1379,8 @@ def _listener(item: object, key: str, base: Path) -> Listener:
         raise ConfigError(f"{key}.namespace: 1 to 100 printable ASCII characters")
     r.finish()
     return Listener(
-        namespace=namespace or addr,
         name=addr,
+        namespace=namespace or addr,
         host=host,
         port=port,
         allow=tuple(nets),

@@ -278,9 +278,8 @@ class RelaySMTP(SMTP):
         transport.close()
         if self._handler_coroutine is not None:  # as aiosmtpd's QUIT: read no more commands
             self._handler_coroutine.cancel()
-            reader = getattr(self, "_reader", None)
-            if reader is not None:  # not even those already received
-                smtpd_adapter.discard_unread(reader)
+            # not even those already received (the reader exists: the loop started after it)
+            smtpd_adapter.discard_unread(smtpd_adapter.reader_of(self))
         self._relay_handler.guard.session_closed(
             reason, self._relay_peer_ip or "?", self.relay_listener.name
         )
@@ -970,7 +969,7 @@ class InboundHandler(AuthMechanisms):
             if isinstance(login, bytes):
                 login = login.decode("utf-8", errors="replace")
             return f"user:{login}"
-        return f"listener:{self.listener.namespace or self.listener.name}"
+        return f"listener:{self.listener.namespace}"
 
 
 def _strip_keyword(arg: str | None, keyword: str) -> str | None:

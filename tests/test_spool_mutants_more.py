@@ -6,6 +6,7 @@ already swept when the body is discarded. Each spool test runs on SQLite and Pos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -19,7 +20,8 @@ from relay import dedup
 from relay.spool import bodies, incoming, ops
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_spool_mutation_ops import T0, put, rcpt, run
+from tests.test_spool_mutation_incoming import fed
+from tests.test_spool_mutation_ops import T0, put, rcpt, run, spool_message
 
 HOST = "relay.test"
 
@@ -35,21 +37,10 @@ def conn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sqlite3.Con
 
 
 def new_message(qid: str, address: str, key: str, created_at: float) -> ops.NewMessage:
-    return ops.NewMessage(
-        queue_id=qid,
-        message_id=f"{qid.lower()}@app.example",
-        sender="app@example.com",
-        size=10,
-        created_at=created_at,
-        client="listener:x",
-        peer="127.0.0.1",
-        lane="transactional",
-        lane_prio=0,
-        identity="example.com",
-        body=b"x",
-        body_path=None,
+    """One recipient under the dedup key `key`, arrived at `created_at`."""
+    return dataclasses.replace(
+        spool_message(qid, [address], created_at=created_at, listener=None),
         recipients=(ops.NewRecipient(address, address.rpartition("@")[2], key),),
-        listener=None,
     )
 
 
@@ -95,14 +86,6 @@ def test_a_heartbeat_stores_the_nodes_info_with_sorted_keys(conn: sqlite3.Connec
 
 
 # --- an arriving body ----------------------------------------------------------------------
-
-
-async def fed(tmp_path: Path, chunks: list[bytes], inline_max: int = 1 << 20) -> IncomingBody:
-    body = IncomingBody(tmp_path, inline_max)
-    for c in chunks:
-        await body.add(c)
-    await body.finish()
-    return body
 
 
 @pytest.mark.parametrize(

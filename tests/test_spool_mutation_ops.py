@@ -29,8 +29,7 @@ def conn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sqlite3.Con
     c.close()
 
 
-def put(
-    conn: sqlite3.Connection,
+def spool_message(
     qid: str,
     rcpts: list[str],
     *,
@@ -40,8 +39,9 @@ def put(
     body: bytes | None = b"x",
     body_path: str | None = None,
     listener: str | None = "127.0.0.1:2525",
-) -> None:
-    msg = ops.NewMessage(
+) -> ops.NewMessage:
+    """A message as the spool takes it; each recipient's dedup key is `<qid>/<address>`."""
+    return ops.NewMessage(
         queue_id=qid,
         message_id=f"{qid.lower()}@app.example",
         sender="app@example.com",
@@ -57,6 +57,10 @@ def put(
         recipients=tuple(ops.NewRecipient(r, r.rpartition("@")[2], f"{qid}/{r}") for r in rcpts),
         listener=listener,
     )
+
+
+def put(conn: sqlite3.Connection, qid: str, rcpts: list[str], **kw: Any) -> None:
+    msg = spool_message(qid, rcpts, **kw)
     with db.transaction(conn):
         assert ops.accept(conn, msg, 60).queue_id == qid
 
