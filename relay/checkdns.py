@@ -15,10 +15,12 @@ Rules:
   separators (RFC 7208 §3.3, RFC 6376 §3.6.2.2).
 - No regular expressions: records are parsed by splitting and single left-to-right scans,
   so hostile DNS text costs linear time; digit runs are length-capped before `int()`.
-- The organisational domain is the last two labels of a name (`mail.example.com` ->
-  `example.com`). It is a heuristic without the Public Suffix List: wrong under multi-label
-  suffixes (`example.co.uk` -> `co.uk`), where relaxed alignment may be judged too kindly
-  and the DMARC fallback asks `_dmarc.co.uk`, which is harmless.
+- The organisational domain (RFC 7489 §3.2) is the public suffix plus one label, by the
+  Public Suffix List that the `publicsuffixlist` package carries (offline, both its ICANN
+  and private sections, as OpenDMARC reads it): `mail.example.com` -> `example.com`,
+  `a.example.co.uk` -> `example.co.uk`. A name that is itself a public suffix is its own
+  organisational domain. A name under a suffix the list does not know (`.test`) takes the
+  list's default rule `*`: its last two labels.
 - DKIM keys are those the relay signs with for DOMAIN (d=DOMAIN), so a configured key whose
   DNS record matches always aligns with a From at DOMAIN.
 
@@ -63,6 +65,7 @@ Checks, in this order:
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import urllib.parse
 from collections.abc import Sequence
@@ -76,6 +79,7 @@ import dns.nameserver
 import dns.rdtypes.ANY.MX
 import dns.rdtypes.ANY.TXT
 import dns.resolver
+from publicsuffixlist import PublicSuffixList
 
 from relay.delivery.mx import describe_dns_error, is_null_mx, make_resolver
 
@@ -189,9 +193,15 @@ class _Findings:
 
 
 def org_domain(domain: str) -> str:
-    """The organisational domain by the last-two-labels heuristic (see the module rules)."""
-    labels = domain.strip().rstrip(".").lower().split(".")
-    return ".".join(labels[-2:])
+    """The organisational domain: the public suffix plus one label (see the module rules)."""
+    name = domain.strip().rstrip(".").lower()
+    return _suffixes().privatesuffix(name) or name
+
+
+@functools.cache
+def _suffixes() -> PublicSuffixList:
+    # built once per process, when `relay check-dns` first needs it (parses the bundled list)
+    return PublicSuffixList()
 
 
 def _normalise(domain: str) -> str:

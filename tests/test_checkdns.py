@@ -55,6 +55,11 @@ ZONES: dict[str, NameData] = {
     "_mta-sts.good.test": {"TXT": [txt("v=STSv1; id=20240101T000000")]},
     "_smtp._tls.good.test": {"TXT": [txt("v=TLSRPTv1; rua=mailto:tlsrpt@good.test")]},
     "sub.good.test": {"TXT": [txt("v=spf1 -all")]},
+    # -- under a multi-label public suffix (co.uk): the organisational domain is example.co.uk
+    "example.co.uk": {"TXT": [txt("v=spf1 ip4:192.0.2.0/24 -all")]},
+    "sub.example.co.uk": {"TXT": [txt("v=spf1 ip4:192.0.2.0/24 -all")]},
+    "_dmarc.example.co.uk": {"TXT": [txt("v=DMARC1; p=reject; rua=mailto:dmarc@example.co.uk")]},
+    "_dmarc.co.uk": {"TXT": [txt("v=DMARC1; p=none; rua=mailto:wrong@co.uk")]},
     # -- SPF
     "nospf.test": {"TXT": [txt("site-verification=abc")], "MX": [(10, "mx.good.test")]},
     "twospf.test": {"TXT": [txt("v=spf1 -all"), txt("v=spf1 mx -all")]},
@@ -425,6 +430,19 @@ async def test_dmarc_inherited_from_org_domain(ns: list[str]) -> None:
     assert "inherited from _dmarc.good.test" in got["dmarc"].detail
 
 
+async def test_dmarc_under_a_multi_label_suffix(ns: list[str]) -> None:
+    # inherited from the organisational domain example.co.uk, never from co.uk
+    got = await run(ns, "sub.example.co.uk", envelope_domain="bounce.example.co.uk")
+    assert got["dmarc"].record == "v=DMARC1; p=reject; rua=mailto:dmarc@example.co.uk"
+    assert "inherited from _dmarc.example.co.uk" in got["dmarc"].detail
+    # relaxed alignment: a sibling under co.uk is another organisation, so SPF does not align
+    got = await run(ns, "example.co.uk", envelope_domain="bounce.other.co.uk")
+    assert got["dmarc.alignment"].status == "error"
+    assert got["dmarc.alignment"].detail.startswith("neither SPF nor DKIM aligns")
+    got = await run(ns, "example.co.uk", envelope_domain="bounce.example.co.uk")
+    assert got["dmarc.alignment"].detail.startswith("only SPF aligns")
+
+
 async def test_dmarc_problems(ns: list[str]) -> None:
     got = await run(ns, "norua.test")
     assert got["dmarc"].status == "warning"
@@ -672,6 +690,10 @@ def test_org_domain_and_tags() -> None:
     assert org_domain("Mail.Example.COM.") == "example.com"
     assert org_domain("example.com") == "example.com"
     assert org_domain("localhost") == "localhost"
+    # the Public Suffix List, not the last two labels (RFC 7489 §3.2)
+    assert org_domain("a.b.Example.CO.UK") == "example.co.uk"
+    assert org_domain("co.uk") == "co.uk"  # a public suffix is its own
+    assert org_domain("x.y.test") == "y.test"  # unlisted TLD: the default rule "*"
     assert _tags(" v=DKIM1 ;k = rsa;; p=ab cd ;") == (
         [("v", "DKIM1"), ("k", "rsa"), ("p", "ab cd")],
         [],
