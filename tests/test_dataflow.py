@@ -88,6 +88,34 @@ def test_any_split_gives_the_whole_buffer_result(pieces: list[bytes], cuts: list
     assert (out, rest) == (data, after)
 
 
+_long_pieces = st.lists(
+    st.sampled_from(
+        [b"y" * 400, b"y" * 99, b"y", b".", b"\r\n", b"\n", b"\r", b"\x00", b"\r\n.\r\n"]
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=_long_pieces, cuts=st.lists(st.integers(0, 4000), max_size=8))
+def test_longest_line_is_that_of_the_normalised_message(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    # `longest` decides whether a message is re-encoded for lines over 998 octets
+    # (relay/longlines.py): exact whenever it is over 998, whatever the blocks and the
+    # transparency dots, NULs and bare line ends that change line lengths on the way
+    stream = b"".join(pieces) + b"\r\n.\r\n"
+    expected = reference(stream)
+    assert expected is not None
+    p, out, _rest, done = run(stream, cuts)
+    assert done and out == expected[0]
+    longest = max(map(len, out.split(b"\r\n")))
+    if longest > 998:
+        assert p.longest == longest
+    else:
+        assert p.longest <= 998
+
+
 @pytest.mark.parametrize(
     ("stream", "data", "rest"),
     [
