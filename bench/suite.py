@@ -87,7 +87,12 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
 
 
 def sh(*args: str, check: bool = True) -> str:
-    r = subprocess.run(args, capture_output=True, text=True, check=False)
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, check=False)
+    except FileNotFoundError:  # e.g. postconf before postfix-peer.sh installed Postfix
+        if check:
+            raise
+        return ""
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
     return r.stdout
