@@ -701,6 +701,11 @@ class FeedbackProvider:
     token: str = field(repr=False)
     signing_key: bytes | None = field(default=None, repr=False)  # mailgun: HMAC key
     public_key: bytes | None = None  # sendgrid: the signed event webhook's ECDSA key
+    # ses: check Amazon SNS's signature (relay/feedback/sns.py): the certificate hosts
+    # allowed besides sns.<region>.amazonaws.com, and the CA bundle to fetch it with
+    verify_signatures: bool = False
+    signing_cert_hosts: tuple[str, ...] = ()
+    signing_cert_ca_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -766,6 +771,26 @@ def _mailbox(value: str, key: str) -> None:
         raise ConfigError(f"{key}: {value!r}: {e}") from None
 
 
+def _sns_signatures(pr: _Reader, key: str, base: Path) -> tuple[bool, tuple[str, ...], Path | None]:
+    """feedback.providers.ses: verify_signatures, signing_cert_hosts, signing_cert_ca_file."""
+    verify = pr.get("verify_signatures")
+    if verify is None:
+        verify = False
+    if not isinstance(verify, bool):
+        raise ConfigError(f"{key}.verify_signatures: expected true or false, got {_kind(verify)}")
+    hosts = pr.get("signing_cert_hosts") or []
+    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError(f"{key}.signing_cert_hosts: expected a list of host or host:port")
+    ca_file = pr.path_("signing_cert_ca_file", base)
+    if ca_file is not None and not ca_file.is_file():
+        raise ConfigError(f"{key}.signing_cert_ca_file: {ca_file} is not a file")
+    if (hosts or ca_file is not None) and not verify:
+        raise ConfigError(
+            f"{key}: signing_cert_hosts and signing_cert_ca_file need verify_signatures: true"
+        )
+    return verify, tuple(h.lower() for h in hosts), ca_file
+
+
 def _feedback(item: object, base: Path) -> FeedbackConf:
 
     r = _Reader(item, "feedback")
@@ -811,8 +836,14 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
             pp = pr.path_("public_key_file", base)
             if pp is not None:
                 public = _read_secret(pp, f"{key}.public_key_file").strip().encode()
+        verify, ca_file = False, None
+        cert_hosts: tuple[str, ...] = ()
+        if name == "ses":
+            verify, cert_hosts, ca_file = _sns_signatures(pr, key, base)
         pr.finish()
-        providers[str(name)] = FeedbackProvider(str(name), token, signing, public)
+        providers[str(name)] = FeedbackProvider(
+            str(name), token, signing, public, verify, cert_hosts, ca_file
+        )
     r.finish()
     return FeedbackConf(listen, address, verp, verp_secret, max_body, providers)
 
@@ -906,6 +937,12 @@ class Config:
             out.append(
                 "feedback.providers.sendgrid: no public_key_file: events are checked by the"
                 " basic-auth token only (enable SendGrid's Signed Event Webhook)"
+            )
+        ses = self.feedback.providers.get("ses")
+        if ses is not None and not ses.verify_signatures:
+            out.append(
+                "feedback.providers.ses: verify_signatures is off: events are checked by the"
+                " basic-auth token only (turn it on to check Amazon SNS's signatures)"
             )
         if self.feedback.providers and self.feedback.listen is None and self.admin_listen:
             host = self.admin_listen[0]

@@ -27,9 +27,9 @@ Rules:
   3463 code ("5.1.1") from the payload's own status field, else the first one in its text.
 - Signatures: `verify_mailgun` (HMAC-SHA256 of timestamp + token, stale timestamps refused)
   and `verify_sendgrid` (ECDSA P-256 over timestamp + raw body) raise `SignatureError`.
-  Amazon SNS message signatures are not checked (that needs AWS's certificate fetched over
-  the network): the endpoint's basic-auth token is what guards /feedback/ses. Postmark
-  signs nothing (basic auth only).
+  Amazon SNS message signatures need AWS's certificate fetched over the network: they are
+  checked by relay/feedback/sns.py when `verify_signatures` is on, before these parsers run.
+  Postmark signs nothing (basic auth only).
 - An SNS `SubscriptionConfirmation` raises `SubscriptionConfirmation`: the operator confirms
   it (the daemon logs the URL); it is never visited from here.
 """

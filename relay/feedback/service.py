@@ -4,7 +4,8 @@ applied event (log line, metric, alert, the in-memory suppression list).
 Rules:
 - `POST /feedback/<provider>` for each provider enabled in `feedback.providers`; any other
   path under /feedback/ is 404, any other method 405. Order of checks: basic auth (the
-  token; 401 with a `WWW-Authenticate` challenge), the provider's own signature (401),
+  token; 401 with a `WWW-Authenticate` challenge), the provider's own signature (401; for
+  Amazon SNS a signing certificate that cannot be fetched now is 503, relay/feedback/sns.py),
   the payload (400 with the reason), then the spool. A spool failure is 503: providers
   retry, and an event is applied once however often it comes.
 - The reply says what happened: 200 with counts when at least one event matched (or was a
@@ -25,11 +26,12 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from relay import alerts, unsubscribe
 from relay.config import Config, FeedbackProvider
-from relay.feedback import bounces, providers
+from relay.feedback import bounces, providers, sns
 from relay.feedback.apply import Applied, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
 from relay.httpd import Request, Response
@@ -68,6 +70,7 @@ class FeedbackService:
         self.on_suppressed = on_suppressed  # the inbound/engine in-memory list
         self.clock = clock
         self.verp_key = b""
+        self._sns_certs: dict[Path | None, sns.CertCache] = {}  # by CA bundle (config reloads)
 
     async def start(self) -> None:
         """The VERP key: `feedback.verp_secret_file`, else one kept in the spool (made once;
@@ -86,6 +89,29 @@ class FeedbackService:
         return bounces.verp_encode(conf.local, conf.domain, queue_id, rcpt_id, self.verp_key)
 
     # --- HTTP -----------------------------------------------------------------------------
+
+    async def _verify_sns(self, prov: FeedbackProvider, body: bytes) -> None:
+        """Amazon SNS's own signature (relay/feedback/sns.py). A body that is not an SNS
+        message (SNS "raw message delivery") carries none, so it is refused."""
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise providers.SignatureError("the body is not an SNS message (not JSON)") from None
+        if not isinstance(doc, dict) or "Type" not in doc:
+            raise providers.SignatureError(
+                "not an SNS message: raw message delivery carries no signature (turn it off"
+                " for this subscription, or verify_signatures off)"
+            )
+        url = doc.get("SigningCertURL")
+        if not isinstance(url, str):
+            raise providers.SignatureError("no SigningCertURL in the SNS message")
+        sns.check_cert_url(url, prov.signing_cert_hosts)
+        cache = self._sns_certs.get(prov.signing_cert_ca_file)
+        if cache is None:
+            cache = self._sns_certs[prov.signing_cert_ca_file] = sns.CertCache(
+                prov.signing_cert_ca_file
+            )
+        sns.verify(doc, await cache.get(url))
 
     async def http(self, req: Request) -> Response:
         if not req.path.startswith("/feedback/"):
@@ -109,6 +135,18 @@ class FeedbackService:
         now = self.clock()
         try:
             _verify(prov, req, now)
+            if prov.verify_signatures:
+                await self._verify_sns(prov, req.body)
+        except sns.CertFetchError as e:
+            log_event(
+                log,
+                logging.WARNING,
+                "feedback_deferred",
+                "the SNS signing certificate could not be fetched; SNS will retry",
+                provider=name,
+                error=e,
+            )
+            return Response.text(503, f"cannot check the signature now: {e}")
         except providers.SignatureError as e:
             log_event(
                 log, logging.WARNING, "feedback_refused", "bad signature", provider=name, error=e
