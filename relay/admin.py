@@ -86,8 +86,10 @@ class AdminServer:
 
     async def metrics_text(self) -> bytes:
         m = self.metrics
-        st = await self.writer.run(lambda c: ops.stats(c))
-        for state, n in st["recipients"].items():
+        # beside the writer, and only what the gauges show: at a million queued rows the
+        # whole `stats` took ~0.5 s, and on the writer every 250 waited for it each scrape
+        by_state, oldest_age = await self.writer.read(lambda c: ops.queue_gauges(c))
+        for state, n in by_state.items():
             m.queue_depth.labels(state).set(n)
-        m.oldest_age.set(st["oldest_queued_age"] or 0)
+        m.oldest_age.set(oldest_age or 0)
         return bytes(generate_latest(m.registry))

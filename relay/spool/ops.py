@@ -1223,12 +1223,22 @@ def message_body(conn: sqlite3.Connection, queue_id: str) -> tuple[bytes | None,
     return (None, None) if row is None else (row[0], row[1])
 
 
-def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
+def queue_gauges(
+    conn: sqlite3.Connection, now: float | None = None
+) -> tuple[dict[str, int], float | None]:
+    """(recipients by state, seconds since the oldest unfinished message arrived): the
+    /metrics gauges, and the start of `stats`."""
     now = time.time() if now is None else now
     by_state = {s.value: 0 for s in RcptState}
     for r in conn.execute("SELECT state, count(*) FROM recipients GROUP BY state"):
         by_state[r[0]] = r[1]
     oldest = oldest_arrival(conn, _UNFINISHED)
+    return by_state, None if oldest is None else round(now - oldest, 3)
+
+
+def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    by_state, oldest_age = queue_gauges(conn, now)
     msgs = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
     supp = conn.execute("SELECT count(*) FROM suppression").fetchone()[0]
     dedup = conn.execute("SELECT count(*) FROM dedup").fetchone()[0]
@@ -1241,7 +1251,7 @@ def stats(conn: sqlite3.Connection, now: float | None = None) -> dict[str, Any]:
     return {
         "messages": msgs,
         "recipients": by_state,
-        "oldest_queued_age": None if oldest is None else round(now - oldest, 3),
+        "oldest_queued_age": oldest_age,
         "suppressed_addresses": supp,
         "dedup_keys": dedup,
         "destinations": by_dest,

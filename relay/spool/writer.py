@@ -15,6 +15,10 @@ Rules:
 - Several processes may write one spool (`inbound.processes`): each batch holds an flock
   on `<spool>/write.lock` from BEGIN to COMMIT, so writers queue in the kernel and wake the
   moment the lock is free, instead of SQLite's busy handler sleeping and polling.
+- Reads that may take long and need no write (`read()`: the /metrics gauges over a deep
+  queue) run beside the writer on a read-only connection of their own, so they never hold
+  up a commit (SQLite's WAL lets readers and the writer run at once). PostgreSQL: through
+  the writer as any job.
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -73,6 +77,8 @@ class SpoolWriter:
         self.failures = 0
         self.healthy = True
         self.on_commit: Callable[[float, int], None] | None = None
+        self._reader: sqlite3.Connection | None = None  # read(): opened at first use
+        self._reader_lock = threading.Lock()
 
     def start(self) -> None:
         self._conn = db.open_spool(self.spool_dir, self.pg, cache_kib=db.WRITER_CACHE_KIB)
@@ -91,6 +97,10 @@ class SpoolWriter:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -109,6 +119,24 @@ class SpoolWriter:
             return await fut
         except sqlite3.Error as e:
             raise SpoolError(str(e)) from e
+
+    async def read(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        """Run the read-only `job` beside the writer (see the rules): a worker thread and a
+        connection with `query_only`, one such read at a time."""
+        if self.pg is not None:
+            return await self.run(job)
+        try:
+            return await asyncio.to_thread(self._read, job)
+        except sqlite3.Error as e:
+            raise SpoolError(str(e)) from e
+
+    def _read(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        with self._reader_lock:
+            if self._reader is None:
+                conn = db.connect(self.spool_dir, create=False)
+                conn.execute("PRAGMA query_only=ON")
+                self._reader = conn
+            return job(self._reader)
 
     def run_sync(self, job: Callable[[sqlite3.Connection], T]) -> T:
         """For code that is not on the event loop (start-up, tests)."""
