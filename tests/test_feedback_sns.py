@@ -11,7 +11,6 @@ import datetime as dt
 import http.client
 import http.server
 import json
-import ssl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,14 @@ from cryptography.x509.oid import NameOID
 from relay.config import ConfigError, from_mapping
 from relay.feedback import sns
 from relay.feedback.providers import SignatureError
-from tests.harness import RelayProcess, Upstream, deep_merge, fast_config
+from tests.harness import (
+    RelayProcess,
+    Upstream,
+    deep_merge,
+    fast_config,
+    server_context,
+    smarthost_config,
+)
 
 DATA = Path(__file__).parent / "data"
 UTC = dt.UTC
@@ -251,8 +257,7 @@ class CertServer:
                 pass
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ca.issue_cert("127.0.0.1").configure_cert(ctx)
+        ctx = server_context(ca)
         self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
         self.host = f"127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -333,25 +338,13 @@ def test_daemon_checks_sns_signatures(
     server, s = served
     up = Upstream().start()
     (tmp_path / "ses.token").write_text(TOKEN + "\n")
-    cfg = deep_merge(
-        fast_config("2s"),
-        {
-            "upstream": {
-                "mode": "smarthost",
-                "smarthost": {"host": "127.0.0.1", "port": up.port, "tls": "none"},
-            },
-            "feedback": {
-                "providers": {
-                    "ses": {
-                        "token_file": str(tmp_path / "ses.token"),
-                        "verify_signatures": True,
-                        "signing_cert_hosts": [server.host],
-                        "signing_cert_ca_file": str(ca_file),
-                    }
-                }
-            },
-        },
-    )
+    ses = {
+        "token_file": str(tmp_path / "ses.token"),
+        "verify_signatures": True,
+        "signing_cert_hosts": [server.host],
+        "signing_cert_ca_file": str(ca_file),
+    }
+    cfg = deep_merge(fast_config("2s"), smarthost_config(up, feedback={"providers": {"ses": ses}}))
     relay = RelayProcess(tmp_path / "relay", cfg).start()
     try:
         bounce = json.dumps(
