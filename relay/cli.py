@@ -476,6 +476,39 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
                 r["destination"] = route.via[0]
 
 
+def _circuit_waits(
+    args: argparse.Namespace, conn: sqlite3.Connection, msg: dict[str, Any], now: float
+) -> None:
+    """A waiting recipient with no reason of its own, behind an open circuit: the engine
+    does not claim mail for a destination whose circuit is open (nor for a route whose every
+    upstream is), so nothing in its row says why it waits. `waiting_on` says it, from the
+    daemon's runtime snapshot while that is fresh (a stopped daemon's is not)."""
+    runtime = ops.get_runtime(conn, "daemon")
+    if runtime is None or now - runtime[1] > STALE_AFTER:
+        return
+    live = runtime[0].get("destinations", {})
+    routing = getattr(args, "routing", None)
+    for r in msg["recipients"]:
+        if r["state"] not in ("pending", "deferred") or r.get("reason"):
+            continue
+        names = [r["destination"]]
+        if routing is not None and routing.routes:
+            route = routing.match(
+                sender=msg.get("sender") or "",
+                recipient=r["address"],
+                client=msg.get("client") or "",
+                listener=msg.get("listener"),
+            )
+            if not route.mx:
+                names = list(route.via)
+        views = [live.get(n) or {} for n in names]
+        if names and all(v.get("circuit") == "open" for v in views):
+            until = max(str(v.get("circuit_reopens_at") or "") for v in views)
+            r["waiting_on"] = f"circuit open for {', '.join(names)}" + (
+                f" until {until}" if until else ""
+            )
+
+
 def _queued_by_destination(args: argparse.Namespace, conn: sqlite3.Connection) -> dict[str, int]:
     """Unfinished recipients per destination as delivery names it: counted in SQL without
     routes; with routes, each recipient's route is matched while the rows stream by."""
@@ -617,6 +650,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         if msg is None:
             raise CliError(f"no such message: {args.id}")
         _destinations_as_delivered(args, [msg])
+        _circuit_waits(args, conn, msg, now)
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")
@@ -1091,6 +1125,8 @@ def _print_show(msg: dict[str, Any]) -> None:
             print(f"      upstream id: {printable(r['upstream_id'])}")
         if r.get("reason"):
             print(f"      waiting: {r['reason']}")
+        elif r.get("waiting_on"):
+            print(f"      waiting: {r['waiting_on']}")
     print("attempt log:")
     for a in msg["attempt_log"]:
         print(

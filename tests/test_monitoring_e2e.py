@@ -387,6 +387,29 @@ def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(upstre
     )
     assert "circuit open" in check(r, "destination:smarthost")["detail"]
 
+    # new mail meanwhile is not claimed (so its row has no reason): `queue show` says why
+    assert send(r.port, SENDER, ["w@example.org"], make_message(4)) == {}
+    r.wait_until(
+        lambda: any(
+            d["name"] == "smarthost" and d.get("circuit") == "open"
+            for d in r.cli_json("destination", "list")
+        ),
+        what="the snapshot shows the open circuit",
+    )
+    found = r.cli_json("queue", "find", "--recipient", "w@example.org")
+    qid = found[0]["id"]
+    shown = r.cli_json("queue", "show", qid)
+    (rc,) = shown["recipients"]
+    assert rc["state"] == "pending" and rc["reason"] is None
+    assert rc["waiting_on"].startswith("circuit open for smarthost until 20")
+    text = r.cli("queue", "show", qid).stdout
+    assert f"waiting: {rc['waiting_on']}" in text
+    # the mail that failed waits for the same circuit: said the same way, beside its reply
+    a_id = r.cli_json("queue", "find", "--recipient", "a@example.org")[0]["id"]
+    (first,) = r.cli_json("queue", "show", a_id)["recipients"]
+    assert first["state"] == "deferred" and "421" in first["last_reply"]
+    assert first["waiting_on"] == rc["waiting_on"]  # not at its next_attempt_at, an hour on
+
     # the upstream is back; the circuit waits an hour, but a flush goes now
     up.connect_reply = None
     t0 = time.monotonic()

@@ -45,6 +45,7 @@ class DestinationView:
     active_connections: int
     queued_in_memory: int
     circuit: str
+    circuit_reopens_at: str | None  # open: when the cooldown ends and a trial is allowed
     suspended_until: str | None
     suspend_reason: str | None
     delivered_today: int
@@ -88,6 +89,11 @@ def snapshot(e: Engine) -> Snapshot:
             active_connections=len(st.workers),
             queued_in_memory=st.queued(),
             circuit=st.breaker.state(now),
+            circuit_reopens_at=(
+                ops.iso_utc((st.breaker.opened_at or now) + st.breaker.cooldown)
+                if st.breaker.state(now) == "open"
+                else None
+            ),
             suspended_until=ops.iso_utc(st.suspended_until) if suspended else None,
             suspend_reason=st.suspend_reason if suspended else None,
             delivered_today=e.ledger.today(f"dest:{name}"),
