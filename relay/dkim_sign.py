@@ -58,7 +58,9 @@ import base64
 import binascii
 import email.utils
 import functools
+import hashlib
 import os
+import re
 import stat
 import string
 import time
@@ -497,17 +499,65 @@ def _signed_names(present: Sequence[bytes], headers: Sequence[str]) -> list[byte
     return out
 
 
+_BARE = "the message has a bare CR or LF: only CRLF line ends can be signed"
+_WSP_RUN = re.compile(rb"[\t ]+")  # one character class, no nesting: linear
+_WSP_EOL = re.compile(rb"[\t ]+\r\n")
+
+
+class RelaxedBodyHash:
+    """The SHA-256 of a body under relaxed canonicalization (RFC 6376 §3.4.4), fed in
+    blocks of any size, byte for byte what dkimpy computes from the whole body: white space
+    before each CRLF removed, other runs of it one space, empty lines at the end dropped,
+    an empty body hashed as empty. Only one partial line and a count of pending empty
+    lines are held, so a large stored message is never in memory whole. A bare CR or LF
+    raises DkimSignError (as `sign`)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._tail = b""  # the unfinished last line
+        self._empty = 0  # empty lines seen since the last line with text
+
+    def update(self, block: bytes) -> None:
+        data = self._tail + block if self._tail else block
+        cut = data.rfind(b"\r\n")
+        if cut < 0:
+            self._tail = data
+            return
+        self._tail = data[cut + 2 :]
+        lines = data[: cut + 2]
+        crlf = lines.count(b"\r\n")
+        if lines.count(b"\r") != crlf or lines.count(b"\n") != crlf:
+            raise DkimSignError(_BARE)
+        canon = _WSP_RUN.sub(b" ", _WSP_EOL.sub(b"\r\n", lines))
+        text = canon.rstrip(b"\r\n")  # only CRLF pairs are left: whole empty lines
+        if not text:
+            self._empty += len(canon) // 2
+            return
+        self._h.update(b"\r\n" * self._empty + text + b"\r\n")
+        self._empty = (len(canon) - len(text)) // 2 - 1
+
+    def digest(self) -> bytes:
+        tail = self._tail
+        if tail:  # a last line without CRLF: dkimpy ends it with one (its WSP stays, as one)
+            if b"\r" in tail or b"\n" in tail:
+                raise DkimSignError(_BARE)
+            self._h.update(b"\r\n" * self._empty + _WSP_RUN.sub(b" ", tail) + b"\r\n")
+            self._tail, self._empty = b"", 0
+        return self._h.digest()
+
+
 class _Signer(dkim.DKIM):  # type: ignore[misc]
     """dkimpy's DKIM.sign with our own t= (and no i=, q=, l=)."""
 
-    def sign_with(self, key: DkimKey, t: int) -> bytes:
+    def sign_with(self, key: DkimKey, t: int, body_hash: bytes | None = None) -> bytes:
         alg = key.algorithm.encode("ascii")
         self.signature_algorithm = alg
         self.hasher = dkim.HASH_ALGORITHMS[alg]
         policy = dkim.canonicalization.CanonicalizationPolicy.from_c_value(_CANON)
         present = [name.lower() for name, _ in self.headers]
         include = _signed_names(present, key.headers)
-        body_hash = self.hasher(policy.canonicalize_body(self.body)).digest()
+        if body_hash is None:
+            body_hash = self.hasher(policy.canonicalize_body(self.body)).digest()
         fields = [
             (b"v", b"1"),
             (b"a", alg),
@@ -525,14 +575,25 @@ class _Signer(dkim.DKIM):  # type: ignore[misc]
         return b"DKIM-Signature: " + cast(bytes, value)
 
 
-def sign(message: bytes, keys: Sequence[DkimKey], *, now: int | None = None) -> bytes:
+def sign(
+    message: bytes,
+    keys: Sequence[DkimKey],
+    *,
+    now: int | None = None,
+    body_hash: bytes | None = None,
+) -> bytes:
     """The DKIM-Signature fields for `message` (CRLF line ends), one per key, to put in front
-    of it: the signed message is `sign(message, keys) + message`. b"" without keys."""
+    of it: the signed message is `sign(message, keys) + message`. b"" without keys.
+    With `body_hash` (a `RelaxedBodyHash` digest of a body streamed apart), `message` is the
+    header block and its empty line alone, and the signatures are those of the header block
+    followed by that body."""
     if not keys:
         return b""
     crlf = message.count(b"\r\n")
     if message.count(b"\r") != crlf or message.count(b"\n") != crlf:
-        raise DkimSignError("the message has a bare CR or LF: only CRLF line ends can be signed")
+        raise DkimSignError(_BARE)
+    if body_hash is not None and not message.endswith(b"\r\n\r\n"):
+        raise DkimSignError("a body hash goes with a header block that ends in an empty line")
     try:
         signer = _Signer(message)
     except Exception as e:
@@ -547,7 +608,7 @@ def sign(message: bytes, keys: Sequence[DkimKey], *, now: int | None = None) -> 
     out = []
     for key in keys:
         try:
-            out.append(signer.sign_with(key, t))
+            out.append(signer.sign_with(key, t, body_hash))
         except Exception as e:
             raise DkimSignError(f"DKIM signing as {key.name} ({key.algorithm}) failed: {e}") from e
     return b"".join(out)

@@ -191,6 +191,18 @@ def test_rsa_and_ed25519_signatures_verify_at_the_receiver(world: World) -> None
     assert world.verify(got.data.replace(b"message 101", b"message 999")) == [False, False]
 
 
+def test_a_large_stored_message_is_signed_while_it_streams(world: World) -> None:
+    # over spool.inline_max (128 KiB): kept in a body file, signed without being loaded
+    # (relay/delivery/outbound.py); bulk, so the one-click headers go in its header block too
+    body = b"".join(b"line %06d of a large newsletter \t \r\n" % i for i in range(12_000))
+    send(world.relay.port, SENDER, ["big@example.org"], message(106, bulk=True, body=body))
+    (got,) = world.received_by("big@example.org")
+    assert len(got.data) > 400_000 and got.data.endswith(body)
+    assert b"List-Unsubscribe-Post: List-Unsubscribe=One-Click" in got.data
+    assert world.verify(got.data) == [True, True]
+    assert world.verify(got.data.replace(b"line 011999", b"line 0119xx")) == [False, False]
+
+
 def test_a_message_the_relay_re_encodes_still_verifies(world: World) -> None:
     long_body = b"x" * 3000 + b"\r\nshort line\r\n"  # over 998 octets: re-encoded at accept
     send(world.relay.port, SENDER, ["dk2@example.org"], message(102, body=long_body))

@@ -16,8 +16,11 @@ Rules:
   nearest configured parent) sign; no key, no signature. A signing failure raises
   `OutboundError`: the attempt is deferred with the reason and logged at ERROR, never sent
   unsigned and never lost.
-- A file-stored (large) message is read whole for either step (bounded by
-  `limits.max_message_size`); signing runs in a worker thread.
+- A file-stored (large) message is not loaded: its header block (found within the first
+  MiB) is changed in memory and the DKIM body hash is computed while the body streams from
+  the file; what goes out is the new header block, then the file from the body on. Only a
+  message whose header block does not end within that MiB is read whole (bounded by
+  `limits.max_message_size`). Signing runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from relay.spool.bodies import StoredBody
 
 if TYPE_CHECKING:
     from relay.config import Config
+    from relay.unsubscribe import UnsubscribeConf
 
 
 class OutboundError(Exception):
@@ -51,6 +55,9 @@ async def prepare(config: Config, job: Job, body: bytes | StoredBody) -> bytes |
     if unsub is None and not config.dkim:
         return body
     if isinstance(body, StoredBody):
+        split = await asyncio.to_thread(_stored_head, body)
+        if split is not None:  # the header block in memory, the body streamed from disk
+            return await _prepare_stored(config, job, body, unsub, *split)
         stored = body
         data = await asyncio.to_thread(lambda: b"".join(stored.blocks()))
     else:
@@ -78,3 +85,58 @@ async def prepare(config: Config, job: Job, body: bytes | StoredBody) -> bytes |
                 raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
             data = signature + message
     return data
+
+
+HEAD_READ = 1 << 20  # octets read to find the end of a stored message's header block
+
+
+def _stored_head(body: StoredBody) -> tuple[bytes, int] | None:
+    """(the header block with its empty line, the file offset where the body starts) of a
+    stored message, or None when that block does not end within the first HEAD_READ octets
+    of the file (or the message has none): then the whole message is loaded, as before."""
+    data = body.head(HEAD_READ)
+    if data.startswith(b"\r\n"):
+        return None
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end + 4 < len(body.prefix):
+        return None
+    return data[: end + 4], body.skip + end + 4 - len(body.prefix)
+
+
+async def _prepare_stored(
+    config: Config,
+    job: Job,
+    body: StoredBody,
+    unsub: UnsubscribeConf | None,
+    head: bytes,
+    offset: int,
+) -> StoredBody:
+    """`prepare` for a large stored message without loading it: the header fields are
+    added to its header block, and the DKIM body hash is computed while the body streams
+    from the file (relay/dkim_sign.py `RelaxedBodyHash`)."""
+    rest = body.with_head(b"", offset)
+    if unsub is not None:
+        try:
+            added = unsubscribe.add_headers(head, unsub, job.identity, job.claims[0].address)
+        except ValueError as e:
+            raise OutboundError(f"List-Unsubscribe: {e}") from e
+        head = added if added is not None else head
+    signature = b""
+    domain = dkim_sign.header_from_domain(head) if config.dkim else None
+    keys = dkim_sign.keys_for(domain, config.dkim) if domain else ()
+    if keys:
+        header_block = head
+
+        def sign() -> bytes:
+            faults.hit("dkim.sign")
+            hasher = dkim_sign.RelaxedBodyHash()
+            for block in rest.blocks():
+                hasher.update(block)
+            return dkim_sign.sign(header_block, keys, body_hash=hasher.digest())
+
+        try:
+            signature = await asyncio.to_thread(sign)
+        except Exception as e:  # DkimSignError, an unreadable file, or a bug: never unsigned
+            names = ", ".join(f"{k.selector}._domainkey.{k.domain}" for k in keys)
+            raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
+    return rest.with_head(signature + head, offset)

@@ -42,7 +42,8 @@ class StoredBody:
 
     prefix: bytes
     path: Path
-    size: int  # prefix + file
+    size: int  # prefix + file past `skip`
+    skip: int = 0  # octets at the start of the file not sent (`prefix` stands for them)
 
     @classmethod
     def open(cls, spool_dir: Path, prefix: bytes | None, rel: str) -> StoredBody:
@@ -50,11 +51,24 @@ class StoredBody:
         path = spool_dir / rel
         return cls(prefix or b"", path, len(prefix or b"") + path.stat().st_size)
 
+    def with_head(self, head: bytes, file_offset: int) -> StoredBody:
+        """`head`, then the file from `file_offset` on: a message whose header block was
+        changed in memory (DKIM, List-Unsubscribe) while its body stays on disk."""
+        file_size = self.size - len(self.prefix) + self.skip
+        return StoredBody(head, self.path, len(head) + file_size - file_offset, file_offset)
+
+    def head(self, limit: int) -> bytes:
+        """The prefix and up to `limit` octets of the file after `skip`."""
+        with open(self.path, "rb") as f:
+            f.seek(self.skip)
+            return self.prefix + f.read(limit)
+
     def blocks(self, size: int = 1 << 18) -> Iterator[bytes]:
         """Blocks that each end at a line end (CRLF), except possibly the last; the stored
         copy is CRLF-normalised, so transparency can be applied per block."""
         carry = self.prefix
         with open(self.path, "rb") as f:
+            f.seek(self.skip)
             while True:
                 chunk = f.read(size)
                 if not chunk:

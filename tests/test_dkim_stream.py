@@ -1,0 +1,202 @@
+"""Signing a large stored message without loading it (relay/dkim_sign.py `RelaxedBodyHash`,
+relay/delivery/outbound.py for a `StoredBody`): the streamed body hash is dkimpy's for any
+body and any split into blocks, the signature over a header block plus a streamed body is
+the one over the whole message, and `prepare` sends the same bytes for a message stored
+in a file as for the same message in memory, with DKIM and the one-click headers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import random
+import time
+import types
+from pathlib import Path
+
+import dkim
+import dkim.canonicalization
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay import dkim_sign
+from relay.config import Config, from_mapping
+from relay.delivery import outbound
+from relay.delivery.jobs import Job
+from relay.dkim_sign import DkimSignError, RelaxedBodyHash
+from relay.spool import ops
+from relay.spool.bodies import StoredBody
+
+_PIECES = [b"a", b"xyz", b" ", b"\t", b"  \t ", b"\r\n", b"\r\n\r\n", b" \r\n", b"\xc3\xa9", b"."]
+
+
+def dkimpy_hash(body: bytes) -> bytes:
+    relaxed = dkim.canonicalization.Relaxed.canonicalize_body(body)
+    return hashlib.sha256(relaxed).digest()
+
+
+def streamed(body: bytes, cuts: list[int]) -> bytes:
+    h = RelaxedBodyHash()
+    edges = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+    for a, b in itertools.pairwise(edges):
+        h.update(body[a:b])
+    return h.digest()
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=40),
+    cuts=st.lists(st.integers(0, 400), max_size=10),
+)
+def test_streamed_hash_is_dkimpys_for_any_body_and_split(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    body = b"".join(pieces)
+    assert streamed(body, cuts) == dkimpy_hash(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",  # an empty body hashes as empty
+        b"\r\n\r\n\r\n",  # only empty lines: empty too
+        b"a\r\n\r\n\r\n",  # empty lines at the end dropped
+        b"\r\n\r\na\r\n",  # ... not at the start
+        b"a \t b \t\r\n",  # runs to one space, none at the end of a line
+        b"last line without CRLF  ",  # dkimpy ends it with CRLF, its run becomes one space
+        b"x" * 300_000 + b"\r\n" + b"\r\n" * 5000,
+    ],
+)
+def test_edge_bodies(body: bytes) -> None:
+    for cuts in ([], [1], [len(body) // 2], list(range(0, len(body), 65536))):
+        assert streamed(body, cuts) == dkimpy_hash(body)
+
+
+@pytest.mark.parametrize("body", [b"a\nb\r\n", b"a\rb\r\n", b"a\r\n\n", b"end\r", b"end\n"])
+def test_a_bare_cr_or_lf_is_refused(body: bytes) -> None:
+    h = RelaxedBodyHash()
+    with pytest.raises(DkimSignError, match="bare CR or LF"):
+        h.update(body)
+        h.digest()
+
+
+# --- the signature -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> list[dkim_sign.DkimKey]:
+    d = tmp_path_factory.mktemp("dkim")
+    dkim_sign.keygen("example.com", "rsa1", d / "rsa.pem")
+    dkim_sign.keygen("example.com", "ed1", d / "ed.pem", algorithm="ed25519-sha256")
+    return [
+        dkim_sign.load_key("example.com", "rsa1", d / "rsa.pem"),
+        dkim_sign.load_key("example.com", "ed1", d / "ed.pem", "ed25519-sha256"),
+    ]
+
+
+HEAD = (
+    b"From: App <app@example.com>\r\nTo: someone@example.org\r\nSubject: a large one\r\n"
+    b"Message-ID: <big-1@example.com>\r\nMIME-Version: 1.0\r\n\r\n"
+)
+
+
+def test_header_block_plus_streamed_hash_signs_as_the_whole_message(
+    keys: list[dkim_sign.DkimKey],
+) -> None:
+    rng = random.Random(7)
+    body = b"".join(rng.choice(_PIECES) for _ in range(20_000)) + b"\r\n"
+    h = RelaxedBodyHash()
+    h.update(body)
+    apart = dkim_sign.sign(HEAD, keys, now=1_800_000_000, body_hash=h.digest())
+    whole = dkim_sign.sign(HEAD + body, keys, now=1_800_000_000)
+    assert apart == whole
+    with pytest.raises(DkimSignError, match="ends in an empty line"):
+        dkim_sign.sign(HEAD[:-2], keys, body_hash=h.digest())
+
+
+# --- prepare, stored versus in memory ---------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def fixed_t(monkeypatch: pytest.MonkeyPatch) -> None:
+    # both ways sign in the same second (t=), so their bytes can be compared
+    now = float(int(time.time()))
+    monkeypatch.setattr(dkim_sign, "time", types.SimpleNamespace(time=lambda: now))
+
+
+def config(tmp_path: Path, unsubscribe: bool) -> Config:
+    d = tmp_path / "keys"
+    d.mkdir(exist_ok=True)
+    dkim_sign.keygen("example.com", "s1", d / "s1.pem")
+    (tmp_path / "unsub.key").write_text("0123456789abcdef0123456789abcdef\n")
+    data: dict[str, object] = {
+        "spool": {"path": str(tmp_path / "spool")},
+        "dkim": {"example.com": [{"selector": "s1", "key_file": str(d / "s1.pem")}]},
+    }
+    if unsubscribe:
+        data["identities"] = {
+            "example.com": {
+                "unsubscribe": {
+                    "url": "https://relay.example.com/u",
+                    "secret_file": str(tmp_path / "unsub.key"),
+                }
+            }
+        }
+    return from_mapping(data, tmp_path)
+
+
+def job(identity: str, lane: str) -> Job:
+    claim = ops.Claim(1, "Q1", "someone@example.org", "smarthost", 0, 0.0, lane, identity)
+    env = ops.Envelope("Q1", "<big-1@example.com>", "app@example.com", 0, None, "x")
+    return Job("Q1", "smarthost", lane, identity, "app@example.com", [claim], env)
+
+
+def stored(tmp_path: Path, prefix: bytes, rest: bytes) -> StoredBody:
+    path = tmp_path / "body"
+    path.write_bytes(rest)
+    return StoredBody(prefix, path, len(prefix) + len(rest))
+
+
+def joined(body: bytes | StoredBody) -> bytes:
+    return body if isinstance(body, bytes) else b"".join(body.blocks(size=4096))
+
+
+@pytest.mark.parametrize("unsubscribe", [False, True])
+@pytest.mark.parametrize("prefix_len", [0, 40, len(HEAD) - 4, len(HEAD)])
+def test_stored_and_inline_messages_go_out_the_same(
+    tmp_path: Path, unsubscribe: bool, prefix_len: int
+) -> None:
+    cfg = config(tmp_path, unsubscribe)
+    body = b"".join(b"line %d of a large message  \r\n" % i for i in range(20_000))
+    message = HEAD + body
+    j = job("example.com", "bulk")
+    inline = asyncio.run(outbound.prepare(cfg, j, message))
+    big = stored(tmp_path, message[:prefix_len], message[prefix_len:])
+    out = asyncio.run(outbound.prepare(cfg, j, big))
+    assert joined(out) == joined(inline)
+    assert isinstance(out, StoredBody) and out.size == len(joined(out))
+    assert joined(out).startswith(b"DKIM-Signature: ")
+    assert (b"List-Unsubscribe: <https://relay.example.com/u/" in joined(out)) is unsubscribe
+    # the body was streamed from the file, not loaded: what goes out skips the header block
+    # the file holds (the header block is in memory, with the fields added)
+    assert out.skip == max(0, len(HEAD) - prefix_len)
+
+
+def test_a_header_block_past_the_first_mib_is_loaded_whole(tmp_path: Path) -> None:
+    cfg = config(tmp_path, False)
+    long_head = HEAD[:-2] + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 900) for i in range(1200))
+    message = long_head + b"\r\n" + b"body\r\n" * 1000
+    j = job("example.com", "transactional")
+    inline = asyncio.run(outbound.prepare(cfg, j, message))
+    out = asyncio.run(outbound.prepare(cfg, j, stored(tmp_path, b"", message)))
+    assert isinstance(out, bytes) and out == inline
+
+
+def test_a_bare_lf_in_a_stored_body_is_an_outbound_error(tmp_path: Path) -> None:
+    cfg = config(tmp_path, False)
+    message = HEAD + b"fine\r\n" * 1000 + b"bare\nline\r\n"
+    with pytest.raises(outbound.OutboundError, match="bare CR or LF"):
+        asyncio.run(
+            outbound.prepare(cfg, job("example.com", "bulk"), stored(tmp_path, b"", message))
+        )
