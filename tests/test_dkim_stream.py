@@ -1,8 +1,9 @@
-"""Signing a large stored message without loading it (relay/dkim_sign.py `RelaxedBodyHash`,
-relay/delivery/outbound.py for a `StoredBody`): the streamed body hash is dkimpy's for any
-body and any split into blocks, the signature over a header block plus a streamed body is
-the one over the whole message, and `prepare` sends the same bytes for a message stored
-in a file as for the same message in memory, with DKIM and the one-click headers."""
+"""Changing the header block of a large stored message without loading it: DKIM
+(relay/dkim_sign.py `RelaxedBodyHash`, relay/delivery/outbound.py), the one-click headers,
+a route's From rewrite (relay/delivery/rewrite.py). The streamed body hash is dkimpy's for
+any body and any split into blocks, the signature over a header block plus a streamed body
+is the one over the whole message, and a message stored in a file goes out as the same
+bytes as the same message in memory."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from hypothesis import strategies as st
 
 from relay import dkim_sign
 from relay.config import Config, from_mapping
-from relay.delivery import outbound
+from relay.delivery import outbound, rewrite
 from relay.delivery.jobs import Job
+from relay.delivery.routes import Rewrite
 from relay.dkim_sign import DkimSignError, RelaxedBodyHash
 from relay.spool import ops
 from relay.spool.bodies import StoredBody
@@ -200,3 +202,43 @@ def test_a_bare_lf_in_a_stored_body_is_an_outbound_error(tmp_path: Path) -> None
         asyncio.run(
             outbound.prepare(cfg, job("example.com", "bulk"), stored(tmp_path, b"", message))
         )
+
+
+@pytest.mark.parametrize(
+    "rw",
+    [
+        Rewrite(from_addr="noreply@example.com"),
+        Rewrite(from_addr="noreply@example.com", reply_to_original=True),
+        Rewrite(reply_to_original=True, envelope_sender="bounces@example.com"),
+    ],
+)
+@pytest.mark.parametrize("prefix_len", [0, 40, len(HEAD)])
+def test_a_route_rewrite_of_a_stored_message_is_that_of_the_message_in_memory(
+    tmp_path: Path, rw: Rewrite, prefix_len: int
+) -> None:
+    message = HEAD + b"".join(b"line %d\r\n" % i for i in range(30_000))
+    in_memory = asyncio.run(rewrite.apply(rw, "app@example.com", message))
+    big = stored(tmp_path, message[:prefix_len], message[prefix_len:])
+    sender, out = asyncio.run(rewrite.apply(rw, "app@example.com", big))
+    assert sender == in_memory[0]
+    assert isinstance(out, StoredBody) and joined(out) == in_memory[1]
+    assert out.size == len(in_memory[1]) and out.skip == max(0, len(HEAD) - prefix_len)
+    assert b"X-Original-From: " in joined(out) or not rw.from_addr
+
+
+def test_rewrite_then_sign_a_stored_message_as_in_memory(tmp_path: Path) -> None:
+    # the attempt's order: the route rewrites the From, then prepare adds the one-click
+    # headers and signs: the second step starts from the first one's header block in memory
+    cfg = config(tmp_path, True)
+    rw = Rewrite(from_addr="noreply@example.com", reply_to_original=True)
+    message = HEAD + b"".join(b"line %d \t\r\n" % i for i in range(30_000))
+    j = job("example.com", "bulk")
+
+    async def both(body: bytes | StoredBody) -> bytes:
+        _sender, rewritten = await rewrite.apply(rw, "app@example.com", body)
+        return joined(await outbound.prepare(cfg, j, rewritten))
+
+    expected = asyncio.run(both(message))
+    got = asyncio.run(both(stored(tmp_path, message[:40], message[40:])))
+    assert got == expected
+    assert b"X-Original-From: " in got and got.startswith(b"DKIM-Signature: ")

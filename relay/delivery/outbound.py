@@ -55,7 +55,7 @@ async def prepare(config: Config, job: Job, body: bytes | StoredBody) -> bytes |
     if unsub is None and not config.dkim:
         return body
     if isinstance(body, StoredBody):
-        split = await asyncio.to_thread(_stored_head, body)
+        split = await asyncio.to_thread(body.split_head)
         if split is not None:  # the header block in memory, the body streamed from disk
             return await _prepare_stored(config, job, body, unsub, *split)
         stored = body
@@ -85,22 +85,6 @@ async def prepare(config: Config, job: Job, body: bytes | StoredBody) -> bytes |
                 raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
             data = signature + message
     return data
-
-
-HEAD_READ = 1 << 20  # octets read to find the end of a stored message's header block
-
-
-def _stored_head(body: StoredBody) -> tuple[bytes, int] | None:
-    """(the header block with its empty line, the file offset where the body starts) of a
-    stored message, or None when that block does not end within the first HEAD_READ octets
-    of the file (or the message has none): then the whole message is loaded, as before."""
-    data = body.head(HEAD_READ)
-    if data.startswith(b"\r\n"):
-        return None
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or end + 4 < len(body.prefix):
-        return None
-    return data[: end + 4], body.skip + end + 4 - len(body.prefix)
 
 
 async def _prepare_stored(

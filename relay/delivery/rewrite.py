@@ -8,8 +8,9 @@ Rules:
   From is kept in `X-Original-From`. `reply_to_original` adds `Reply-To` with the original
   From when the message has no Reply-To, so replies still reach the person.
 - Only the header block is touched, field by field on the exact bytes (folded lines stay
-  whole); the body is never re-encoded. The queue keeps the original: rewriting happens
-  per attempt, on the way out.
+  whole); the body is never re-encoded, and a large stored one is never loaded: the new
+  header block goes out in front of the file from its body on. The queue keeps the
+  original: rewriting happens per attempt, on the way out.
 - DMARC: with `from` set to an address of a domain the provider signs for (DKIM) and/or
   whose SPF covers the provider, the message aligns; without it, a From of a domain the
   provider cannot sign for fails DMARC at receivers with `p=reject`.
@@ -30,8 +31,15 @@ async def apply(
     if rw.envelope_sender and sender not in ("", "<>"):
         sender = rw.envelope_sender
     if rw.from_addr or rw.reply_to_original:
-        if isinstance(body, StoredBody):  # whole in memory (bounded by max_message_size)
+        if isinstance(body, StoredBody):
             stored = body
+            split = await asyncio.to_thread(stored.split_head)
+            if split is not None:  # the header block in memory, the body stays on disk
+                head, offset = split
+                return sender, stored.with_head(
+                    rewrite_headers(head, rw.from_addr, rw.reply_to_original), offset
+                )
+            # no header block within the first MiB: whole (bounded by max_message_size)
             body = await asyncio.to_thread(lambda: b"".join(stored.blocks()))
         body = rewrite_headers(body, rw.from_addr, rw.reply_to_original)
     return sender, body

@@ -35,6 +35,9 @@ def load(spool_dir: Path, inline: bytes | None, rel: str | None) -> bytes:
     return (inline or b"") + read_body(spool_dir, rel)
 
 
+HEAD_READ = 1 << 20  # octets read to find the end of a stored message's header block
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBody:
     """A large message as delivery sends it: the row's prefix, then the file, read in
@@ -57,11 +60,19 @@ class StoredBody:
         file_size = self.size - len(self.prefix) + self.skip
         return StoredBody(head, self.path, len(head) + file_size - file_offset, file_offset)
 
-    def head(self, limit: int) -> bytes:
-        """The prefix and up to `limit` octets of the file after `skip`."""
+    def split_head(self, limit: int = HEAD_READ) -> tuple[bytes, int] | None:
+        """(the header block with its empty line, the file offset where the body starts),
+        or None when that block does not end within the first `limit` octets of the file
+        after `skip`, ends inside the prefix, or the message has none."""
         with open(self.path, "rb") as f:
             f.seek(self.skip)
-            return self.prefix + f.read(limit)
+            data = self.prefix + f.read(limit)
+        if data.startswith(b"\r\n"):
+            return None
+        end = data.find(b"\r\n\r\n")
+        if end < 0 or end + 4 < len(self.prefix):
+            return None
+        return data[: end + 4], self.skip + end + 4 - len(self.prefix)
 
     def blocks(self, size: int = 1 << 18) -> Iterator[bytes]:
         """Blocks that each end at a line end (CRLF), except possibly the last; the stored
