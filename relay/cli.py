@@ -476,17 +476,25 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
                 r["destination"] = route.via[0]
 
 
+def _live_destinations(conn: sqlite3.Connection, now: float) -> dict[str, Any] | None:
+    """The daemon's runtime view of its destinations, while it is fresh (a stopped
+    daemon's is not)."""
+    runtime = ops.get_runtime(conn, "daemon")
+    if runtime is None or now - runtime[1] > STALE_AFTER:
+        return None
+    live: dict[str, Any] = runtime[0].get("destinations", {})
+    return live
+
+
 def _circuit_waits(
-    args: argparse.Namespace, conn: sqlite3.Connection, msg: dict[str, Any], now: float
+    args: argparse.Namespace, live: dict[str, Any] | None, msg: dict[str, Any]
 ) -> None:
     """A waiting recipient with no reason of its own, behind an open circuit: the engine
     does not claim mail for a destination whose circuit is open (nor for a route whose every
     upstream is), so nothing in its row says why it waits. `waiting_on` says it, from the
-    daemon's runtime snapshot while that is fresh (a stopped daemon's is not)."""
-    runtime = ops.get_runtime(conn, "daemon")
-    if runtime is None or now - runtime[1] > STALE_AFTER:
+    daemon's runtime view (`_live_destinations`)."""
+    if not live:
         return
-    live = runtime[0].get("destinations", {})
     routing = getattr(args, "routing", None)
     for r in msg["recipients"]:
         if r["state"] not in ("pending", "deferred") or r.get("reason"):
@@ -612,9 +620,12 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             limit=args.limit,
         )
 
+        live = _live_destinations(conn, now)
+
         def shown() -> Iterator[dict[str, Any]]:
             for m in listed:  # a page at a time: the first lines come at once
                 _destinations_as_delivered(args, [m])
+                _circuit_waits(args, live, m)
                 yield m
 
         if args.json:
@@ -650,7 +661,7 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         if msg is None:
             raise CliError(f"no such message: {args.id}")
         _destinations_as_delivered(args, [msg])
-        _circuit_waits(args, conn, msg, now)
+        _circuit_waits(args, _live_destinations(conn, now), msg)
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")
@@ -1077,6 +1088,8 @@ def _print_mailq(msgs: Iterable[dict[str, Any]]) -> None:
         for r in m["recipients"]:
             if r["last_reply"] and r["state"] not in ("delivered",):
                 print(f"{'':<59}({printable(r['last_reply'][:100])})")
+            if r.get("waiting_on"):  # Postfix: "(delivery temporarily suspended: ...)"
+                print(f"{'':<59}(waiting: {r['waiting_on']})")
             print(f"{'':<59}{printable(r['address'])} [{r['state']}]")
         print()
     if not count:

@@ -404,6 +404,10 @@ def test_a_421_greeting_opens_the_circuit_and_flush_and_reset_act_at_once(upstre
     assert rc["waiting_on"].startswith("circuit open for smarthost until 20")
     text = r.cli("queue", "show", qid).stdout
     assert f"waiting: {rc['waiting_on']}" in text
+    # and in the queue listing, as Postfix's mailq shows a suspended destination
+    listed = {m["id"]: m for m in r.queue(all=False)}
+    assert listed[qid]["recipients"][0]["waiting_on"] == rc["waiting_on"]
+    assert f"(waiting: {rc['waiting_on']})" in r.cli("queue", "list").stdout
     # the mail that failed waits for the same circuit: said the same way, beside its reply
     a_id = r.cli_json("queue", "find", "--recipient", "a@example.org")[0]["id"]
     (first,) = r.cli_json("queue", "show", a_id)["recipients"]
