@@ -477,13 +477,14 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
 
 
 def _live_destinations(conn: sqlite3.Connection, now: float) -> dict[str, Any] | None:
-    """The daemon's runtime view of its destinations, while it is fresh (a stopped
-    daemon's is not)."""
+    """The daemon's runtime view of its destinations while it is fresh (a stopped
+    daemon's is not) and one of them has its circuit open; else None."""
     runtime = ops.get_runtime(conn, "daemon")
     if runtime is None or now - runtime[1] > STALE_AFTER:
         return None
     live: dict[str, Any] = runtime[0].get("destinations", {})
-    return live
+    # only open circuits matter to `_circuit_waits`: none open, nothing to match per row
+    return live if any(v.get("circuit") == "open" for v in live.values()) else None
 
 
 def _circuit_waits(
