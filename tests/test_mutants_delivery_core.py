@@ -381,3 +381,34 @@ def test_exact_health_details() -> None:
 )
 def test_health_human_boundaries(seconds: float, want: str) -> None:
     assert health.human(seconds) == want
+
+
+# --- ledger: failover hands a reservation over ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("scopes", "dst_limit", "after", "reserved"),
+    [
+        # both limited: the reservation moves from the primary's ceiling to the backup's
+        (
+            ("dest:a", "id:corp"),
+            10,
+            ("id:corp", "dest:b"),
+            {"dest:a": 1, "dest:b": 3, "id:corp": 3},
+        ),
+        # an unlimited backup: nothing to reserve under it (its deliveries still count)
+        (("dest:a",), None, (), {"dest:a": 1}),
+        # an unlimited primary: only the backup's ceiling is reserved
+        (("id:corp",), 10, ("id:corp", "dest:b"), {"dest:a": 4, "dest:b": 3, "id:corp": 3}),
+    ],
+)
+def test_hand_over(
+    scopes: tuple[str, ...], dst_limit: int | None, after: tuple[str, ...], reserved: dict[str, int]
+) -> None:
+    led = Ledger(UTC, None)
+    led.reserve(scopes, 3)
+    led.reserve(("dest:a",), 1)  # another job of the primary's keeps its reservation
+    if "dest:a" not in scopes:
+        led.reserve(("dest:a",), 3)
+    assert led.hand_over(scopes, 3, "a", "b", dst_limit) == after
+    assert {k: v for k, v in led.reserved.items() if v} == reserved

@@ -60,6 +60,36 @@ def events(r: RelayProcess, name: str) -> list[dict[str, Any]]:
 # --- failover ------------------------------------------------------------------------------
 
 
+def test_a_backup_carries_failover_mail_under_its_own_daily_ceiling(upstream, relay) -> None:
+    backup = upstream()
+    r = relay(
+        config=routed(
+            {"primary": plain(free_port()), "backup": plain(backup)},
+            [{"via": ["primary", "backup"]}],
+            destinations={"backup": {"daily_limit": 1}},
+        )
+    )
+    assert send(r.port, SENDER, ["one@example.org"], make_message(1)) == {}
+    backup.wait_for(1)
+    wait_delivered(r, 1)
+
+    def today() -> dict[str, int]:  # the daemon's view, written every 2 s
+        return {d["name"]: d.get("delivered_today", 0) for d in r.cli_json("destination", "list")}
+
+    r.wait_until(lambda: today().get("backup") == 1, what="counted where it went")
+    assert today().get("primary", 0) == 0
+    # the backup's ceiling is reached: failover mail waits instead of passing it
+    assert send(r.port, SENDER, ["two@example.org"], make_message(2)) == {}
+    r.wait_until(
+        lambda: any("daily ceiling" in e["msg"] for e in events(r, "failover")),
+        what="the backup skipped for its ceiling",
+    )
+    r.wait_until(lambda: r.recipient_states().get("two@example.org") == "deferred", what="deferred")
+    time.sleep(1.5)  # a retry (schedule 1s) goes the same way
+    assert len(backup.received) == 1
+    assert r.recipient_states().get("two@example.org") == "deferred"
+
+
 def test_a_refusing_primary_fails_over_to_the_backup_in_the_same_attempt(upstream, relay) -> None:
     backup = upstream()
     r = relay(

@@ -317,7 +317,7 @@ async def apply(
         e.retune(st)
         e.spawn_workers(st)
     e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
-    await finish(e, job, outcomes, delivered)
+    await finish(e, job, outcomes, delivered, carrier=st)
     if delayed is not None:
         await delay_warning(e, st, job, *delayed)
 
@@ -379,14 +379,23 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     )
 
 
-async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
+async def finish(
+    e: Engine,
+    job: Job,
+    outcomes: Sequence[ops.RcptUpdate],
+    delivered: int,
+    carrier: DestState | None = None,
+) -> None:
+    """`carrier`: the upstream that carried the job after a failover (its deliveries count
+    under that one's ceiling; one engine only, see connect.open_for)."""
     if job.done:
         return
     job.done = True
     n = len(job.claims)
     st = e.dests[job.destination]
+    by = carrier if carrier is not None and not e.fleet else st
     scopes = e.ledger.release(
-        job.reserved, n, delivered, e.clock(), st.name, st.conf.daily_limit is not None
+        job.reserved, n, delivered, e.clock(), by.name, by.conf.daily_limit is not None
     )
     st.reserved = max(0, st.reserved - n)
     st.sent += delivered

@@ -54,6 +54,20 @@ async def open_for(
     last: tuple[DestState, ConnectFailed] | None = None
     for i, d in enumerate(chain):
         now = e.clock()
+        if i > 0 and not e.fleet and d.conf.daily_limit is not None:
+            # the backup carries the transaction under its own daily ceiling (one engine;
+            # a fleet counts it to the upstream it was dispatched to, README Known limits)
+            room = e.ledger.room([(f"dest:{d.name}", d.name, d.conf.daily_limit)], now)
+            if room is not None and room[0] < len(rcpts):
+                log_event(
+                    log,
+                    logging.INFO,
+                    "failover",
+                    "upstream skipped: its daily ceiling is reached",
+                    destination=d.name,
+                    queue_id=job.msg_id,
+                )
+                continue
         if i > 0 or not first_allowed:
             before = d.breaker.state(now)
             if d.suspended_until > now or not d.breaker.allow(now):
@@ -109,6 +123,10 @@ async def open_for(
         d.config_error = None
         if last is not None:
             _charge(e, *last)
+        if i > 0 and not e.fleet:
+            job.reserved = e.ledger.hand_over(
+                job.reserved, len(job.claims), st.name, d.name, d.conf.daily_limit
+            )
         if i > 0:
             log_event(
                 log,

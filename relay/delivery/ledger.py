@@ -97,6 +97,20 @@ class Ledger:
             if self.grants is not None:
                 self.grants[scope] = self.grants.get(scope, 0) - n
 
+    def hand_over(
+        self, scopes: tuple[str, ...], n: int, src: str, dst: str, dst_limit: int | None
+    ) -> tuple[str, ...]:
+        """A job dispatched to upstream `src` is carried by `dst` (failover): the
+        reservation under `src`'s ceiling moves under `dst`'s (when it has one). Returns the
+        job's scopes now. One engine only: a fleet's reservations are holds in the spool."""
+        out = [scope for scope in scopes if scope != f"dest:{src}"]
+        if len(out) != len(scopes):
+            self.reserved[f"dest:{src}"] = max(0, self.reserved.get(f"dest:{src}", 0) - n)
+        if dst_limit is not None:
+            self.reserve((f"dest:{dst}",), n)
+            out.append(f"dest:{dst}")
+        return tuple(out)
+
     def release(
         self,
         scopes: tuple[str, ...],
