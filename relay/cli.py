@@ -461,19 +461,26 @@ def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, An
     """The destination a recipient goes through, as logs, stats and `destination list` name
     it: the first upstream of its route (`smarthost` for the classic single one), or its
     domain when the route is MX."""
-    routing = getattr(args, "routing", None)
-    if routing is None or not routing.routes:
-        return
     for m in msgs:
         for r in m["recipients"]:
-            route = routing.match(
-                sender=m.get("sender") or "",
-                recipient=r["address"],
-                client=m.get("client") or "",
-                listener=m.get("listener"),
-            )
-            if not route.mx:
-                r["destination"] = route.via[0]
+            via = _via(args, m, r)
+            if via:
+                r["destination"] = via[0]
+
+
+def _via(args: argparse.Namespace, msg: dict[str, Any], rcpt: dict[str, Any]) -> list[str]:
+    """The upstreams of the route a recipient takes, in failover order; [] for an MX route
+    or without routes (the recipient's own `destination` names it then)."""
+    routing = getattr(args, "routing", None)
+    if routing is None or not routing.routes:
+        return []
+    route = routing.match(
+        sender=msg.get("sender") or "",
+        recipient=rcpt["address"],
+        client=msg.get("client") or "",
+        listener=msg.get("listener"),
+    )
+    return [] if route.mx else list(route.via)
 
 
 def _live_destinations(conn: sqlite3.Connection, now: float) -> dict[str, Any] | None:
@@ -496,20 +503,10 @@ def _circuit_waits(
     daemon's runtime view (`_live_destinations`)."""
     if not live:
         return
-    routing = getattr(args, "routing", None)
     for r in msg["recipients"]:
         if r["state"] not in ("pending", "deferred") or r.get("reason"):
             continue
-        names = [r["destination"]]
-        if routing is not None and routing.routes:
-            route = routing.match(
-                sender=msg.get("sender") or "",
-                recipient=r["address"],
-                client=msg.get("client") or "",
-                listener=msg.get("listener"),
-            )
-            if not route.mx:
-                names = list(route.via)
+        names = _via(args, msg, r) or [r["destination"]]
         views = [live.get(n) or {} for n in names]
         if names and all(v.get("circuit") == "open" for v in views):
             until = max(str(v.get("circuit_reopens_at") or "") for v in views)

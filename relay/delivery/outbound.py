@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from relay import dkim_sign, faults, unsubscribe
@@ -63,28 +64,42 @@ async def prepare(config: Config, job: Job, body: bytes | StoredBody) -> bytes |
     else:
         data = body
     if unsub is not None:
-        try:
-            added = unsubscribe.add_headers(data, unsub, job.identity, job.claims[0].address)
-        except ValueError as e:
-            raise OutboundError(f"List-Unsubscribe: {e}") from e
-        data = added if added is not None else data
-    if config.dkim:
-        domain = dkim_sign.header_from_domain(data)
-        keys = dkim_sign.keys_for(domain, config.dkim) if domain else ()
-        if keys:
-            message = data
+        data = _with_unsubscribe(data, unsub, job)
+    keys = _keys(config, data)
+    if keys:
+        message = data
 
-            def sign() -> bytes:
-                faults.hit("dkim.sign")
-                return dkim_sign.sign(message, keys)
+        def sign() -> bytes:
+            faults.hit("dkim.sign")
+            return dkim_sign.sign(message, keys)
 
-            try:
-                signature = await asyncio.to_thread(sign)
-            except Exception as e:  # DkimSignError, or a bug: never sent unsigned
-                names = ", ".join(f"{k.selector}._domainkey.{k.domain}" for k in keys)
-                raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
-            data = signature + message
+        data = await _signature(keys, sign) + message
     return data
+
+
+def _with_unsubscribe(message: bytes, unsub: UnsubscribeConf, job: Job) -> bytes:
+    """`message` (or its header block alone) with the one-click headers for its recipient."""
+    try:
+        added = unsubscribe.add_headers(message, unsub, job.identity, job.claims[0].address)
+    except ValueError as e:
+        raise OutboundError(f"List-Unsubscribe: {e}") from e
+    return added if added is not None else message
+
+
+def _keys(config: Config, message: bytes) -> Sequence[dkim_sign.DkimKey]:
+    """The keys that sign for the header From of `message` (or its header block)."""
+    domain = dkim_sign.header_from_domain(message) if config.dkim else None
+    return dkim_sign.keys_for(domain, config.dkim) if domain else ()
+
+
+async def _signature(keys: Sequence[dkim_sign.DkimKey], sign: Callable[[], bytes]) -> bytes:
+    """`sign()` in a worker thread; any failure (DkimSignError, an unreadable file, a bug)
+    is an OutboundError: the message is never sent unsigned."""
+    try:
+        return await asyncio.to_thread(sign)
+    except Exception as e:
+        names = ", ".join(f"{k.selector}._domainkey.{k.domain}" for k in keys)
+        raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
 
 
 async def _prepare_stored(
@@ -100,14 +115,9 @@ async def _prepare_stored(
     from the file (relay/dkim_sign.py `RelaxedBodyHash`)."""
     rest = body.with_head(b"", offset)
     if unsub is not None:
-        try:
-            added = unsubscribe.add_headers(head, unsub, job.identity, job.claims[0].address)
-        except ValueError as e:
-            raise OutboundError(f"List-Unsubscribe: {e}") from e
-        head = added if added is not None else head
+        head = _with_unsubscribe(head, unsub, job)
     signature = b""
-    domain = dkim_sign.header_from_domain(head) if config.dkim else None
-    keys = dkim_sign.keys_for(domain, config.dkim) if domain else ()
+    keys = _keys(config, head)
     if keys:
         header_block = head
 
@@ -118,9 +128,5 @@ async def _prepare_stored(
                 hasher.update(block)
             return dkim_sign.sign(header_block, keys, body_hash=hasher.digest())
 
-        try:
-            signature = await asyncio.to_thread(sign)
-        except Exception as e:  # DkimSignError, an unreadable file, or a bug: never unsigned
-            names = ", ".join(f"{k.selector}._domainkey.{k.domain}" for k in keys)
-            raise OutboundError(f"DKIM signing failed ({names}): {e}") from e
+        signature = await _signature(keys, sign)
     return rest.with_head(signature + head, offset)
