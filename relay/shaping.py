@@ -489,6 +489,10 @@ class Breaker:
         if self.cooldown < 0:
             raise ValueError(f"breaker cooldown must be >= 0, got {self.cooldown}")
 
+    def reopens_at(self, now: float) -> float:
+        """When the cooldown of the open circuit ends and a trial is allowed."""
+        return (self.opened_at or now) + self.cooldown
+
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
             return "closed"

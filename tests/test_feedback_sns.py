@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import http.client
 import http.server
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,14 +272,23 @@ class CertServer:
         self.httpd.server_close()
 
 
-@pytest.fixture
-def served(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
+@contextlib.contextmanager
+def serving(
+    ca: trustme.CA, files: Callable[[Signer], dict[str, tuple[int, bytes]]]
+) -> Iterator[tuple[CertServer, Signer]]:
+    """A signer of our own and a CertServer serving `files(signer)`, stopped after."""
     s = Signer()
-    server = CertServer(ca, {"/cert.pem": (200, s.pem), "/junk.pem": (200, b"junk")})
+    server = CertServer(ca, files(s))
     try:
         yield server, s
     finally:
         server.stop()
+
+
+@pytest.fixture
+def served(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
+    with serving(ca, lambda s: {"/cert.pem": (200, s.pem), "/junk.pem": (200, b"junk")}) as sv:
+        yield sv
 
 
 async def test_cache_fetches_each_certificate_once(

@@ -23,7 +23,7 @@ from relay.dataflow import DataParser, DataState, Feed
 from relay.dkim_sign import RelaxedBodyHash
 from relay.feedback import sns
 from relay.feedback.providers import SignatureError
-from tests.test_feedback_sns import CertServer, Signer
+from tests.test_feedback_sns import CertServer, Signer, serving
 
 # --- relay/dataflow.py ---------------------------------------------------------------------
 
@@ -199,20 +199,15 @@ def test_signature_refusal_texts(change: dict[str, object], message: str) -> Non
 
 @pytest.fixture
 def big_pem_server(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
-    s = Signer()
     # text before the PEM block is allowed and makes the body arrive in several chunks
-    padded = b"# " + b"p" * 40_000 + b"\n" + s.pem
-    server = CertServer(
+    with serving(
         ca,
-        {
-            "/padded.pem": (200, padded),
+        lambda s: {
+            "/padded.pem": (200, b"# " + b"p" * 40_000 + b"\n" + s.pem),
             "/huge.pem": (200, b"#" * (sns.MAX_CERT + 1) + s.pem),
         },
-    )
-    try:
-        yield server, s
-    finally:
-        server.stop()
+    ) as sv:
+        yield sv
 
 
 async def test_a_certificate_in_several_chunks_and_one_too_large(
@@ -283,14 +278,13 @@ def test_certificate_validity_is_inclusive_and_its_texts() -> None:
 
 @pytest.fixture
 def many_server(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
-    s = Signer()
-    files = {f"/c{i}.pem": (200, s.pem) for i in range(sns.CACHE_SIZE + 1)}
-    files["/exact.pem"] = (200, s.pem + b"#" * (sns.MAX_CERT - len(s.pem)))
-    server = CertServer(ca, files)
-    try:
-        yield server, s
-    finally:
-        server.stop()
+    def files(s: Signer) -> dict[str, tuple[int, bytes]]:
+        out = {f"/c{i}.pem": (200, s.pem) for i in range(sns.CACHE_SIZE + 1)}
+        out["/exact.pem"] = (200, s.pem + b"#" * (sns.MAX_CERT - len(s.pem)))
+        return out
+
+    with serving(ca, files) as sv:
+        yield sv
 
 
 async def test_the_cache_keeps_the_32_most_recent(

@@ -48,7 +48,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
     allowed = True
     if st.suspended_until > now or (not st.breaker.allow(now)):
         if not (job.route and len(job.route.via) > 1):
-            until = max(st.suspended_until, (st.breaker.opened_at or now) + st.breaker.cooldown)
+            until = max(st.suspended_until, st.breaker.reopens_at(now))
             # half-open with the trial still out: the cooldown is already over, so do not
             # make the job due at once again (a busy loop until the trial reports)
             until = max(until, now + e.config.retry.min_delay)
@@ -317,7 +317,7 @@ async def apply(
         e.retune(st)
         e.spawn_workers(st)
     e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
-    await finish(e, job, outcomes, delivered, carrier=st)
+    await finish(e, job, outcomes, delivered)
     if delayed is not None:
         await delay_warning(e, st, job, *delayed)
 
@@ -379,21 +379,13 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     )
 
 
-async def finish(
-    e: Engine,
-    job: Job,
-    outcomes: Sequence[ops.RcptUpdate],
-    delivered: int,
-    carrier: DestState | None = None,
-) -> None:
-    """`carrier`: the upstream that carried the job after a failover (its deliveries count
-    under that one's ceiling; one engine only, see connect.open_for)."""
+async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
     if job.done:
         return
     job.done = True
     n = len(job.claims)
     st = e.dests[job.destination]
-    by = carrier if carrier is not None and not e.fleet else st
+    by = e.dests[job.carrier] if job.carrier is not None else st  # after a hand-over
     scopes = e.ledger.release(
         job.reserved, n, delivered, e.clock(), by.name, by.conf.daily_limit is not None
     )

@@ -54,10 +54,10 @@ async def open_for(
     last: tuple[DestState, ConnectFailed] | None = None
     for i, d in enumerate(chain):
         now = e.clock()
-        if i > 0 and not e.fleet and d.conf.daily_limit is not None:
+        if i > 0 and not e.fleet:
             # the backup carries the transaction under its own daily ceiling (one engine;
             # a fleet counts it to the upstream it was dispatched to, README Known limits)
-            room = e.ledger.room([(f"dest:{d.name}", d.name, d.conf.daily_limit)], now)
+            room = e.ledger.room(e.ledger.limits(d.name, d.conf.daily_limit, "", None, now), now)
             if room is not None and room[0] < len(rcpts):
                 log_event(
                     log,
@@ -127,6 +127,7 @@ async def open_for(
             job.reserved = e.ledger.hand_over(
                 job.reserved, len(job.claims), st.name, d.name, d.conf.daily_limit
             )
+            job.carrier = d.name
         if i > 0:
             log_event(
                 log,

@@ -87,7 +87,7 @@ def dispatch(
     # the worker that will actually connect, not to this check
     circuit = None
     if st.breaker.state(now) == "open":
-        circuit = (st.breaker.opened_at or now) + st.breaker.cooldown
+        circuit = st.breaker.reopens_at(now)
     verdict = decide.admit(
         len(keep),
         name=st.name,

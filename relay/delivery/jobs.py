@@ -41,6 +41,9 @@ class Job:
     envelope: ops.Envelope
     route: Route | None = None  # None: the classic single route
     reserved: tuple[str, ...] = ()  # ceiling scopes reserved at dispatch
+    # the upstream that carries it after a failover, when its reservation was handed over
+    # to that one (relay/delivery/connect.py); its deliveries count there
+    carrier: str | None = None
     done: bool = False  # its outcomes are recorded (or being recorded)
 
 

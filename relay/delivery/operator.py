@@ -48,7 +48,7 @@ def breaker_changed(e: Engine, st: DestState, before: str, now: float, why: str)
     if after == before:
         return
     if after == "open":
-        until = (st.breaker.opened_at or now) + st.breaker.cooldown
+        until = st.breaker.reopens_at(now)
         log_event(
             log,
             logging.WARNING,

@@ -12,6 +12,12 @@ from relay.spool import ops
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine
+    from relay.delivery.jobs import DestState
+
+
+def _reopens(st: DestState, now: float) -> str | None:
+    """When an open circuit allows a trial again (ISO 8601 UTC); None unless open."""
+    return ops.iso_utc(st.breaker.reopens_at(now)) if st.breaker.state(now) == "open" else None
 
 
 def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
@@ -19,11 +25,15 @@ def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
     now = e.clock()
     out: list[tuple[str, str, int, str | None, str | None]] = []
     for st in e.dests.values():
-        circuit = st.breaker.state(now)
-        reopen = None
-        if circuit == "open":
-            reopen = ops.iso_utc((st.breaker.opened_at or now) + st.breaker.cooldown)
-        out.append((st.name, circuit, st.breaker.failures, st.config_error, reopen))
+        out.append(
+            (
+                st.name,
+                st.breaker.state(now),
+                st.breaker.failures,
+                st.config_error,
+                _reopens(st, now),
+            )
+        )
     return out
 
 
@@ -89,11 +99,7 @@ def snapshot(e: Engine) -> Snapshot:
             active_connections=len(st.workers),
             queued_in_memory=st.queued(),
             circuit=st.breaker.state(now),
-            circuit_reopens_at=(
-                ops.iso_utc((st.breaker.opened_at or now) + st.breaker.cooldown)
-                if st.breaker.state(now) == "open"
-                else None
-            ),
+            circuit_reopens_at=_reopens(st, now),
             suspended_until=ops.iso_utc(st.suspended_until) if suspended else None,
             suspend_reason=st.suspend_reason if suspended else None,
             delivered_today=e.ledger.today(f"dest:{name}"),

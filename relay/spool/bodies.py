@@ -35,7 +35,8 @@ def load(spool_dir: Path, inline: bytes | None, rel: str | None) -> bytes:
     return (inline or b"") + read_body(spool_dir, rel)
 
 
-HEAD_READ = 1 << 20  # octets read to find the end of a stored message's header block
+HEAD_READ = 1 << 20  # octets read at most to find the end of a stored message's header block
+HEAD_STEP = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +65,21 @@ class StoredBody:
         """(the header block with its empty line, the file offset where the body starts),
         or None when that block does not end within the first `limit` octets of the file
         after `skip`, ends inside the prefix, or the message has none."""
-        with open(self.path, "rb") as f:
-            f.seek(self.skip)
-            data = self.prefix + f.read(limit)
-        if data.startswith(b"\r\n"):
-            return None
+        data = self.prefix
         end = data.find(b"\r\n\r\n")
-        if end < 0 or end + 4 < len(self.prefix):
+        if end < 0:  # read on in steps: a header block is a few KiB, the limit a MiB
+            with open(self.path, "rb") as f:
+                f.seek(self.skip)
+                read = 0
+                while end < 0 and read < limit:
+                    chunk = f.read(min(HEAD_STEP, limit - read))
+                    if not chunk:
+                        break
+                    read += len(chunk)
+                    start = max(0, len(data) - 3)  # a CRLFCRLF may span the old end
+                    data += chunk
+                    end = data.find(b"\r\n\r\n", start)
+        if end < 0 or data.startswith(b"\r\n") or end + 4 < len(self.prefix):
             return None
         return data[: end + 4], self.skip + end + 4 - len(self.prefix)
 
