@@ -44,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
         "inline_max": "128KiB",
         "retention": "7d",
         "backend": "sqlite",
+        "maildrop": None,  # None: <spool.path>/maildrop (relay/maildrop.py)
     },
     "dedup": {"window": "7d"},
     "limits": {
@@ -921,6 +922,11 @@ class Config:
     spool_pg: PgSpool | None = None
     fleet: FleetConf = field(default_factory=lambda: FleetConf())
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
+    maildrop_path: Path | None = None  # spool.maildrop; None: <spool_path>/maildrop
+
+    def maildrop_dir(self) -> Path:
+        """Where relay-sendmail leaves mail the daemon did not take (relay/maildrop.py)."""
+        return self.maildrop_path or self.spool_path / "maildrop"
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -1072,6 +1078,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
     retention = spool.duration("retention")
     spool_pg = _spool_backend(spool, base_dir)
+    maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
     fl = _Reader(top.get("fleet"), "fleet")
     fleet = FleetConf(node=fl.opt_str("node") or None, lease=fl.opt_duration("lease") or 30.0)
     if fleet.lease < 3:
@@ -1361,6 +1368,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         fleet=fleet,
         outbox=outbox,
         inbound_processes=inbound_processes,
+        maildrop_path=maildrop_path,
     )
 
 

@@ -22,6 +22,10 @@ Rules:
   and written to `<spool>/health.json` for `relay status`. Inbound answers `451 4.3.0`
   once the spool database was deleted or replaced under us, and `452 4.3.1` while the disk
   is critically full (at MAIL, before anything is accepted that could not be kept).
+- The maildrop (relay/maildrop.py) is created at start when missing and imported at start
+  and every second (relay/pickup.py); its `maildrop` health check warns when a file waits
+  there over a minute. The importer stops first at shutdown, while the listeners still
+  answer the submission in flight.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from relay import __version__, alerts, faults, fdlimit, health, smtpd_adapter
+from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup, smtpd_adapter
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
 from relay.delivery import smtpclient_adapter
@@ -55,6 +59,7 @@ from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.outbox import Outbox
+from relay.sendmail import Target
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
@@ -111,6 +116,13 @@ class Daemon:
         self._inbound_ready = 0  # `r` bytes read: inbound processes (re)started listening
         self._lock_fd: int | None = None  # DAEMON_LOCK, SQLite spools
         self.outbox: Outbox | None = None
+        self.pickup = pickup.Pickup(
+            lambda: self.config.maildrop_dir(),
+            self._pickup_target,
+            self.alerts.add,
+            time.time,
+        )
+        self._pickup_task: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -147,6 +159,7 @@ class Daemon:
             return 75  # EX_TEMPFAIL
         self.writer.on_commit = self._on_commit
         await asyncio.to_thread(self.writer.start)
+        await self._make_maildrop()
         if self.config.spool_pg is None:  # a file that can be deleted or replaced under us
             st = os.stat(db.db_path(self.config.spool_path))
             self._spool_id = (st.st_dev, st.st_ino)
@@ -222,6 +235,7 @@ class Daemon:
         if self.config.outbox.enabled:  # README "The transactional outbox"
             self.outbox = Outbox(lambda: self.config, self.writer, self.engine.wake)
             self.outbox.start()
+        self._pickup_task = loop.create_task(self.pickup.run(), name="maildrop")
         await self.check_health()
         self._tasks = [
             loop.create_task(self.engine.run(), name="engine"),
@@ -271,6 +285,9 @@ class Daemon:
         # margin writes every thread's stack to stderr (the journal) and exits; the spool
         # is durable, the next start recovers any claim left `sending`
         faulthandler.dump_traceback_later(self.config.shutdown_timeout + SHUTDOWN_MARGIN, exit=True)
+        if self._pickup_task is not None:  # its submission in flight still gets its reply
+            self.pickup.stop()
+            await asyncio.gather(self._pickup_task, return_exceptions=True)
         for h in self.handlers:
             h.closing = True
         deadline = time.monotonic() + self.config.shutdown_timeout
@@ -306,6 +323,26 @@ class Daemon:
         self.guard.close()
         faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
+
+    async def _make_maildrop(self) -> None:
+        """The maildrop folder, with its mode, when missing (relay/maildrop.py). A failure
+        is logged, never fatal: the daemon still takes SMTP; relay-sendmail then exits 75
+        when it cannot reach us."""
+        folder = self.config.maildrop_dir()
+        try:
+            warnings = await asyncio.to_thread(maildrop.ensure_folder, folder)
+        except OSError as e:
+            warnings = [f"cannot create the maildrop {folder}: {e.strerror or e}"]
+        for w in warnings:
+            log_event(log, logging.WARNING, "config_warning", w)
+
+    def _pickup_target(self) -> Target:
+        """Our own first listener, where the maildrop's files are submitted."""
+        lst = self.config.listen[0]
+        port = lst.port
+        if self.servers:  # the bound port (a test may listen on port 0)
+            port = self.servers[0].sockets[0].getsockname()[1]
+        return pickup.target_of(lst.host, port, self.config.hostname)
 
     async def _check_dkim_dns(self) -> None:
         """At start, `relay check-dns` for every DKIM signing domain, logged (never blocks
@@ -646,6 +683,9 @@ class Daemon:
                 self._queue_checked = time.monotonic()
                 self._queue_results = await self._queue_check(now)
             results.extend(self._queue_results)
+        if self._pickup_task is not None:
+            p = self.pickup
+            results.append(("maildrop", *health.maildrop(p.waiting, p.oldest_age, p.corrupt)))
         for name, status, detail in results:
             self.metrics.health_status.labels(name).set(health.RANK[status])
             t = self.health.update(name, status, detail, now)

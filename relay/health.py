@@ -157,6 +157,31 @@ def destination(
     return "ok", f"{name}: ok"
 
 
+MAILDROP_WARN_AFTER = 60.0  # seconds: the daemon imports the maildrop every second
+
+
+def maildrop(
+    waiting: int, oldest_age: float | None, corrupt: int, warn_after: float = MAILDROP_WARN_AFTER
+) -> tuple[Status, str]:
+    """The maildrop (relay/maildrop.py) while the daemon runs: a file older than
+    `warn_after` is one the daemon cannot import (the relay refuses it for now, see the
+    `maildrop_*` log lines); a file in corrupt/ is mail that will not go out by itself."""
+    parts = []
+    status: Status = "ok"
+    if waiting and oldest_age is not None and oldest_age >= warn_after:
+        status = "warning"
+        parts.append(
+            f"{waiting} messages in the maildrop, the oldest for {human(oldest_age)}"
+            f" (warning at {human(warn_after)}): the relay does not take them"
+        )
+    elif waiting:
+        parts.append(f"{waiting} messages being imported")
+    if corrupt:
+        status = "warning"
+        parts.append(f"{corrupt} files in the maildrop's corrupt/ folder: inspect and remove")
+    return status, "; ".join(parts) or "empty"
+
+
 def human(seconds: float) -> str:
     s = int(seconds)
     if s >= 86400:

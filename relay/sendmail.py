@@ -2,20 +2,32 @@
 
 Apps that pipe mail to sendmail (PHP `mail()`, cron, logwatch, ...) run this instead. It
 reads the message on stdin and submits it over SMTP to the relay's first `listen` address,
-found through the same config file as every other command (`--config FILE`, else
-`$RELAY_CONFIG`, else `/etc/relay/relay.yaml`).
+found through the same config file as every other command (`-C FILE`, `-c FILE` or
+`--config FILE`, else `$RELAY_CONFIG`, else `/etc/relay/relay.yaml`). When the daemon does
+not answer (or answers 4xx), the message goes into the maildrop (relay/maildrop.py), which
+the daemon imports when it runs again: cron and PHP do not retry, so a 75 would lose it.
 
-Only `listen` and `hostname` are read from the config, with a plain YAML load: sendmail runs
-as whichever user the app runs as, and must not need the secrets (password files) that the
-daemon reads, nor fail on a key it has no use for.
+Only `listen`, `hostname`, `local.domain`, `spool.path` and `spool.maildrop` are read from
+the config, with a plain YAML load: sendmail runs as whichever user the app runs as, and
+must not need the secrets (password files) that the daemon reads, nor fail on a key it has
+no use for.
+
+Arguments are checked before anything else: a CR, LF or NUL in any of them (`-f`, `-F`, a
+recipient) is refused with 64, so nothing an app passes on can become an SMTP command or a
+header line. A recipient argument is one address or a comma-separated list of them
+(Postfix's sendmail); `root` (no domain) gets `@<local.domain>`; anything else is refused
+with 64 naming the argument, and nothing is sent.
 
 Options (sendmail/Postfix compatible):
   -t          recipients from To/Cc/Bcc (Resent-To/Cc/Bcc when the message has Resent-*
               headers), added to those on the command line; Bcc/Resent-Bcc lines are removed
   -i, -oi     a line with a single "." does not end the input (without it, it does)
-  -f ADDR     envelope sender (also -fADDR, -r ADDR; "<>" is the null sender); default:
-              the current user @ the configured hostname
-  -F NAME     full name for the From: header added when the message has none
+  -f ADDR     envelope sender (also -fADDR, -r ADDR; "<>" is the null sender; `root`
+              becomes root@<local.domain>); default: the login user @ local.domain (else
+              the configured hostname), the same name the headers get
+  -F NAME     full name for the From: header added when the message has none (quoted or
+              RFC 2047-encoded as a display name needs)
+  -C FILE, -c FILE, --config FILE   the config file
   -bm         read the message on stdin and send it (the default)
   -bs         speak SMTP on stdin/stdout, relayed byte for byte to the relay
   -o*, -v, -m, -n, -U, -G, -Ax, -Bx, -dx, -ex, -hN, -Lx, -Nx, -Ox, -Rx, -Vx, -X FILE
@@ -24,27 +36,36 @@ Options (sendmail/Postfix compatible):
 
 Headers added when missing: From (the envelope sender, with -F's name) and Date. No
 Message-ID is added: the relay derives one from the content, so a byte-identical
-resubmission is recognised as a duplicate. Every line ending becomes CRLF before sending,
-and a leading mbox "From " line is dropped.
+resubmission is recognised as a duplicate. A line ends at LF (or CRLF); every line ending
+becomes CRLF before sending, and a leading mbox "From " line is dropped. A bare CR is not
+a line end: in the header block it is refused (65: `Subject: x\rBcc: y` must never become
+two header fields), in the body it is kept.
 
 Exit status (sysexits.h):
   0   the relay answered 250 after DATA: the message is durably spooled
-      (a relay that recognised a duplicate also answers 250)
-  64  EX_USAGE     bad options, or no recipients at all
-  65  EX_DATAERR   a 5xx reply to MAIL FROM or to the message itself (e.g. too big)
+      (a relay that recognised a duplicate also answers 250); or the relay could not
+      take it now (not running, 4xx) and the message is durably in the maildrop, for the
+      daemon to import (said on stderr)
+  64  EX_USAGE     bad options, a CR/LF/NUL in an argument, a recipient argument that is
+                   not an address list, or no recipients at all
+  65  EX_DATAERR   a 5xx reply to MAIL FROM or to the message itself (e.g. too big), or a
+                   bare CR in the header block
   67  EX_NOUSER    a 5xx reply to a recipient (unknown, malformed or suppressed). If some
                    recipients were accepted, the message is still sent to them, and the
                    refused ones are named on stderr
   69  EX_UNAVAILABLE  a 5xx greeting or EHLO/HELO reply: the relay will not talk to us
   75  EX_TEMPFAIL  the relay could not be reached, answered 4xx (to anything, including a
                    single recipient: then nothing is sent, so that a retry is complete),
-                   dropped the connection or timed out. Try again later.
+                   dropped the connection or timed out, AND the maildrop could not take
+                   the message either (missing, not writable by us, disk full). Try
+                   again later.
   78  EX_CONFIG    the config file is missing or unreadable, or its listen address is bad
 Every failure prints one line on stderr naming the relay address and its reply.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import email.utils
 import os
@@ -62,6 +83,7 @@ from typing import BinaryIO, NoReturn
 
 import yaml
 
+from relay import maildrop
 from relay.address import AddressError, check_local_part, check_mailbox, printable
 from relay.config import DEFAULT_PATH, DEFAULTS, ConfigError, parse_hostport
 from relay.message import qualify_headers
@@ -80,7 +102,7 @@ BS_LINGER = 30.0  # -bs: seconds of silence from the relay, after stdin ended, b
 
 # Options that take a value (attached, `-Nnever`, or as the next argument, `-N never`);
 # all ignored except the ones handled below.
-_WITH_VALUE = frozenset("fFrABCNRVLOXhde")
+_WITH_VALUE = frozenset("fFrABCcNRVLOXhde")
 # Flags (no value) accepted and ignored.
 _IGNORED_FLAGS = frozenset("vmnUG")
 
@@ -89,6 +111,10 @@ _HEADER_LINE = re.compile(rb"^[\x21-\x39\x3b-\x7e]+[ \t]*:")
 
 class UsageError(Exception):
     pass
+
+
+class DataError(Exception):
+    """The message itself cannot be sent as it is (EX_DATAERR)."""
 
 
 @dataclass
@@ -157,8 +183,8 @@ def parse_args(argv: Sequence[str]) -> Options:
                     opts.sender = value
                 elif c == "F":
                     opts.full_name = value
-                elif c == "C":
-                    raise UsageError("-C is not supported: use --config FILE or $RELAY_CONFIG")
+                elif c in "Cc":  # the config file, as the relay's -c (Postfix: -C)
+                    opts.config = value
                 break
             if c == "t":
                 opts.extract = True
@@ -178,6 +204,7 @@ class Target:
     port: int
     hostname: str
     local_domain: str = ""  # local.domain (else hostname): qualifies `root` in headers
+    maildrop: Path | None = None  # spool.maildrop: where the message goes when we cannot
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -215,38 +242,148 @@ def find_relay(config_path: str | None) -> Target:
         port=port,
         hostname=hostname,
         local_domain=domain if isinstance(domain, str) and domain else hostname,
+        maildrop=_maildrop_path(data, p),
     )
 
 
-def default_sender(hostname: str) -> str:
+def _maildrop_path(data: dict[str, object], config: Path) -> Path | None:
+    """spool.maildrop, else <spool.path>/maildrop; relative to the config file's folder, as
+    every path of the config (relay/config.py)."""
+    spool = data.get("spool")
+    spool = spool if isinstance(spool, dict) else {}
+    base = config.absolute().parent
+    path = spool.get("path", DEFAULTS["spool"]["path"])
+    drop = spool.get("maildrop")
+    if not isinstance(path, str) or not (drop is None or isinstance(drop, str)):
+        return None
+    spool_path = Path(path) if os.path.isabs(path) else (base / path).resolve()
+    return maildrop.resolve(spool_path, drop, base)
+
+
+def login_user() -> str:
     try:
-        user = pwd.getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
-        user = os.environ.get("LOGNAME") or os.environ.get("USER") or f"uid{os.getuid()}"
-    return f"{user}@{hostname}"
+        return os.environ.get("LOGNAME") or os.environ.get("USER") or f"uid{os.getuid()}"
+
+
+def default_sender(local_domain: str) -> str:
+    """`<login user>@<local.domain>`: the name the headers give the user too (RFC 5321
+    §4.1.2 wants a fully qualified mailbox; a smarthost refuses `root@localhost`)."""
+    return f"{login_user()}@{local_domain}"
+
+
+def check_arguments(argv: Sequence[str]) -> None:
+    """A CR, LF or NUL in any argument is refused before anything parses it: passed on, it
+    could end an SMTP command (`a@x\r\nRCPT TO:<evil@y>`) or a header line (`-F`)."""
+    for a in argv:
+        if "\r" in a or "\n" in a or "\x00" in a:
+            raise UsageError(f"argument '{printable(a)}' holds a CR, LF or NUL character")
+
+
+def one_address(text: str, local_domain: str) -> str:
+    """`text` as one envelope address: a mailbox as it is, or a bare local part (`root`)
+    with `@<local_domain>`. Raises AddressError."""
+    try:
+        check_mailbox(text)
+        return text
+    except AddressError as e:
+        if "@" in text:
+            raise
+        first = e
+    try:
+        check_local_part(text)
+    except AddressError:
+        raise first from None
+    return f"{text}@{local_domain}"
+
+
+def _split_list(arg: str) -> list[str]:
+    """`arg` split at the commas outside a quoted string (a quoted local part may hold one)."""
+    parts: list[str] = []
+    cur: list[str] = []
+    quoted = escaped = False
+    for ch in arg:
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "," and not quoted:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def parse_recipients(args: list[str], local_domain: str = "localhost") -> list[str]:
+    """Command-line recipients, strictly: each argument is one address (`<...>` allowed) or
+    a comma-separated list of them, as Postfix's sendmail reads it. Anything else raises
+    UsageError naming the argument: `user@exa mple.org` is not `user@example.org`, and
+    `root admin` is not `root` (email.utils.getaddresses would make them so)."""
+    out: list[str] = []
+    for arg in args:
+        found = 0
+        for piece in _split_list(arg):
+            text = piece.strip(" \t")
+            if text.startswith("<") and text.endswith(">"):
+                text = text[1:-1].strip(" \t")
+            if not text:
+                continue
+            try:
+                out.append(one_address(text, local_domain))
+            except AddressError as e:
+                raise UsageError(
+                    f"bad recipient argument '{printable(arg)}': '{printable(text)}': {e}"
+                ) from None
+            found += 1
+        if not found:
+            raise UsageError(f"bad recipient argument '{printable(arg)}': no address in it")
+    return out
+
+
+def envelope_sender(option: str | None, local_domain: str) -> str:
+    """MAIL FROM: `-f`/`-r` (`<>` or empty is the null sender; `root` is qualified with
+    local.domain, as the daemon qualifies `root` in headers), else the login user at
+    local.domain. Raises UsageError."""
+    if option is None:
+        return default_sender(local_domain)
+    sender = option.strip().strip("<>").strip()
+    if not sender:
+        return ""
+    try:
+        return one_address(sender, local_domain)
+    except AddressError as e:
+        raise UsageError(f"bad sender address '{printable(sender)}': {e}") from None
 
 
 # --- the message --------------------------------------------------------------------------
 
 
 def read_message(stream: BinaryIO, ignore_dots: bool) -> list[bytes]:
-    """Lines without their endings. Without -i a line holding only "." ends the input
-    (the rest of stdin is left unread, as sendmail does)."""
+    """Lines without their endings (LF, or CRLF). Without -i a line holding only "." ends
+    the input (the rest of stdin is left unread, as sendmail does). A bare CR is not a line
+    end (RFC 5322 §2.3: CR and LF only occur together as CRLF): it stays inside its line,
+    and build_message refuses it in a header."""
     lines: list[bytes] = []
     for raw in stream:
-        # a bare CR inside a line is a line ending too
-        parts = raw.rstrip(b"\n").rstrip(b"\r").split(b"\r")
-        for part in parts:
-            if not ignore_dots and part == b".":
-                return lines
-            lines.append(part)
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not ignore_dots and line == b".":
+            return lines
+        lines.append(line)
     return lines
 
 
 def split_headers(lines: list[bytes]) -> tuple[list[bytes], list[bytes]]:
     """(header lines, body lines). The header block ends at the first empty line (dropped)
     or at the first line that is neither a header field nor a continuation of one (kept, as
-    the body's first line)."""
+    the body's first line). A header line with a bare CR raises DataError: a reader that
+    takes CR for a line end would see a second field (`Subject: hi\rBcc: evil@...`)."""
     start = 1 if lines and lines[0].startswith(b"From ") else 0  # mbox separator
     headers: list[bytes] = []
     i = start
@@ -255,6 +392,12 @@ def split_headers(lines: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         if line == b"":
             return headers, lines[i + 1 :]
         if _HEADER_LINE.match(line) or (headers and line[:1] in (b" ", b"\t")):
+            if b"\r" in line:
+                name = line.split(b":", 1)[0].decode("ascii", "replace")
+                raise DataError(
+                    f"header line {i + 1 - start} ({printable(name)[:40]}) holds a bare CR,"
+                    " which is not a line end: refused (end lines with LF or CRLF)"
+                )
             headers.append(line)
             i += 1
             continue
@@ -276,17 +419,53 @@ def fields(headers: list[bytes]) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def header_recipients(flds: list[tuple[str, str, int, int]]) -> list[str]:
+def header_recipients(flds: list[tuple[str, str, int, int]], local_domain: str = "") -> list[str]:
+    """-t: the addresses of To/Cc/Bcc, or only of Resent-To/Cc/Bcc when the message has
+    any of those (RFC 5322 §3.6.6: a resent message goes to the resent recipients, not
+    again to the original ones). A bare `root` gets `@<local_domain>`, as in the headers."""
     names = {n.lower() for n, _v, _a, _b in flds}
     resent = bool(names & {"resent-to", "resent-cc", "resent-bcc"})
     wanted = {"resent-to", "resent-cc", "resent-bcc"} if resent else {"to", "cc", "bcc"}
     values = [v for n, v, _a, _b in flds if n.lower() in wanted]
-    return [a for _n, a in email.utils.getaddresses(values) if a]
+    found = [a for _n, a in email.utils.getaddresses(values) if a]
+    if local_domain:
+        found = [a if "@" in a else f"{a}@{local_domain}" for a in found]
+    return found
 
 
-def parse_recipients(args: list[str]) -> list[str]:
-    """Command-line recipients; an argument may hold several, comma-separated."""
-    return [a for _n, a in email.utils.getaddresses(args) if a]
+# RFC 5322 §3.2.3 atext: a display name of atoms and single spaces needs no quotes
+_ATOMS = re.compile(r"[A-Za-z0-9!#$%&'*+\-/=?^_`{|}~]+(?: [A-Za-z0-9!#$%&'*+\-/=?^_`{|}~]+)*")
+_WORD_BYTES = 45  # raw octets per RFC 2047 B-word: 60 base64 characters, word <= 75
+
+
+def display_name(name: str) -> str:
+    """`-F NAME` as an RFC 5322 display name: atoms as they are, other ASCII as a quoted
+    string, anything longer or not ASCII as RFC 2047 encoded words, folded (one word a
+    line). Never a CR or LF of its own (check_arguments refused those), so it can never
+    start another header line."""
+    if name.isascii() and len(name) <= 200 and all(32 <= ord(c) < 127 for c in name):
+        if _ATOMS.fullmatch(name) and "=?" not in name:
+            return name
+        return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    words: list[str] = []
+    chunk = b""
+    for ch in name:
+        b = ch.encode("utf-8", "surrogateescape")
+        if len(chunk) + len(b) > _WORD_BYTES:
+            words.append(chunk.decode("utf-8", "surrogateescape"))
+            chunk = b""
+        chunk += b
+    if chunk:
+        words.append(chunk.decode("utf-8", "surrogateescape"))
+    return "\r\n ".join(
+        "=?utf-8?b?" + base64.b64encode(w.encode("utf-8", "surrogateescape")).decode("ascii") + "?="
+        for w in words
+    )
+
+
+def from_header(full_name: str | None, address: str) -> bytes:
+    value = f"{display_name(full_name)} <{address}>" if full_name else address
+    return b"From: " + value.encode("utf-8", errors="surrogateescape")
 
 
 def build_message(
@@ -295,7 +474,7 @@ def build_message(
     """The message to submit (CRLF line endings) and the recipients found by -t."""
     headers, body = split_headers(lines)
     flds = fields(headers)
-    found = header_recipients(flds) if opts.extract else []
+    found = header_recipients(flds, local_domain) if opts.extract else []
     drop: set[int] = set()
     if opts.extract:
         for name, _v, first, end in flds:
@@ -307,9 +486,7 @@ def build_message(
     names = {n.lower() for n, _v, _a, _b in flds}
     added: list[bytes] = []
     if "from" not in names:
-        addr = sender or default_from
-        value = email.utils.formataddr((opts.full_name or "", addr), charset="utf-8")
-        added.append(b"From: " + value.encode("utf-8", errors="surrogateescape"))
+        added.append(from_header(opts.full_name, sender or default_from))
     if "date" not in names:
         added.append(b"Date: " + email.utils.formatdate(time.time(), localtime=True).encode())
     data = b"\r\n".join([*added, *kept, b"", *body]) + b"\r\n"
@@ -340,11 +517,13 @@ def _reply(code: int, msg: bytes | str) -> str:
     return f"{code} {' '.join(text.split())}".strip()
 
 
-def submit(target: Target, sender: str, rcpts: list[str], data: bytes) -> list[str]:
+def submit(
+    target: Target, sender: str, rcpts: list[str], data: bytes, timeout: float = TIMEOUT
+) -> list[str]:
     """One SMTP transaction. Returns the recipients the relay refused with 5xx (the message
     went to the others); raises Failure when nothing was accepted."""
     try:
-        s = smtplib.SMTP(target.host, target.port, local_hostname=target.hostname, timeout=TIMEOUT)
+        s = smtplib.SMTP(target.host, target.port, local_hostname=target.hostname, timeout=timeout)
     except smtplib.SMTPConnectError as e:  # greeting was not 220
         code = EX_TEMPFAIL if e.smtp_code < 500 else EX_UNAVAILABLE
         raise Failure(
@@ -359,7 +538,7 @@ def submit(target: Target, sender: str, rcpts: list[str], data: bytes) -> list[s
         raise Failure(EX_TEMPFAIL, f"the relay at {target} closed the connection: {e}") from None
     except TimeoutError:
         raise Failure(
-            EX_TEMPFAIL, f"the relay at {target} did not answer within {TIMEOUT:g}s"
+            EX_TEMPFAIL, f"the relay at {target} did not answer within {timeout:g}s"
         ) from None
     except OSError as e:
         raise Failure(EX_TEMPFAIL, f"connection to the relay at {target} failed: {e}") from None
@@ -496,12 +675,13 @@ def _die(code: int, text: str) -> NoReturn:
 
 def run(argv: Sequence[str]) -> int:
     try:
+        check_arguments(argv)
         opts = parse_args(argv)
     except UsageError as e:
         _die(
             EX_USAGE,
             f"{e}\nusage: {PROG} [-t] [-i] [-f sender] [-F name]"
-            f" [--config FILE] [recipient ...] < message",
+            f" [-C FILE] [recipient ...] < message",
         )
     try:
         target = find_relay(opts.config)
@@ -511,22 +691,21 @@ def run(argv: Sequence[str]) -> int:
         return _queue_verb(opts)
     if opts.mode == "s":
         return smtp_proxy(target)
-    default_from = default_sender(target.hostname)
-    sender = default_from if opts.sender is None else opts.sender.strip().strip("<>").strip()
-    if sender:
-        try:
-            if "@" in sender:
-                check_mailbox(sender)
-            else:  # `-f root`: qualified with local.domain, as the daemon does for `root`
-                check_local_part(sender)
-                sender = f"{sender}@{target.local_domain}"
-        except AddressError as e:
-            _die(EX_USAGE, f"bad sender address '{printable(sender)}': {e}")
-    rcpts = parse_recipients(opts.recipients)
+    default_from = default_sender(target.local_domain)
+    if opts.full_name is not None and any(ord(c) < 32 or ord(c) == 127 for c in opts.full_name):
+        _die(EX_USAGE, f"-F '{printable(opts.full_name)}': a control character in the name")
+    try:
+        sender = envelope_sender(opts.sender, target.local_domain)
+        rcpts = parse_recipients(opts.recipients, target.local_domain)
+    except UsageError as e:
+        _die(EX_USAGE, f"{e}; nothing sent")
     if not rcpts and not opts.extract:
         _die(EX_USAGE, "no recipients given (name them as arguments, or use -t)")
     lines = read_message(sys.stdin.buffer, opts.ignore_dots)
-    data, found = build_message(lines, opts, sender, default_from, target.local_domain)
+    try:
+        data, found = build_message(lines, opts, sender, default_from, target.local_domain)
+    except DataError as e:
+        _die(EX_DATAERR, f"{e}; nothing sent")
     rcpts = _dedupe(rcpts + found)
     for r in rcpts:
         if any(ord(ch) < 32 or ord(ch) == 127 for ch in r):
@@ -536,7 +715,9 @@ def run(argv: Sequence[str]) -> int:
     try:
         refused = submit(target, sender, rcpts, data)
     except Failure as f:
-        _die(f.code, str(f))
+        if f.code != EX_TEMPFAIL:
+            _die(f.code, str(f))
+        return _to_maildrop(target, sender, rcpts, data, str(f))
     if refused:
         _die(
             EX_NOUSER,
@@ -544,6 +725,36 @@ def run(argv: Sequence[str]) -> int:
             f" {len(rcpts) - len(refused)} of {len(rcpts)} recipients; refused: "
             + "; ".join(refused),
         )
+    return EX_OK
+
+
+def _to_maildrop(target: Target, sender: str, rcpts: list[str], data: bytes, why: str) -> int:
+    """The relay could not take the message now: write it into the maildrop for the daemon
+    to import (exit 0), or fail with 75 when that is not possible either."""
+    if target.maildrop is None:
+        _die(EX_TEMPFAIL, f"{why}; no maildrop (spool.path/spool.maildrop unreadable)")
+    drop = maildrop.Drop(
+        sender=sender,
+        recipients=tuple(rcpts),
+        data=data,
+        created_at=time.time(),
+        uid=os.getuid(),
+        user=login_user(),
+    )
+    try:
+        path = maildrop.write(target.maildrop, drop)
+    except OSError as e:
+        _die(
+            EX_TEMPFAIL,
+            f"{why}; and the maildrop {target.maildrop} cannot take it either:"
+            f" {e.strerror or e} (is this user in group '{maildrop.GROUP}'?)",
+        )
+    print(
+        f"{PROG}: {why}; queued locally in the maildrop as {path.name}:"
+        " the relay daemon will send it when it runs",
+        file=sys.stderr,
+        flush=True,
+    )
     return EX_OK
 
 
