@@ -59,8 +59,8 @@ from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
 from relay.outbox import Outbox
-from relay.sendmail import Target
 from relay.sdnotify import Notifier, watchdog_loop
+from relay.sendmail import Target
 from relay.spool import bodies, db, ops
 from relay.spool.writer import SpoolWriter
 from relay.unsubscribe import UnsubscribeHandler
