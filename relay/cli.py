@@ -89,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         dest="qcmd", required=True
     )
     ql = q.add_parser("list", parents=[common], help="list messages (default: unfinished)")
-    ql.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent", "failed"])
+    ql.add_argument(
+        "--state",
+        choices=["queued", "deferred", "sending", "held", "sent", "failed", "maildrop"],
+        help="maildrop: relay-sendmail's files waiting for the daemon to import them",
+    )
     ql.add_argument("--all", action="store_true", help="include finished messages")
     ql.add_argument("--recipient", help="only messages to this address")
     ql.add_argument("--domain", help="only messages with a recipient at this domain")
@@ -396,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing
     args.lease = config.fleet.lease  # a node is alive while its heartbeat is this fresh
+    args.maildrop = config.maildrop_dir()  # `queue list` shows its files too
     if args.cmd == "status":  # needs no database: it must work when the spool is broken
         return _status(args, config.spool_path)
     if args.cmd == "check-dns":  # DNS only, no spool
@@ -607,20 +612,28 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         if args.limit is not None and args.limit < 1:
             print("relay: --limit takes a whole number of at least 1", file=sys.stderr)
             return EXIT_USAGE
-        listed = ops.iter_messages(
-            conn,
-            state=args.state,
-            include_finished=args.all,
-            recipient=args.recipient,
-            domain=args.domain,
-            older_than=older,
-            now=now,
-            limit=args.limit,
+        drops = _maildrop_rows(args, now, older) if args.state in (None, "maildrop") else []
+        if args.limit is not None:
+            drops = drops[: args.limit]
+        listed = (
+            ops.iter_messages(
+                conn,
+                state=args.state,
+                include_finished=args.all,
+                recipient=args.recipient,
+                domain=args.domain,
+                older_than=older,
+                now=now,
+                limit=None if args.limit is None else args.limit - len(drops),
+            )
+            if args.state != "maildrop" and (args.limit is None or args.limit > len(drops))
+            else iter(())
         )
 
         live = _live_destinations(conn, now)
 
         def shown() -> Iterator[dict[str, Any]]:
+            yield from drops  # waiting for the daemon: older than anything it queued since
             for m in listed:  # a page at a time: the first lines come at once
                 _destinations_as_delivered(args, [m])
                 _circuit_waits(args, live, m)
@@ -761,6 +774,36 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         n = _act(conn, "release", {"ids": ids}, lambda x: ops.release(x, ids, now))
         return _done(args, "release", n, ids)
     return EXIT_USAGE
+
+
+def _maildrop_rows(
+    args: argparse.Namespace, now: float, older: float | None
+) -> list[dict[str, Any]]:
+    """relay-sendmail's files in the maildrop (relay/maildrop.py), as `queue list` rows:
+    state `maildrop`, id = the file name, the same JSON fields as a queued message."""
+    from relay import maildrop
+
+    try:
+        rows = maildrop.entries(args.maildrop)
+    except OSError as e:
+        print(
+            f"relay: cannot list the maildrop {args.maildrop}: {e.strerror or e}"
+            " (run as the daemon's user to see it)",
+            file=sys.stderr,
+        )
+        return []
+    out = []
+    for row in rows:
+        created = float(row["created_at"])
+        addrs = [str(r["address"]).lower() for r in row["recipients"]]
+        if older is not None and created > now - older:
+            continue
+        if args.recipient and args.recipient.strip().strip("<>").lower() not in addrs:
+            continue
+        if args.domain and not any(a.rpartition("@")[2] == args.domain.lower() for a in addrs):
+            continue
+        out.append({**row, "created_at": ops.iso_utc(created)})
+    return out
 
 
 def _done(args: argparse.Namespace, action: str, n: int, ids: list[str]) -> int:

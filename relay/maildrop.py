@@ -35,6 +35,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 FOLDER_MODE = 0o3730  # setgid + sticky, rwx for the daemon, -wx for group `relay`
 FILE_MODE = 0o640
@@ -286,17 +287,17 @@ def unlink(path: Path) -> None:
         pass
 
 
-def entries(folder: Path) -> list[dict[str, object]]:
+def entries(folder: Path) -> list[dict[str, Any]]:
     """The files waiting in the maildrop as `relay queue list` shows them (state
     `maildrop`, id = file name). What cannot be read is still listed, with what is known."""
-    out: list[dict[str, object]] = []
+    out: list[dict[str, Any]] = []
     try:
         names = scan_names(folder)
     except FileNotFoundError:
         return out
     for name in names:
         created = created_of(name) or 0.0
-        row: dict[str, object] = {
+        row: dict[str, Any] = {
             "id": name,
             "state": "maildrop",
             "message_id": None,

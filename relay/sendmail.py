@@ -443,8 +443,10 @@ def display_name(name: str) -> str:
     string, anything longer or not ASCII as RFC 2047 encoded words, folded (one word a
     line). Never a CR or LF of its own (check_arguments refused those), so it can never
     start another header line."""
-    if name.isascii() and len(name) <= 200 and all(32 <= ord(c) < 127 for c in name):
-        if _ATOMS.fullmatch(name) and "=?" not in name:
+    # "=?" encoded too: readers decode an encoded word even inside quotes (RFC 2047 §5 says
+    # they should not), which would change the name
+    if name.isascii() and len(name) <= 200 and "=?" not in name:
+        if _ATOMS.fullmatch(name):
             return name
         return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
     words: list[str] = []

@@ -71,6 +71,8 @@ def fake_relay_config(tmp_path: Path, port: int) -> Path:
             {
                 "hostname": "relay.test",
                 "listen": [{"address": f"127.0.0.1:{port}"}, {"address": "127.0.0.1:1"}],
+                # no maildrop there (the daemon never ran): a 4xx is EX_TEMPFAIL
+                "spool": {"path": str(tmp_path / "no-spool")},
             }
         )
     )
@@ -104,15 +106,24 @@ def test_delivers_with_envelope_and_crlf(upstream, relay) -> None:
     assert len(m.get_all("Message-ID")) == 1
 
 
-def test_daemon_down_is_tempfail(upstream, relay) -> None:
+def test_daemon_down_goes_to_the_maildrop_else_tempfail(upstream, relay) -> None:
     up = upstream()
     r = relay(upstream=up)
     assert r.stop() == 0
     res = sendmail(r.config_path, "-f", SENDER, "user@example.org", stdin=b"Subject: x\n\nhello\n")
-    assert res.returncode == 75
+    assert res.returncode == 0, res.stderr
     line = one_line_error(res)
     assert f"127.0.0.1:{r.port}" in line
-    assert "refused" in line.lower()
+    assert "queued locally in the maildrop" in line
+    drops = [p for p in (r.spool / "maildrop").iterdir() if p.name.endswith(".msg")]
+    assert len(drops) == 1 and drops[0].name in line
+    # neither the daemon nor the maildrop: 75, nothing claimed
+    drops[0].unlink()
+    (r.spool / "maildrop").rmdir()
+    res = sendmail(r.config_path, "-f", SENDER, "user@example.org", stdin=b"Subject: x\n\nhello\n")
+    assert res.returncode == 75
+    line = one_line_error(res)
+    assert f"127.0.0.1:{r.port}" in line and "maildrop" in line
 
 
 def test_extract_recipients_and_remove_bcc(upstream, relay) -> None:
@@ -155,11 +166,13 @@ def test_extract_adds_command_line_recipients(upstream, relay) -> None:
     assert sorted(up.recipients()) == ["ann@example.org", "extra@example.org"]
 
 
-def test_default_sender_is_user_at_configured_hostname(upstream, relay) -> None:
+def test_default_sender_is_user_at_local_domain(upstream, relay) -> None:
+    """Issue 26 item 2: the envelope sender is the login user at local.domain (the name the
+    headers get), not at the hostname: a smarthost refuses root@localhost."""
     import pwd
 
     up = upstream()
-    r = relay(upstream=up)
+    r = relay(upstream=up, config={"local": {"domain": "host.example.net"}})
     res = sendmail(
         r.config_path,
         "user@example.org",
@@ -168,8 +181,8 @@ def test_default_sender_is_user_at_configured_hostname(upstream, relay) -> None:
     assert res.returncode == 0, res.stderr
     got = up.wait_for(1)[0]
     user = pwd.getpwuid(os.getuid()).pw_name
-    assert got.mail_from == f"{user}@relay.test"
-    assert parsed(got.data)["From"] == f"{user}@relay.test"
+    assert got.mail_from == f"{user}@host.example.net"
+    assert parsed(got.data)["From"] == f"{user}@host.example.net"
 
 
 def test_f_attached_and_F_adds_from(upstream, relay) -> None:
