@@ -306,6 +306,7 @@ def entries(folder: Path) -> list[dict[str, Any]]:
             "created_at": created,
             "attempts": 0,
             "next_attempt_at": None,
+            "lane": None,
             "recipients": [],
         }
         try:
@@ -319,7 +320,16 @@ def entries(folder: Path) -> list[dict[str, Any]]:
             row["size"] = len(drop.data)
             row["user"] = drop.user
             row["recipients"] = [
-                {"address": r, "state": "maildrop", "attempts": 0, "last_reply": None}
+                {
+                    "address": r,
+                    "state": "maildrop",
+                    "attempts": 0,
+                    "last_reply": None,
+                    "destination": r.rpartition("@")[2].lower(),
+                    "next_attempt_at": None,
+                    "reason": "waiting for the daemon to import it",
+                    "upstream_id": None,
+                }
                 for r in drop.recipients
             ]
         out.append(row)

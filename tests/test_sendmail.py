@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import smtplib
+import stat
 import subprocess
 import sys
 from email.parser import BytesParser
@@ -115,6 +116,8 @@ def test_daemon_down_goes_to_the_maildrop_else_tempfail(upstream, relay) -> None
     line = one_line_error(res)
     assert f"127.0.0.1:{r.port}" in line
     assert "queued locally in the maildrop" in line
+    # the daemon made the maildrop at start: setgid + sticky, group -wx (relay/maildrop.py)
+    assert stat.S_IMODE((r.spool / "maildrop").stat().st_mode) == 0o3730
     drops = [p for p in (r.spool / "maildrop").iterdir() if p.name.endswith(".msg")]
     assert len(drops) == 1 and drops[0].name in line
     # neither the daemon nor the maildrop: 75, nothing claimed

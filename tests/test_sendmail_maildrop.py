@@ -410,3 +410,44 @@ def test_copy_of_module_constants_matches_the_spec() -> None:
     assert maildrop.FOLDER_MODE == 0o3730 and maildrop.FILE_MODE == 0o640
     assert maildrop.GROUP == "relay" and maildrop.TMP_PREFIX == ".tmp-"
     assert maildrop.STALE_TMP == 3600 and health.MAILDROP_WARN_AFTER == 60
+
+
+def test_queue_list_shows_maildrop_files_with_filters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from relay import cli
+
+    cfg = tmp_path / "relay.yaml"
+    cfg.write_text(yaml.safe_dump({"spool": {"path": "spool"}, "hostname": "relay.test"}))
+    folder = tmp_path / "spool" / "maildrop"
+    (tmp_path / "spool").mkdir()
+    maildrop.ensure_folder(folder)
+    now = time.time()
+    old = folder / maildrop.new_name(int((now - 7200) * 1e9))
+    old.write_bytes(maildrop.encode(_drop(recipients=("a@example.org",))))
+    new = maildrop.write(folder, _drop(recipients=("b@example.net",)))
+
+    def listed(*args: str) -> list[dict[str, Any]]:
+        assert cli.main(["-c", str(cfg), "queue", "list", "--json", *args]) == 0
+        return list(json.loads(capsys.readouterr().out))
+
+    rows = listed()
+    assert [r["id"] for r in rows] == [old.name, new.name]  # oldest first
+    assert all(r["state"] == "maildrop" for r in rows)
+    assert rows[0]["sender"] == "app@example.com" and rows[0]["size"] == len(MSG)
+    assert rows[0]["created_at"].endswith("Z") or "+00:00" in rows[0]["created_at"]
+    assert rows[1]["recipients"][0]["destination"] == "example.net"
+    assert [r["id"] for r in listed("--state", "maildrop")] == [old.name, new.name]
+    assert listed("--state", "queued") == []
+    assert [r["id"] for r in listed("--domain", "example.net")] == [new.name]
+    assert [r["id"] for r in listed("--recipient", "A@example.org")] == [old.name]
+    assert [r["id"] for r in listed("--older-than", "1h")] == [old.name]
+    assert [r["id"] for r in listed("--limit", "1")] == [old.name]
+    # a file the CLI cannot parse is still listed, with its error
+    (folder / maildrop.new_name()).write_bytes(b"junk")
+    assert "error" in listed()[-1]
+    assert cli.main(["-c", str(cfg), "queue", "list"]) == 0
+    text = capsys.readouterr().out
+    assert old.name in text and "[maildrop]" in text and "3 Requests" in text
