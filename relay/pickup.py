@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -158,7 +159,7 @@ class Pickup:
             rcpts=list(drop.recipients),
         )
         if refused:
-            masked = [_mask_reply(r) for r in refused]
+            masked = [_masked(r) for r in refused]
             text = f"maildrop file {name}: the relay refused some recipients: " + "; ".join(masked)
             log_event(log, logging.ERROR, "maildrop_refused", text, file=name, user=drop.user)
             await self._alert("warning", text)
@@ -200,7 +201,8 @@ class Pickup:
             reason=why,
             user=drop.user if drop is not None else None,
         )
-        await self._alert("critical", f"maildrop file {name} not imported ({why}); moved to {dest}")
+        text = f"maildrop file {name} not imported ({why}); moved to {dest}"
+        await self._alert("critical", _masked(text))
 
     async def _alert(self, severity: str, text: str) -> None:
         try:
@@ -209,10 +211,15 @@ class Pickup:
             log_event(log, logging.ERROR, "alert_failed", "could not record an alert", exc=e)
 
 
-def _mask_reply(item: str) -> str:
-    """`<addr>: reply` (relay.sendmail's refusal) with the address masked."""
-    addr, sep, reply = item.partition(">: ")
-    return f"<{mask_address(addr.lstrip('<'))}>: {reply}" if sep else item
+_BRACKETED = re.compile(r"<([^<>]*)>")  # linear: no nested quantifier
+
+
+def _masked(text: str) -> str:
+    """relay.sendmail's texts (`refused recipient <addr>: ...`) with every `<addr>` masked:
+    an alert's text never names a recipient in full (alerts carry masked samples)."""
+    return _BRACKETED.sub(
+        lambda m: f"<{mask_address(m.group(1))}>" if "@" in m.group(1) else m.group(0), text
+    )
 
 
 def target_of(host: str, port: int, hostname: str) -> sendmail.Target:

@@ -243,6 +243,8 @@ def test_pickup_moves_aside_what_the_relay_refuses_for_good(
     assert up.received == []
     assert [e.event for e in al.events] == ["maildrop"]
     assert "550 5.1.1" in al.events[0].summary
+    assert "a***@example.org" in al.events[0].summary
+    assert "a@example.org" not in al.events[0].summary
     assert any(
         getattr(r, "event", None) == "maildrop_corrupt" or "maildrop" in r.getMessage()
         for r in caplog.records
