@@ -685,7 +685,12 @@ class Daemon:
             results.extend(self._queue_results)
         if self._pickup_task is not None:
             p = self.pickup
-            results.append(("maildrop", *health.maildrop(p.waiting, p.oldest_age, p.corrupt)))
+            results.append(
+                (
+                    "maildrop",
+                    *health.maildrop(p.waiting, p.oldest_age, p.corrupt, error=p.error),
+                )
+            )
         for name, status, detail in results:
             self.metrics.health_status.labels(name).set(health.RANK[status])
             t = self.health.update(name, status, detail, now)

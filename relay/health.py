@@ -161,11 +161,18 @@ MAILDROP_WARN_AFTER = 60.0  # seconds: the daemon imports the maildrop every sec
 
 
 def maildrop(
-    waiting: int, oldest_age: float | None, corrupt: int, warn_after: float = MAILDROP_WARN_AFTER
+    waiting: int,
+    oldest_age: float | None,
+    corrupt: int,
+    warn_after: float = MAILDROP_WARN_AFTER,
+    error: str | None = None,
 ) -> tuple[Status, str]:
     """The maildrop (relay/maildrop.py) while the daemon runs: a file older than
     `warn_after` is one the daemon cannot import (the relay refuses it for now, see the
-    `maildrop_*` log lines); a file in corrupt/ is mail that will not go out by itself."""
+    `maildrop_*` log lines); a file in corrupt/ is mail that will not go out by itself; a
+    folder the daemon cannot read is mail relay-sendmail may leave where nobody takes it."""
+    if error is not None:
+        return "warning", error
     parts = []
     status: Status = "ok"
     if waiting and oldest_age is not None and oldest_age >= warn_after:

@@ -58,6 +58,7 @@ class Pickup:
         self._retry: dict[str, tuple[float, int]] = {}  # file -> (next try, failures)
         self._stopping = asyncio.Event()
         self._scan_error: str | None = None
+        self.error: str | None = None  # the folder cannot be read (the health check says it)
         self._stuck: set[str] = set()  # could not be moved aside: not tried again
 
     async def run(self) -> None:
@@ -86,12 +87,14 @@ class Pickup:
             scan = await asyncio.to_thread(maildrop.scan, folder, now)
         except OSError as e:
             text = f"cannot read the maildrop {folder}: {e.strerror or e}"
+            self.error = text
             if text != self._scan_error:  # once, not every second
                 log_event(log, logging.ERROR, "maildrop_error", text)
                 self._scan_error = text
             self.waiting, self.oldest_age = 0, None
             return 0
         self._scan_error = None
+        self.error = None
         for name in scan.stale:
             log_event(
                 log,

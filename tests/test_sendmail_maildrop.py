@@ -171,6 +171,10 @@ def test_maildrop_health(
 ) -> None:
     got = health.maildrop(waiting, age, corrupt)
     assert got[0] == status and text in got[1]
+    assert health.maildrop(waiting, age, corrupt, error="cannot read it") == (
+        "warning",
+        "cannot read it",
+    )
 
 
 # --- the importer against a real SMTP server --------------------------------------------------
@@ -306,6 +310,10 @@ def test_pickup_without_a_folder_says_so_once(tmp_path: Path, upstream: Any, cap
         asyncio.run(p.pass_once())
         asyncio.run(p.pass_once())
     assert len([r for r in caplog.records if "cannot read the maildrop" in r.getMessage()]) == 1
+    assert p.error is not None and "cannot read the maildrop" in p.error
+    maildrop.ensure_folder(tmp_path / "absent")
+    asyncio.run(p.pass_once())
+    assert p.error is None
 
 
 # --- end to end --------------------------------------------------------------------------------
