@@ -377,12 +377,12 @@ def test_daemon_down_then_up_delivers_once_and_reimport_is_a_duplicate(
     (got,) = up.wait_for(1)
     assert got.mail_from == "app@example.com" and got.rcpt_tos == ["user@example.org"]
     assert b"Subject: while down" in got.data
-    r.wait_until(lambda: not (folder / name).exists(), timeout=10)
+    r.wait_until(lambda: not (folder / name).exists(), timeout=30)
 
     # a crash between the 250 and the unlink: the same file again is a duplicate
     (folder / name).write_bytes(saved)
-    r.wait_until(lambda: not (folder / name).exists(), timeout=10)
-    r.wait_until(lambda: any(e.get("event") == "deduplicated" for e in r.events()), timeout=10)
+    r.wait_until(lambda: not (folder / name).exists(), timeout=30)
+    r.wait_until(lambda: any(e.get("event") == "deduplicated" for e in r.events()), timeout=30)
     time.sleep(0.5)
     assert len(up.received) == 1
 
@@ -393,7 +393,7 @@ def test_daemon_down_then_up_delivers_once_and_reimport_is_a_duplicate(
     (folder / old).write_bytes(maildrop.encode(stuck))
     bad = maildrop.new_name()
     (folder / bad).write_bytes(b"junk")
-    r.wait_until(lambda: (folder / maildrop.CORRUPT / bad).exists(), timeout=10)
+    r.wait_until(lambda: (folder / maildrop.CORRUPT / bad).exists(), timeout=30)
 
     def warned() -> bool:
         st = r.cli("status")
@@ -403,7 +403,7 @@ def test_daemon_down_then_up_delivers_once_and_reimport_is_a_duplicate(
             and "corrupt/" in st.stdout
         )
 
-    r.wait_until(warned, timeout=15, what="relay status warning about the maildrop")
+    r.wait_until(warned, timeout=30, what="relay status warning about the maildrop")
     assert (folder / old).exists()
     events = r.events()
     assert any(e.get("event") == "maildrop_corrupt" and e.get("level") == "error" for e in events)
