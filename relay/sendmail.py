@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.policy
 import email.utils
 import os
 import pwd
@@ -422,16 +423,37 @@ def fields(headers: list[bytes]) -> list[tuple[str, str, int, int]]:
 def header_recipients(flds: list[tuple[str, str, int, int]], local_domain: str = "") -> list[str]:
     """-t: the addresses of To/Cc/Bcc, or only of Resent-To/Cc/Bcc when the message has
     any of those (RFC 5322 §3.6.6: a resent message goes to the resent recipients, not
-    again to the original ones). A bare `root` gets `@<local_domain>`, as in the headers."""
+    again to the original ones). A bare `root` gets `@<local_domain>`, as in the headers.
+
+    A field is read by two parsers, the lenient email.utils.getaddresses and the strict
+    RFC 5322 one of email.headerregistry; where they do not read the same addresses the
+    field is not an address list we can be sure of, and DataError refuses the message:
+    `To: user@exa mple.org` is not a message for user@example.org, nor `To: root admin`
+    one for root."""
     names = {n.lower() for n, _v, _a, _b in flds}
     resent = bool(names & {"resent-to", "resent-cc", "resent-bcc"})
     wanted = {"resent-to", "resent-cc", "resent-bcc"} if resent else {"to", "cc", "bcc"}
-    values = [v for n, v, _a, _b in flds if n.lower() in wanted]
-    found = [a for _n, a in email.utils.getaddresses(values) if a]
+    found: list[str] = []
+    for name, value, _a, _b in flds:
+        if name.lower() not in wanted:
+            continue
+        lenient = [a for _n, a in email.utils.getaddresses([value]) if a]
+        try:
+            strict = [a.addr_spec for a in _STRICT.header_factory(name, value).addresses]
+        except Exception:  # the stdlib parser has crashes of its own on odd input: not sure
+            strict = None
+        if strict != lenient:
+            raise DataError(
+                f"-t: the {printable(name)} field '{printable(value)[:200]}' is not an address"
+                " list that can be read with certainty"
+            )
+        found.extend(lenient)
     if local_domain:
         found = [a if "@" in a else f"{a}@{local_domain}" for a in found]
     return found
 
+
+_STRICT = email.policy.default  # RFC 5322 address lists (email.headerregistry)
 
 # RFC 5322 §3.2.3 atext: a display name of atoms and single spaces needs no quotes
 _ATOMS = re.compile(r"[A-Za-z0-9!#$%&'*+\-/=?^_`{|}~]+(?: [A-Za-z0-9!#$%&'*+\-/=?^_`{|}~]+)*")

@@ -193,6 +193,36 @@ def test_t_with_resent_headers_uses_only_resent_recipients() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "user@exa mple.org",
+        "root admin",
+        "a@example.org;b@example.org",
+        "a@example.org b@x.org",
+        ".a.a\t:(",  # email.headerregistry raises AttributeError on this one
+    ],
+)
+def test_t_refuses_an_address_field_it_cannot_read_with_certainty(value: str) -> None:
+    with pytest.raises(DataError, match="with certainty"):
+        header_recipients(_flds(b"Subject: x\nTo: " + value.encode() + b"\n\nbody\n"))
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ('"Smith, J" <j@example.org>, b@example.net (Bob)', ["j@example.org", "b@example.net"]),
+        ("team: a@example.org, b@example.org;", ["a@example.org", "b@example.org"]),
+        ("=?utf-8?q?J=C3=B6?= <j@example.org>", ["j@example.org"]),
+        ("Undisclosed recipients:;", []),
+        ("Cron <root>", ["root@host.example.net"]),
+    ],
+)
+def test_t_reads_ordinary_address_fields(value: str, want: list[str]) -> None:
+    flds = _flds(b"To: " + value.encode() + b"\n\nbody\n")
+    assert header_recipients(flds, "host.example.net") == want
+
+
 def test_t_qualifies_bare_header_recipients() -> None:
     assert header_recipients(_flds(b"To: root\n\nx\n"), "host.example.net") == [
         "root@host.example.net"
