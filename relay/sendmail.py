@@ -48,8 +48,9 @@ Exit status (sysexits.h):
       daemon to import (said on stderr)
   64  EX_USAGE     bad options, a CR/LF/NUL in an argument, a recipient argument that is
                    not an address list, or no recipients at all
-  65  EX_DATAERR   a 5xx reply to MAIL FROM or to the message itself (e.g. too big), or a
-                   bare CR in the header block
+  65  EX_DATAERR   a 5xx reply to MAIL FROM or to the message itself (e.g. too big), a
+                   bare CR in the header block, or (-t) an address field that cannot be
+                   read with certainty
   67  EX_NOUSER    a 5xx reply to a recipient (unknown, malformed or suppressed). If some
                    recipients were accepted, the message is still sent to them, and the
                    refused ones are named on stderr
