@@ -121,6 +121,7 @@ class Daemon:
             self._pickup_target,
             self.alerts.add,
             time.time,
+            lambda: self.config.limits.max_message_size,
         )
         self._pickup_task: asyncio.Task[None] | None = None
 

@@ -252,14 +252,17 @@ def scan(folder: Path, now: float) -> Scan:
     return Scan(tuple(n for _c, n in ready), tuple(sorted(others)), tuple(stale), corrupt)
 
 
-def read(path: Path) -> Drop:
-    """The drop in `path`. MalformedDrop for a file that is not one (or not a regular
-    file); FileNotFoundError when it is gone (another importer took it)."""
+def read(path: Path, max_size: int | None = None) -> Drop:
+    """The drop in `path`. MalformedDrop for a file that is not one (not a regular file,
+    or larger than `max_size` plus its header line: never read whole into memory);
+    FileNotFoundError when it is gone (another importer took it)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise MalformedDrop("not a regular file")
+        if max_size is not None and st.st_size > max_size + MAX_HEADER:
+            raise MalformedDrop(f"{st.st_size} bytes: larger than limits.max_message_size")
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)

@@ -46,8 +46,10 @@ class Pickup:
         target: Callable[[], sendmail.Target],
         alert: Callable[[alerts.Event], Awaitable[None]],
         clock: Callable[[], float],
+        max_size: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.folder = folder
+        self.max_size = max_size  # limits.max_message_size: a bigger file is not read
         self.target = target
         self.alert = alert
         self.clock = clock
@@ -126,7 +128,7 @@ class Pickup:
     async def _import(self, folder: Path, name: str) -> int:
         path = folder / name
         try:
-            drop = await asyncio.to_thread(maildrop.read, path)
+            drop = await asyncio.to_thread(maildrop.read, path, self.max_size())
         except FileNotFoundError:
             return 0  # taken by another importer (a fleet on one machine)
         except (OSError, maildrop.MalformedDrop) as e:

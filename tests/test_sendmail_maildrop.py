@@ -291,6 +291,23 @@ def test_pickup_moves_malformed_files_aside_and_alerts(
     assert p.corrupt == 2 and health.maildrop(p.waiting, p.oldest_age, p.corrupt)[0] == "warning"
 
 
+def test_pickup_does_not_read_a_file_over_the_size_limit(md: Path, upstream: Any) -> None:
+    up = upstream()
+    al = _Alerts()
+    big = maildrop.write(md, _drop(data=b"x" * (maildrop.MAX_HEADER + 2000)))
+    small = maildrop.write(md, _drop(data=b"Subject: s\r\n\nsmall\r\n"))
+    p = pickup.Pickup(
+        lambda: md,
+        lambda: pickup.target_of("127.0.0.1", up.port, "relay.test"),
+        al.add,
+        time.time,
+        lambda: 1000,
+    )
+    asyncio.run(p.pass_once())
+    assert (md / maildrop.CORRUPT / big.name).exists() and not small.exists()
+    assert len(up.wait_for(1)) == 1 and "larger than" in al.events[0].summary
+
+
 def test_pickup_of_a_symlink_moves_it_aside(md: Path, upstream: Any, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(maildrop.encode(_drop()))
