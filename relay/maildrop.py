@@ -313,14 +313,14 @@ def entries(folder: Path) -> list[dict[str, Any]]:
             "recipients": [],
         }
         try:
-            drop = read(folder / name)
+            drop = read_head(folder / name)
         except FileNotFoundError:
             continue  # imported meanwhile
         except (OSError, MalformedDrop) as e:
             row["error"] = str(e)
         else:
             row["sender"] = drop.sender
-            row["size"] = len(drop.data)
+            row["size"] = drop.size
             row["user"] = drop.user
             row["recipients"] = [
                 {
@@ -337,6 +337,32 @@ def entries(folder: Path) -> list[dict[str, Any]]:
             ]
         out.append(row)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    sender: str
+    recipients: tuple[str, ...]
+    size: int
+    user: str
+
+
+def read_head(path: Path) -> Head:
+    """A file's header line only (the CLI's listing: a large message is not read)."""
+    with open(path, "rb") as f:
+        line = f.readline(MAX_HEADER + 1)
+    if not line.endswith(b"\n"):
+        raise MalformedDrop("no header line")
+    try:
+        head = json.loads(line)
+        return Head(
+            str(head["sender"]),
+            tuple(str(r) for r in head["recipients"]),
+            int(head["size"]),
+            str(head.get("user", "")),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise MalformedDrop(f"bad header line: {e}") from None
 
 
 def scan_names(folder: Path) -> list[str]:
