@@ -478,3 +478,43 @@ def test_queue_list_shows_maildrop_files_with_filters(
     assert cli.main(["-c", str(cfg), "queue", "list"]) == 0
     text = capsys.readouterr().out
     assert old.name in text and "[maildrop]" in text and "3 Requests" in text
+
+
+def test_write_fsyncs_the_file_before_the_rename_and_the_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "md"
+    maildrop.ensure_folder(folder)
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a: Any, b: Any) -> None:
+        calls.append(("rename", str(b)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    path = maildrop.write(folder, _drop())
+    assert [c[0] for c in calls] == ["fsync", "rename", "fsync"]
+    assert Path(calls[0][1]).name.startswith(".tmp-")  # the data, under its temporary name
+    assert calls[1][1] == str(path)
+    assert calls[2][1] == str(folder)  # then the folder, so the new name is durable too
+
+    # an app in group `relay` may not open the folder (no read permission): it fsyncs the
+    # renamed file again instead
+    calls.clear()
+    real_open = os.open
+
+    def no_dir_open(p: Any, flags: int, *a: Any) -> int:
+        if flags & os.O_DIRECTORY:
+            raise PermissionError(13, "Permission denied")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_dir_open)
+    path = maildrop.write(folder, _drop())
+    assert [c[0] for c in calls] == ["fsync", "rename", "fsync"]
+    assert calls[2][1] == str(path)
