@@ -187,6 +187,12 @@ class ParserWorker:
     async def close(self) -> None:
         await asyncio.to_thread(self._reap)
 
+    def __del__(self) -> None:
+        # a service dropped without close() (tests, a failed start): no child left running,
+        # no pipe left open (kill and wait: immediate)
+        with contextlib.suppress(Exception):
+            self._reap()
+
 
 # --- the child --------------------------------------------------------------------------
 
