@@ -382,6 +382,7 @@ async def _gaps_while(work: Any) -> list[float]:
             last = now
 
     task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)  # ticking before the work's first step runs
     try:
         await work
     finally:
