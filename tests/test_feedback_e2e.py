@@ -507,6 +507,11 @@ def test_dsn_and_arf_to_the_plain_feedback_address(world: World) -> None:
     world.deliver(rcpt)
     qid = r.cli_json("queue", "find", "--recipient", rcpt)[0]["id"]
     mid = "<" + r.cli_json("queue", "show", qid)["message_id"] + ">"
+    # a forged DSN (no VERP token, a Message-ID that is not ours): nothing (the 250 comes
+    # after the report was applied)
+    assert send(r.port, "", ["bounces@relay.test"], dsn(rcpt, "<forged@elsewhere>")) == {}
+    assert state(r, rcpt) == "delivered" and suppression(r, rcpt) == []
+    assert any(e.get("event") == "feedback_unverified" for e in r.events())
     assert send(r.port, "", ["bounces@relay.test"], dsn(rcpt, mid)) == {}
     r.wait_until(lambda: state(r, rcpt) == "bounced", timeout=10, what="late bounce by DSN")
 
