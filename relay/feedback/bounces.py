@@ -118,10 +118,13 @@ _ADDR_IN_TEXT = re.compile(
     r"(?<![A-Za-z0-9!#$%&'*+/=?^_`{|}~.-])[A-Za-z0-9!#$%&'*+/=?^_`{|}~.-]{1,64}"
     r"@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){1,10}"
 )
-# a multipart boundary parameter (RFC 2046 §5.1.1: 1 to 70 characters), quoted or a token
+# a multipart boundary parameter (RFC 2046 §5.1.1: 1 to 70 characters), quoted or a token;
+# folding (CRLF and space) around the "=" included
 _BOUNDARY_PARAM = re.compile(
-    rb'(?i)boundary[ \t]{0,10}=[ \t]{0,10}(?:"([^"\r\n]{1,200})"|([^\s;"]{1,200}))'
+    rb'(?i)boundary\s{0,20}=\s{0,20}(?:"([^"\r\n]{1,200})"|([^\s;"]{1,200}))'
 )
+# the same in RFC 2231's extended or continued form: boundary*=utf-8''x, boundary*0=x
+_BOUNDARY_2231 = re.compile(rb"(?i)boundary\*")
 # a line that may be a boundary delimiter: "--" and at most 200 more characters of it
 _DASH_LINE = re.compile(rb"(?m)^--([^\r\n]{0,200})")
 # our own Received line in a returned original (relay/message.py received_header)
@@ -330,20 +333,22 @@ def mime_bound(head: bytes) -> str | None:
     declares (RFC 2046 §5.1.1 `boundary=` parameters), one over the lines that start with
     "--", counting those that are a declared boundary's delimiter or close delimiter. Every
     part but the top one begins at a delimiter line and each multipart adds one close
-    delimiter, so more than 2 x MAX_PARTS of them is more than MAX_PARTS parts. (An RFC 2231
-    `boundary*0=` escapes this count; the parsed tree is counted again by `tree_bound`, and
-    the worker's time budget bounds the parse itself: relay/feedback/worker.py.)"""
+    delimiter, so more than 2 x MAX_PARTS of them is more than MAX_PARTS parts. A boundary
+    in RFC 2231's form (`boundary*0=`, `boundary*=`: split or encoded, not read here) makes
+    every "--" line count. The parsed tree is counted again by `tree_bound`, and the worker's
+    time budget bounds the parse itself (relay/feedback/worker.py)."""
     declared: set[bytes] = set()
     for m in _BOUNDARY_PARAM.finditer(head):
         declared.add(m.group(1) or m.group(2))
         if len(declared) > MAX_PARTS:
             return f"more than {MAX_PARTS} multipart boundaries declared"
-    if not declared:
+    extended = _BOUNDARY_2231.search(head) is not None
+    if not declared and not extended:
         return None
     delimiters = 0
     for m in _DASH_LINE.finditer(head):
         token = m.group(1).rstrip(b" \t\r")
-        if token in declared or (token.endswith(b"--") and token[:-2] in declared):
+        if extended or token in declared or (token.endswith(b"--") and token[:-2] in declared):
             delimiters += 1
             if delimiters > 2 * MAX_PARTS:
                 return f"more than {MAX_PARTS} MIME parts"
