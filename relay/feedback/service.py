@@ -327,9 +327,9 @@ class FeedbackService:
         if a.outcome in ("unverified", "unmatched"):
             self.metrics.feedback_not_applied.labels(ev.provider, a.outcome).inc()
         if a.outcome == "unverified":
-            log_event(
+            log_event(  # INFO, as feedback_unmatched: one forged report can name 1,000
                 log,
-                logging.WARNING,
+                logging.INFO,
                 "feedback_unverified",
                 f"{ev.type} not tied to our sending (no VERP token, upstream id, Message-ID or"
                 " queue id of the message): nothing suppressed",
