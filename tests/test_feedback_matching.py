@@ -412,7 +412,7 @@ async def test_a_parse_past_the_budget_is_killed_while_the_loop_answers() -> Non
         gaps = await _gaps_while(parse())
         assert result[0].past_bound and "longer than 0.5 s" in (result[0].error or "")
         assert time.monotonic() - started < 5.0
-        assert max(gaps) < 0.25, max(gaps)
+        assert max(gaps) < 0.5, max(gaps)
         assert (w.started, w.killed) == (1, 1)
         ok = await w.parse(dsn(["a@b.example"]))
         assert [e.recipient for e in ok.events] == ["a@b.example"] and w.started == 2
