@@ -36,9 +36,13 @@ Rules:
   without a Message-ID, content_id("sha256:" + the raw bytes' sha256, recipient, type): the
   same report mailed twice is applied once (apply.py dedups).
 - Bounded work whatever the input: the first 4 MiB are parsed (the report parts and the
-  original's headers come first), 100 MIME parts are looked at (never inside an attached
-  message), 1 MiB of text is searched, 1000 recipients a report are read, header values are
-  capped (`regex_guard.bounded`), and every pattern here is linear (no unbounded
+  original's headers come first); a message of more than 100 MIME parts (attached
+  messages' parts included; counted on the bytes before parsing, `mime_bound`, and on the
+  tree after, `tree_bound`) or nested deeper than 10 is `PastBound` (kept unread, never
+  parsed further; the parse itself runs in relay/feedback/worker.py's child within a time
+  budget); the parts of an attached message are never searched; 1 MiB of text is
+  searched, 1000 recipients a report are read, header values are capped
+  (`regex_guard.bounded`), and every pattern here is linear (no unbounded
   repetition; tests/test_feedback_bounces.py runs `check_linear` and hostile text on each).
   Text declared in a charset whose decoder is not linear (idna, punycode) is read as UTF-8.
 - The stdlib `email` package reads the message with compat32 rules, except that header
