@@ -27,11 +27,13 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
-# A longer run of the inbound fuzzer (tests/test_fuzz_inbound.py); `make test` runs 150 examples.
+# A longer run of the fuzzers: the inbound dialogue (tests/test_fuzz_inbound.py; `make test`
+# runs 150 examples) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in
+# `make test`, each property).
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
 	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
-		tests/test_fuzz_inbound.py
+		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py
 
 # Coverage of the test process and of every daemon subprocess it starts (coverage.py's
 # COVERAGE_PROCESS_START + a .pth hook in the venv); combined report in the terminal and in

@@ -320,6 +320,7 @@ class Daemon:
             await self.admin.stop()
         if self.feedback_http is not None:
             await self.feedback_http.stop()
+        await self.feedback.close()
         await asyncio.to_thread(self.writer.close)
         self.guard.close()
         faulthandler.cancel_dump_traceback_later()

@@ -125,6 +125,7 @@ class InboundProcess:
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in self.servers:
             s.close()
+        await feedback.close()
         await asyncio.to_thread(self.writer.close)
         self.guard.close()
         return 0

@@ -18,6 +18,14 @@ class Metrics:
             ["provider", "type"],
             registry=r,
         )
+        self.feedback_not_applied = Counter(
+            "relay_feedback_not_applied",
+            "Feedback that suppressed nothing: events not tied to our sending (unverified:"
+            " an address alone), for no recipient of ours (unmatched), and feedback mail kept"
+            " unread (unreadable, past_bound)",
+            ["provider", "reason"],
+            registry=r,
+        )
         self.mta_sts_failures = Counter(
             "relay_mta_sts_failures",
             "MTA-STS failures per policy domain: policy lookups/fetches that failed, MX hosts"

@@ -30,6 +30,9 @@ PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "inbound._HAS_ENHANCED": inbound._HAS_ENHANCED,
     # feedback from outside: bounce texts, upstream replies, unsubscribe subjects
     **{f"feedback.bounces.{k}": v for k, v in bounces.PATTERNS.items()},
+    "feedback.bounces._BOUNDARY_PARAM": bounces._BOUNDARY_PARAM,
+    "feedback.bounces._DASH_LINE": bounces._DASH_LINE,
+    "feedback.bounces._BOUNDARY_2231": bounces._BOUNDARY_2231,
     **{f"upstream_ids.{name}": pat for name, pat, _ in upstream_ids.PATTERNS},
     "unsubscribe._SUBJECT": unsubscribe._SUBJECT,
     "providers._STATUS_IN_TEXT": providers._STATUS_IN_TEXT,
