@@ -30,6 +30,12 @@ class Metrics:
             "Resubmissions answered 250 and not queued again",
             registry=r,
         )
+        self.message_id_reused = Counter(
+            "relay_message_id_reused",
+            "Messages queued although their Message-ID was seen within dedup.window: the"
+            " content differed (a reused Message-ID, not a resubmission)",
+            registry=r,
+        )
         self.rejected = Counter(
             "relay_rejected", "Inbound commands refused", ["reason"], registry=r
         )
