@@ -626,7 +626,16 @@ class InboundHandler(AuthMechanisms):
         rcpt_options: list[str],
     ) -> str:
         if self.feedback is not None and self.feedback.is_feedback_rcpt(address):
-            # not relaying: a bounce or complaint for us, from anyone (no open relay)
+            # not relaying: a bounce or complaint for us, from anyone (no open relay); at
+            # most feedback.rate_per_ip such messages per client and window (counted once
+            # per transaction): an outsider cannot fill the spool with them
+            if not any(self.feedback.is_feedback_rcpt(r) for r in envelope.rcpt_tos):
+                ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+                allowed = self._peer_allowed(session)
+                refusal = self.guard.feedback_mail(ip, allowed, self.listener.name)
+                if refusal is not None:
+                    self.stats.reject("feedback_rate")
+                    return refusal
             if address.lower() not in (r.lower() for r in envelope.rcpt_tos):
                 envelope.rcpt_tos.append(address)
             return "250 2.1.5 OK (feedback address)"

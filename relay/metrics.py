@@ -18,6 +18,16 @@ class Metrics:
             ["provider", "type"],
             registry=r,
         )
+        self.feedback_mail_truncated = Counter(
+            "relay_feedback_mail_truncated",
+            "Feedback mail stored truncated at feedback.mail_max_stored",
+            registry=r,
+        )
+        self.feedback_mail_dropped = Counter(
+            "relay_feedback_mail_dropped",
+            "Stored feedback mail dropped, oldest first, to stay within feedback.mail_budget",
+            registry=r,
+        )
         self.mta_sts_failures = Counter(
             "relay_mta_sts_failures",
             "MTA-STS failures per policy domain: policy lookups/fetches that failed, MX hosts"

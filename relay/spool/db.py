@@ -252,7 +252,7 @@ MIGRATIONS: list[str] = [
     ALTER TABLE feedback_mail ADD COLUMN stored INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE feedback_mail ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0;
     UPDATE feedback_mail SET stored = length(body);
-    CREATE INDEX feedback_mail_at ON feedback_mail(at);
+    CREATE INDEX feedback_mail_at ON feedback_mail(at, stored);
     """,
 ]
 

@@ -944,10 +944,10 @@ def feedback_events(conn: sqlite3.Connection, limit: int) -> list[dict[str, Any]
 
 
 def feedback_mail(conn: sqlite3.Connection, limit: int, unread: bool) -> list[dict[str, Any]]:
-    cols = ("id", "at", "peer", "sender", "rcpt", "size", "events", "error")
+    cols = ("id", "at", "peer", "sender", "rcpt", "size", "events", "error", "stored", "truncated")
     where = " WHERE error IS NOT NULL" if unread else ""
     return [
-        dict(zip(cols, r, strict=True))
+        {**dict(zip(cols, r, strict=True)), "truncated": bool(r[9])}
         for r in conn.execute(
             f"SELECT {', '.join(cols)} FROM feedback_mail{where} ORDER BY id DESC LIMIT ?",
             (limit,),
