@@ -263,10 +263,10 @@ class FeedbackService:
                 error = f"{error} (VERP names {verp[0]}, recipient {verp[1]}: kept, not applied)"
 
         # bounded: cut at mail_max_stored, the oldest dropped past mail_budget (storage.py)
-        kept = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error)
+        row = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error)
         cap, budget = conf.mail_max_stored, conf.mail_budget
         storage.report(
-            await self.writer.run(lambda c: storage.keep(c, kept, cap, budget)), self.metrics, peer
+            await self.writer.run(lambda c: storage.keep(c, row, cap, budget)), self.metrics, peer
         )
         if error is not None:
             log_event(
