@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     fm.add_argument("--limit", type=int, default=50)
     fs = fb.add_parser("show", parents=[common], help="one feedback mail, as received")
     fs.add_argument("id", type=int)
+    fp = fb.add_parser("purge", parents=[common], help="delete stored feedback mail")
+    which = fp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--older-than", help="what arrived more than this long ago (e.g. 2d)")
+    which.add_argument("--all", action="store_true", help="every stored feedback mail")
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
         dest="qcmd", required=True
@@ -852,6 +856,8 @@ def _summary(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> 
 
 
 def _feedback(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
+    if args.fcmd == "purge":
+        return _feedback_purge(args, conn)
     if args.fcmd == "show":
         data = ops.feedback_mail_body(conn, args.id)
         if data is None:
@@ -875,11 +881,32 @@ def _feedback(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
             )
         else:
             what = f"{r['events']} event(s)" if r["error"] is None else f"UNREAD: {r['error']}"
+            size = f"{r['size']} bytes" + (f", stored {r['stored']}" if r["truncated"] else "")
             print(
                 f"{r['id']:>6}  {r['at']}  from {printable(r['sender'] or '<>')}"
-                f" ({r['size']} bytes)  {printable(what)[:120]}"
+                f" ({size})  {printable(what)[:120]}"
             )
     print(f"-- {len(rows)} {'event' if args.fcmd == 'events' else 'message'}(s)")
+    return EXIT_OK
+
+
+def _feedback_purge(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
+    """`relay feedback purge --older-than DUR | --all`: stored feedback mail deleted."""
+    from relay.feedback import storage
+
+    before: float | None = None
+    if not args.all:
+        try:
+            before = time.time() - parse_duration(args.older_than, "--older-than")
+        except ConfigError as e:
+            print(f"relay: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    detail = {"all": True} if args.all else {"older_than": args.older_than}
+    mails, octets = _act(conn, "feedback purge", detail, lambda x: storage.purge(x, before))
+    if args.json:
+        _print_json({"action": "feedback purge", "mails": mails, "bytes": octets, **detail})
+    else:
+        print(f"feedback purge: deleted {mails} mail{'' if mails == 1 else 's'} ({octets} bytes)")
     return EXIT_OK
 
 

@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
         "retention": "7d",
         "backend": "sqlite",
         "maildrop": None,  # None: <spool.path>/maildrop (relay/maildrop.py)
+        "reserve": "64MiB",
     },
     "dedup": {"window": "7d"},
     "limits": {
@@ -134,6 +135,10 @@ DEFAULTS: dict[str, Any] = {
         "verp": False,
         "verp_secret_file": None,
         "max_body": "1MiB",
+        "mail_max_stored": "256KiB",
+        "mail_budget": "64MiB",
+        "rate_per_ip": 20,
+        "rate_window": "1m",
         "providers": {},
     },
     "log": {"level": "info", "format": "json", "unmask": False},
@@ -717,6 +722,14 @@ class FeedbackConf:
     verp_secret: bytes | None = field(default=None, repr=False)  # None: a key in the spool
     max_body: int = 1024 * 1024
     providers: Mapping[str, FeedbackProvider] = field(default_factory=dict)
+    # storage bounds (relay/feedback/storage.py): octets kept of one feedback mail (the rest
+    # cut off, noted on the row), and of all of them (oldest dropped first)
+    mail_max_stored: int = 256 * 1024
+    mail_budget: int = 64 * 1024 * 1024
+    # mail to the feedback and unsubscribe addresses per client (IPv4, IPv6 /64) and window,
+    # from clients outside every `allow` network (relay/anvil.py); 0 = no limit
+    rate_per_ip: int = 20
+    rate_window: float = 60.0
 
     @property
     def local(self) -> str:
@@ -810,6 +823,19 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
     if secret_path is not None:
         verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
     max_body = parse_size(r.get("max_body"), "feedback.max_body")
+    mail_max_stored = parse_size(r.get("mail_max_stored"), "feedback.mail_max_stored")
+    if mail_max_stored < 1024:
+        raise ConfigError("feedback.mail_max_stored: at least 1KiB (the headers of a report)")
+    mail_budget = parse_size(r.get("mail_budget"), "feedback.mail_budget")
+    if mail_budget < mail_max_stored:
+        raise ConfigError(
+            f"feedback.mail_budget: {mail_budget} bytes is below feedback.mail_max_stored"
+            f" ({mail_max_stored}): one stored mail must fit"
+        )
+    rate_per_ip = r.integer("rate_per_ip", 0)
+    rate_window = r.duration("rate_window")
+    if rate_window <= 0:
+        raise ConfigError("feedback.rate_window: must be more than 0s")
     raw = r.get("providers") or {}
     if not isinstance(raw, Mapping):
         raise ConfigError("feedback.providers: expected a mapping of provider names")
@@ -846,7 +872,18 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
             str(name), token, signing, public, verify, cert_hosts, ca_file
         )
     r.finish()
-    return FeedbackConf(listen, address, verp, verp_secret, max_body, providers)
+    return FeedbackConf(
+        listen,
+        address,
+        verp,
+        verp_secret,
+        max_body,
+        providers,
+        mail_max_stored=mail_max_stored,
+        mail_budget=mail_budget,
+        rate_per_ip=rate_per_ip,
+        rate_window=rate_window,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -913,6 +950,9 @@ class Config:
     auth: AuthLimits = field(default_factory=AuthLimits)
     local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
+    # spool.reserve: free octets kept on the spool's filesystem; below it new mail gets
+    # 452 4.3.1, so what is queued can still be claimed and delivered (relay/spool/reserve.py)
+    spool_reserve: int = 64 * 1024 * 1024
     health: Health = field(default_factory=Health)
     routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
     inbound_processes: int = 0  # inbound.processes: extra SMTP processes (inbound_proc.py)
@@ -1077,6 +1117,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError("spool.path: required")
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
     retention = spool.duration("retention")
+    spool_reserve = parse_size(spool.get("reserve"), "spool.reserve")
     spool_pg = _spool_backend(spool, base_dir)
     maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
     fl = _Reader(top.get("fleet"), "fleet")
@@ -1360,6 +1401,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         auth=auth_limits,
         local=local,
         retention=retention,
+        spool_reserve=spool_reserve,
         health=health,
         routing=route_table,
         feedback=feedback,

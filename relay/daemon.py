@@ -102,6 +102,7 @@ class Daemon:
         self.started_at = time.time()
         self.health = health.Model()
         self.refusal: str | None = None  # what inbound answers while the spool/disk is bad
+        self._health_write_failed = False  # health.json could not be written (disk full)
         self.alerts = alerts.Dispatcher(
             self.writer, lambda: self.config.alerts, lambda: self.config.hostname, faults.now
         )
@@ -654,9 +655,14 @@ class Daemon:
         try:
             v = await asyncio.to_thread(os.statvfs, cfg.spool_path)
             free = 100.0 * v.f_bavail / v.f_blocks if v.f_blocks else 100.0
-            results.append(
-                ("disk", *health.disk(free, hc.disk_free_warning, hc.disk_free_critical))
+            judged = health.disk(
+                free,
+                hc.disk_free_warning,
+                hc.disk_free_critical,
+                v.f_bavail * v.f_frsize,  # below spool.reserve: critical, new mail gets 452
+                cfg.spool_reserve,
             )
+            results.append(("disk", *judged))
         except OSError as e:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
@@ -709,9 +715,24 @@ class Daemon:
             self.refusal = None
         doc = self.health_doc()
         doc.update(pid=os.getpid(), updated_at=ops.iso_utc(now), updated_ts=now)
-        await asyncio.to_thread(
-            _write_atomic, cfg.spool_path / HEALTH_FILE, json.dumps(doc, sort_keys=True).encode()
-        )
+        try:
+            await asyncio.to_thread(
+                _write_atomic,
+                cfg.spool_path / HEALTH_FILE,
+                json.dumps(doc, sort_keys=True).encode(),
+            )
+        except OSError as e:
+            # a full disk: the health pass (and its 452 gate) goes on; logged once, not
+            # every second, and once more when the file can be written again
+            if not self._health_write_failed:
+                log_event(
+                    log, logging.ERROR, "health_write_failed", "health file not written", exc=e
+                )
+            self._health_write_failed = True
+        else:
+            if self._health_write_failed:
+                log_event(log, logging.INFO, "health_write_ok", "health file written again")
+            self._health_write_failed = False
 
     def health_doc(self) -> dict[str, Any]:
         doc = self.health.as_dict(ops.iso_utc)
@@ -859,8 +880,13 @@ class Daemon:
 
 def _write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a partial file on a full disk: not left to take more space
+        raise
     os.replace(tmp, path)
 
 

@@ -87,6 +87,7 @@ class InboundGuard:
         self.clock = clock
         self.connections = anvil.ConnectionTable()
         self.auth_failures = anvil.AuthFailures(_policy(config))
+        self.feedback_rate = anvil.MessageRate()  # mail to the feedback/unsubscribe addresses
         self._log_once = anvil.LogOnce()
         self._executor: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -164,6 +165,36 @@ class InboundGuard:
                 listener=listener,
                 closed_unlogged=unlogged,
             )
+
+    # --- feedback mail ---------------------------------------------------------------------
+
+    def feedback_mail(self, ip: str, allowed: bool, listener: str) -> str | None:
+        """One more message to the feedback or unsubscribe address from `ip`: None while
+        within `feedback.rate_per_ip` per `feedback.rate_window` (an allow-listed or
+        authenticated client is not limited), else the `450 4.7.1` that refuses it (RFC
+        5321 §4.2.5: the sender keeps it and retries later). Logged once a minute per
+        client as `feedback_rate_limited` (the caller counts it: relay_rejected_total)."""
+        if allowed:
+            return None
+        conf = self.config.feedback
+        now = self.clock()
+        key = anvil.client_key(ip)
+        if self.feedback_rate.allow(key, now, conf.rate_per_ip, conf.rate_window):
+            return None
+        unlogged = self._log_once.check(("feedback_rate", key), now)
+        if unlogged is not None:
+            log_event(
+                log,
+                logging.WARNING,
+                "feedback_rate_limited",
+                "too much mail to the feedback/unsubscribe addresses: 450",
+                peer=ip,
+                listener=listener,
+                limit=conf.rate_per_ip,
+                window=conf.rate_window,
+                refused_unlogged=unlogged,
+            )
+        return "450 4.7.1 Too much mail to this address from your address; try again later"
 
     # --- AUTH ------------------------------------------------------------------------------
 

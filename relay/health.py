@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from relay.spool.reserve import low as reserve_low
+
 Status = Literal["ok", "warning", "critical"]
 RANK: dict[str, int] = {"ok": 0, "warning": 1, "critical": 2}
 EXIT = {"ok": 0, "warning": 1, "critical": 2}
@@ -94,8 +96,21 @@ def worst(statuses: Any) -> Status:
 # --- judgements ------------------------------------------------------------------------------
 
 
-def disk(free_pct: float, warning: float, critical: float) -> tuple[Status, str]:
+def disk(
+    free_pct: float,
+    warning: float,
+    critical: float,
+    free_bytes: int | None = None,
+    reserve: int = 0,
+) -> tuple[Status, str]:
     detail = f"{free_pct:.1f}% free where the spool lives"
+    if free_bytes is not None and reserve_low(free_bytes, reserve):
+        # relay/spool/reserve.py: the last `spool.reserve` octets are for what is queued
+        return "critical", (
+            f"{detail}, {human_bytes(free_bytes)}, below spool.reserve"
+            f" ({human_bytes(reserve)}): new mail is refused with 452 4.3.1 until space"
+            " is freed; queued mail is still delivered"
+        )
     if free_pct <= critical:
         return "critical", (
             f"{detail} (critical at {critical:g}%): new mail is refused with"
@@ -104,6 +119,10 @@ def disk(free_pct: float, warning: float, critical: float) -> tuple[Status, str]
     if free_pct <= warning:
         return "warning", f"{detail} (warning at {warning:g}%)"
     return "ok", detail
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
 def queue_age(age: float | None, warning: float, critical: float) -> tuple[Status, str]:

@@ -55,8 +55,8 @@ from aiosmtpd.smtp import (
 )
 
 from relay import address as address_
+from relay import alerts, dedup, faults, longlines, shaping, smtpd_adapter
 from relay import auth as auth_
-from relay import dedup, faults, longlines, shaping, smtpd_adapter
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
@@ -626,7 +626,16 @@ class InboundHandler(AuthMechanisms):
         rcpt_options: list[str],
     ) -> str:
         if self.feedback is not None and self.feedback.is_feedback_rcpt(address):
-            # not relaying: a bounce or complaint for us, from anyone (no open relay)
+            # not relaying: a bounce or complaint for us, from anyone (no open relay); at
+            # most feedback.rate_per_ip such messages per client and window (counted once
+            # per transaction): an outsider cannot fill the spool with them
+            if not any(self.feedback.is_feedback_rcpt(r) for r in envelope.rcpt_tos):
+                ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+                allowed = self._peer_allowed(session)
+                refusal = self.guard.feedback_mail(ip, allowed, self.listener.name)
+                if refusal is not None:
+                    self.stats.reject("feedback_rate")
+                    return refusal
             if address.lower() not in (r.lower() for r in envelope.rcpt_tos):
                 envelope.rcpt_tos.append(address)
             return "250 2.1.5 OK (feedback address)"
@@ -834,6 +843,9 @@ class InboundHandler(AuthMechanisms):
         prefix = trace + added
         size = len(prefix) + incoming.size
         namespace = self._namespace(session)
+        # what tells a resubmission from another message reusing the Message-ID (streamed
+        # as the body arrived: relay/spool/incoming.py); an Idempotency-Key has its own rule
+        fingerprint = incoming.fingerprint(header(headers, "Subject")) if ikey is None else None
         lane = self.listener.lane or classify_lane(
             self._lane_rules, sender=sender, headers=headers, listener=self.listener.name
         )
@@ -847,6 +859,7 @@ class InboundHandler(AuthMechanisms):
                     else dedup.idempotency_dedup_key(namespace, ikey, r)
                 ),
                 content_hash=chash,
+                fingerprint=fingerprint,
             )
             for r in rcpts
         )
@@ -880,7 +893,7 @@ class InboundHandler(AuthMechanisms):
             refusal = self.gate()
             if refusal is not None:  # the spool went bad while the client sent its data
                 raise SpoolError(refusal)
-            result = await self.writer.run(lambda c: ops.accept(c, msg, window))
+            result = await self.writer.run(self._accept_job(msg, window, mid, now))
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -919,6 +932,8 @@ class InboundHandler(AuthMechanisms):
                 client=namespace,
             )
             return "250 2.0.0 Ok: already queued (duplicate suppressed)"
+        if result.reused:
+            self._reused(result, queue_id, mid, namespace)
         self.stats.accepted += 1
         if self.stats.metrics is not None:
             self.stats.metrics.accepted.labels(lane).inc()
@@ -939,6 +954,50 @@ class InboundHandler(AuthMechanisms):
         )
         self.on_queued()
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+    def _accept_job(
+        self, msg: ops.NewMessage, window: float, mid: str, now: float
+    ) -> Callable[[sqlite3.Connection], ops.AcceptResult]:
+        """ops.accept, and in the same transaction the alert of a reused Message-ID (one
+        per client namespace and `alerts.coalesce` window: a burst makes one alert)."""
+        conf = self.config.alerts
+
+        def job(c: sqlite3.Connection) -> ops.AcceptResult:
+            result = ops.accept(c, msg, window)
+            if result.reused:
+                rcpt, first = result.reused[0]
+                ev = alerts.Event(
+                    REUSED,
+                    "warning",
+                    msg.client,
+                    f"Message-ID reused for other content by {msg.client}: queued, not"
+                    " dropped (fix the app's Message-IDs)",
+                    {
+                        **alerts.sample(msg.queue_id, rcpt, f"Message-ID {mid}"),
+                        "first_queue_id": first,
+                    },
+                )
+                alerts.record(c, ev, now, conf.coalesce, alerts.sinks_of(conf))
+            return result
+
+        return job
+
+    def _reused(self, result: ops.AcceptResult, queue_id: str, mid: str, namespace: str) -> None:
+        """README "Dedup": a new message under a Message-ID already used for other content
+        within `dedup.window`: queued, and said loudly (WARNING, metric, alert)."""
+        if self.stats.metrics is not None:
+            self.stats.metrics.message_id_reused.inc()
+        log_event(
+            log,
+            logging.WARNING,
+            REUSED,
+            "Message-ID reused for other content within dedup.window: queued, not a duplicate",
+            queue_id=queue_id,
+            first_queue_id=",".join(sorted({first for _r, first in result.reused})),
+            message_id=mid,
+            rcpts=[r for r, _first in result.reused],
+            client=namespace,
+        )
 
     def spool_failed(self, queue_id: str, e: BaseException) -> str:
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -1023,6 +1082,7 @@ def _utf8(text: str) -> bool:
 
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
+REUSED = "message_id_reused"  # the log event and alert of a Message-ID reused (README "Dedup")
 
 
 def _whole(incoming: IncomingBody) -> bytes:

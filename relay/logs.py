@@ -54,6 +54,9 @@ Standard event names (use the constants, not string literals):
 ``shutdown``        the daemon is stopping
 ``ambiguous``       outcome unknown (e.g. connection lost after DATA was sent)
 =================== ===========================================================
+
+``message_id_reused``: a Message-ID seen within ``dedup.window`` came with other content; the
+message was queued as a new one (WARNING, with ``queue_id`` and ``first_queue_id``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ EVENTS: Final[frozenset[str]] = frozenset(
     {
         "accepted",
         "deduplicated",
+        "message_id_reused",
         "rejected",
         "attempt",
         "delivered",

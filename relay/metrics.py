@@ -26,6 +26,16 @@ class Metrics:
             ["provider", "reason"],
             registry=r,
         )
+        self.feedback_mail_truncated = Counter(
+            "relay_feedback_mail_truncated",
+            "Feedback mail stored truncated at feedback.mail_max_stored",
+            registry=r,
+        )
+        self.feedback_mail_dropped = Counter(
+            "relay_feedback_mail_dropped",
+            "Stored feedback mail dropped, oldest first, to stay within feedback.mail_budget",
+            registry=r,
+        )
         self.mta_sts_failures = Counter(
             "relay_mta_sts_failures",
             "MTA-STS failures per policy domain: policy lookups/fetches that failed, MX hosts"
@@ -36,6 +46,12 @@ class Metrics:
         self.deduplicated = Counter(
             "relay_deduplicated_messages",
             "Resubmissions answered 250 and not queued again",
+            registry=r,
+        )
+        self.message_id_reused = Counter(
+            "relay_message_id_reused",
+            "Messages queued although their Message-ID was seen within dedup.window: the"
+            " content differed (a reused Message-ID, not a resubmission)",
             registry=r,
         )
         self.rejected = Counter(

@@ -37,7 +37,7 @@ from typing import Any
 
 from relay import alerts, unsubscribe
 from relay.config import Config, FeedbackProvider
-from relay.feedback import bounces, providers, sns
+from relay.feedback import bounces, providers, sns, storage
 from relay.feedback.apply import EVENTS_PER_JOB, Applied, acted_on, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
 from relay.feedback.worker import ParserWorker
@@ -275,14 +275,12 @@ class FeedbackService:
                 # a failure notice we cannot read, but the address says whose it is
                 error = f"{error} (VERP names {verp[0]}, recipient {verp[1]}: kept, not applied)"
 
-        def keep(c: sqlite3.Connection) -> None:
-            c.execute(
-                "INSERT INTO feedback_mail (at, peer, sender, rcpt, size, body, events, error)"
-                " VALUES (?,?,?,?,?,?,?,?)",
-                (now, peer, sender, ",".join(rcpts), len(data), data, len(events), error),
-            )
-
-        await self.writer.run(keep)
+        # bounded: cut at mail_max_stored, the oldest dropped past mail_budget (storage.py)
+        row = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error)
+        cap, budget = conf.mail_max_stored, conf.mail_budget
+        storage.report(
+            await self.writer.run(lambda c: storage.keep(c, row, cap, budget)), self.metrics, peer
+        )
         if error is not None:
             log_event(
                 log,

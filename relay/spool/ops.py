@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay import dedup
 from relay.lanes import LANE_PRIORITY
 from relay.model import (
     FINAL,
@@ -59,6 +60,9 @@ class NewRecipient:
     destination: str
     dedup_key: str
     content_hash: str | None = None  # with an Idempotency-Key: what the key stands for
+    # with a Message-ID key: the content fingerprint (relay/dedup.py), stored with the key;
+    # None (an Idempotency-Key, the outbox, a DSN) keeps the plain rule: a hit is a duplicate
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +89,22 @@ class AcceptResult:
     queued: tuple[str, ...]
     duplicates: tuple[str, ...]
     conflicts: tuple[str, ...] = ()  # same Idempotency-Key, other content: nothing queued
+    # queued although their Message-ID key was live: another content reused the Message-ID;
+    # (recipient, the queue id that took the key first)
+    reused: tuple[tuple[str, str], ...] = ()
 
 
 def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> AcceptResult:
     """Queue the recipients whose dedup key was not seen within the window. A key seen with
-    another content hash (an Idempotency-Key reused for other content) queues nothing."""
+    another content hash (an Idempotency-Key reused for other content) queues nothing. A
+    Message-ID key seen with another content fingerprint is not a duplicate: the recipient
+    is queued under the key's variant for its fingerprint (a duplicate if that is live too)
+    and reported in `reused`."""
     cutoff = msg.created_at - dedup_window
-    fresh: list[NewRecipient] = []
+    fresh: list[tuple[NewRecipient, str]] = []  # with the key to take
     dupes: list[str] = []
     conflicts: list[str] = []
+    reused: dict[str, str] = {}
     seen: set[str] = set()
     for r in msg.recipients:
         if r.dedup_key in seen:
@@ -101,15 +112,26 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
             continue
         seen.add(r.dedup_key)
         row = conn.execute(
-            "SELECT created_at, content_hash FROM dedup WHERE key = ?", (r.dedup_key,)
+            "SELECT created_at, content_hash, msg_id, fingerprint FROM dedup WHERE key = ?",
+            (r.dedup_key,),
         ).fetchone()
-        if row is not None and row[0] > cutoff:
-            if r.content_hash is not None and row[1] is not None and row[1] != r.content_hash:
-                conflicts.append(r.address)
+        if row is None or row[0] <= cutoff:
+            fresh.append((r, r.dedup_key))
+        elif r.content_hash is not None and row[1] is not None and row[1] != r.content_hash:
+            conflicts.append(r.address)
+        elif r.content_hash is None and r.fingerprint and row[3] and row[3] != r.fingerprint:
+            # README "Dedup": same Message-ID, other content: a new message, never dropped
+            variant = dedup.variant_key(r.dedup_key, r.fingerprint)
+            seen_as = conn.execute(
+                "SELECT created_at FROM dedup WHERE key = ?", (variant,)
+            ).fetchone()
+            if seen_as is not None and seen_as[0] > cutoff:
+                dupes.append(r.address)  # a resubmission of that other message
             else:
-                dupes.append(r.address)
+                fresh.append((r, variant))
+                reused[r.address] = str(row[2])
         else:
-            fresh.append(r)
+            dupes.append(r.address)
     if conflicts:
         return AcceptResult(None, (), tuple(dupes), tuple(conflicts))
     if not fresh:
@@ -117,21 +139,23 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
     # Take the keys before queueing: on a database a fleet shares, another node may have
     # taken one since the read above. Its INSERT waits on ours (or ours on its) at the
     # unique key; the loser finds a live key, writes nothing and reports a duplicate.
-    won: list[NewRecipient] = []
-    for r in fresh:
+    fresh_rcpts: list[NewRecipient] = []
+    for r, key in fresh:
         took = conn.execute(
-            "INSERT INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)"
+            "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
+            " VALUES (?,?,?,?,?)"
             " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-            " created_at = excluded.created_at, content_hash = excluded.content_hash"
+            " created_at = excluded.created_at, content_hash = excluded.content_hash,"
+            " fingerprint = excluded.fingerprint"
             " WHERE dedup.created_at <= ? RETURNING key",
-            (r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, cutoff),
+            (key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint, cutoff),
         ).fetchone()
         if took is None:
             dupes.append(r.address)
+            reused.pop(r.address, None)
         else:
-            won.append(r)
-    fresh = won
-    if not fresh:
+            fresh_rcpts.append(r)
+    if not fresh_rcpts:
         return AcceptResult(None, (), tuple(dupes))
     conn.execute(
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
@@ -165,10 +189,15 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
                 r.dedup_key,
                 msg.created_at,
             )
-            for r in fresh
+            for r in fresh_rcpts
         ],
     )
-    return AcceptResult(msg.queue_id, tuple(r.address for r in fresh), tuple(dupes))
+    return AcceptResult(
+        msg.queue_id,
+        tuple(r.address for r in fresh_rcpts),
+        tuple(dupes),
+        reused=tuple((r.address, reused[r.address]) for r in fresh_rcpts if r.address in reused),
+    )
 
 
 # --- claiming and recording -------------------------------------------------------------
@@ -915,10 +944,10 @@ def feedback_events(conn: sqlite3.Connection, limit: int) -> list[dict[str, Any]
 
 
 def feedback_mail(conn: sqlite3.Connection, limit: int, unread: bool) -> list[dict[str, Any]]:
-    cols = ("id", "at", "peer", "sender", "rcpt", "size", "events", "error")
+    cols = ("id", "at", "peer", "sender", "rcpt", "size", "events", "error", "stored", "truncated")
     where = " WHERE error IS NOT NULL" if unread else ""
     return [
-        dict(zip(cols, r, strict=True))
+        {**dict(zip(cols, r, strict=True)), "truncated": bool(r[9])}
         for r in conn.execute(
             f"SELECT {', '.join(cols)} FROM feedback_mail{where} ORDER BY id DESC LIMIT ?",
             (limit,),
