@@ -125,7 +125,8 @@ DEFAULTS: dict[str, Any] = {
     },
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
-    "admin": {"listen": "127.0.0.1:9025"},
+    # each HTTP listener's connection bounds (relay/ops/http.py)
+    "admin": {"listen": "127.0.0.1:9025", "max_connections": 256, "max_connections_per_ip": 32},
     "dkim": {},
     "feedback": {
         "listen": None,
@@ -133,6 +134,8 @@ DEFAULTS: dict[str, Any] = {
         "verp": False,
         "verp_secret_file": None,
         "max_body": "1MiB",
+        "max_connections": 256,
+        "max_connections_per_ip": 32,
         "providers": {},
     },
     "log": {"level": "info", "format": "json", "unmask": False},
@@ -709,6 +712,15 @@ class FeedbackProvider:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpBounds:
+    """An HTTP listener's connection bounds (admin.*, feedback.*): past them a new connection
+    gets 503 and is closed (relay/ops/http.py)."""
+
+    max_connections: int = 256  # open at once, all clients together
+    max_connections_per_ip: int = 32  # from one client IP (IPv6: one /64)
+
+
+@dataclass(frozen=True, slots=True)
 class FeedbackConf:
     listen: tuple[str, int] | None = None  # its own HTTP listener; None: admin.listen
     address: str | None = None  # bounces@relay.example.com: mail to it is feedback
@@ -716,6 +728,7 @@ class FeedbackConf:
     verp_secret: bytes | None = field(default=None, repr=False)  # None: a key in the spool
     max_body: int = 1024 * 1024
     providers: Mapping[str, FeedbackProvider] = field(default_factory=dict)
+    http: HttpBounds = field(default_factory=HttpBounds)  # its own listener's, when it has one
 
     @property
     def local(self) -> str:
@@ -809,6 +822,7 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
     if secret_path is not None:
         verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
     max_body = parse_size(r.get("max_body"), "feedback.max_body")
+    http = _http_bounds(r)
     raw = r.get("providers") or {}
     if not isinstance(raw, Mapping):
         raise ConfigError("feedback.providers: expected a mapping of provider names")
@@ -845,7 +859,14 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
             str(name), token, signing, public, verify, cert_hosts, ca_file
         )
     r.finish()
-    return FeedbackConf(listen, address, verp, verp_secret, max_body, providers)
+    return FeedbackConf(listen, address, verp, verp_secret, max_body, providers, http)
+
+
+def _http_bounds(r: _Reader) -> HttpBounds:
+    return HttpBounds(
+        max_connections=r.integer("max_connections", 1),
+        max_connections_per_ip=r.integer("max_connections_per_ip", 1),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -921,6 +942,7 @@ class Config:
     spool_pg: PgSpool | None = None
     fleet: FleetConf = field(default_factory=lambda: FleetConf())
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
+    admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -1306,6 +1328,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     ad = _Reader(top.get("admin"), "admin")
     admin_addr = ad.opt_str("listen")
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
+    admin_http = _http_bounds(ad)
     ad.finish()
 
     feedback = _feedback(top.get("feedback"), base_dir)
@@ -1347,6 +1370,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         alerts=alerts,
         dsn=dsn,
         admin_listen=admin_listen,
+        admin_http=admin_http,
         log=log,
         shutdown_timeout=shutdown_timeout,
         raw=merged,
