@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
@@ -360,15 +360,14 @@ class _Gate(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         peer = transport.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         reason = self.server.admit(ip)
         if reason is not None:
             # nothing is read: the answer, then the close (RFC 9110 §15.6.4, Retry-After)
-            transport.write(_raw(503, _PHRASES[503], _BUSY[reason], "Retry-After: 1\r\n"))
-            transport.close()
+            self.transport.write(_raw(503, _PHRASES[503], _BUSY[reason], "Retry-After: 1\r\n"))
+            self.transport.close()
             return
         self.ip = ip
         self.server._gates[id(transport)] = self
