@@ -201,7 +201,7 @@ async def test_connections_are_bounded_per_ip_and_in_total() -> None:
             w.close()
         held = []
         deadline = time.monotonic() + 5
-        while srv.connections.total and time.monotonic() < deadline:
+        while srv.connections.total and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         assert srv.connections.total == 0
         assert (await exchange(srv.port, b"GET /z HTTP/1.1\r\nHost: a\r\n\r\n"))[0] == 200
