@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.ops.http import HttpServer, Request
 from relay.message import header, parse_headers, split_message
+from relay.ops.http import HttpServer, Request
 from relay.unsubscribe import (
     MAX_TOKEN,
     UnsubscribeConf,
