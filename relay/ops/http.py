@@ -356,6 +356,8 @@ class _Gate(asyncio.Protocol):
             server.limits.max_head, server.limits.max_body, max_chunk_line=1024
         )
         self.request: web.Request | None = None  # once the route's middleware began
+        self.admitted = False
+        self._head = bytearray()  # the head so far: aiohttp gets it whole, once it passed
         self.error: BodyError | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -370,21 +372,19 @@ class _Gate(asyncio.Protocol):
             self.transport.close()
             return
         self.ip = ip
-        self.server._gates[id(transport)] = self
-        self.inner = self.server._protocol()
-        self.inner.connection_made(transport)
+        self.admitted = True
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.server.limits.head_timeout, self._too_slow)
 
     def data_received(self, data: bytes) -> None:
-        if self.inner is None or self.error is not None or self.framing.done:
+        if not self.admitted or self.error is not None or self.framing.done:
             return  # refused, broken, or bytes after the one request: dropped
         head_done = self.framing.head_done
         try:
             n = self.framing.feed(data)
         except FramingError as e:
             if self.framing.head_done and e.consumed:
-                self.inner.data_received(data[: e.consumed])  # the head, for the route's answer
+                self._pass(data[: e.consumed])  # the head, for the route's answer
             self._refuse(e.status, e.reason)
             return
         if not head_done and self.framing.head_done:
@@ -395,7 +395,21 @@ class _Gate(asyncio.Protocol):
         if self.framing.done:
             self._cancel_timer()
         if n:
-            self.inner.data_received(data if n == len(data) else data[:n])
+            self._pass(data if n == len(data) else data[:n])
+
+    def _pass(self, data: bytes) -> None:
+        """Hand checked bytes to aiohttp; it meets the connection only with a whole head
+        that passed (a refused or idle one never costs it a task)."""
+        if self.inner is None:
+            if not self.framing.head_done:
+                self._head += data
+                return
+            assert self.transport is not None
+            self.server._gates[id(self.transport)] = self
+            self.inner = self.server._protocol()
+            self.inner.connection_made(self.transport)
+            data, self._head = bytes(self._head) + data, bytearray()
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool:
         # a client that half-closes after a whole request still gets its answer
@@ -403,8 +417,10 @@ class _Gate(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
-        if self.inner is not None:
+        if self.admitted:
+            self.admitted = False
             self.server.release(self.ip)
+        if self.inner is not None:
             inner, self.inner = self.inner, None
             inner.connection_lost(exc)
 
@@ -436,15 +452,10 @@ class _Gate(asyncio.Protocol):
             self._fail(BodyError(status, reason))
             return
         self.server.bad_request(self.ip, reason)
-        transport, inner = self.transport, self.inner
-        assert transport is not None and inner is not None
+        assert self.transport is not None
         text = f"{_TEXT.get(status, 'bad request')}: {reason}\n".encode()
-        transport.write(_raw(status, _PHRASES.get(status, "Bad Request"), text))
-        # aiohttp saw no whole request: it lets go as if the client had left
-        self.inner = None
-        self.server.release(self.ip)
-        inner.connection_lost(None)
-        transport.close()
+        self.transport.write(_raw(status, _PHRASES.get(status, "Bad Request"), text))
+        self.transport.close()
 
     def _fail(self, error: BodyError) -> None:
         """A bound broken after the head: the route waiting for the body gets the error (its
