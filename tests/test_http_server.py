@@ -232,3 +232,23 @@ async def test_refused_connections_hold_no_descriptor() -> None:
         for w in held:
             w.close()
         await srv.stop()
+
+
+async def test_100_continue_only_after_the_route_asked_for_the_body(port: int) -> None:
+    """Expect: 100-continue (RFC 9110 §10.1.1): a client the route refuses at the head gets
+    the refusal and no 100, so it never sends the body; one it takes gets 100, then sends."""
+    head = b"POST /auth HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + b"\r\n")
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 401") and b"100 Continue" not in data
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + b"Authorization: yes\r\n\r\n")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    writer.write(b"hello")
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"POST /auth 5 b'hello'")

@@ -181,7 +181,7 @@ class HttpServer:
             return _to_aiohttp(await handler(self._request(request)))
 
         pattern = path + "{tail:.*}" if prefix else path
-        self.app.router.add_route("*", pattern, serve)
+        self.app.router.add_route("*", pattern, serve, expect_handler=_no_continue)
 
     def _request(self, request: web.Request) -> Request:
         raw_path, _, query = request.raw_path.partition("?")
@@ -189,6 +189,10 @@ class HttpServer:
 
         async def reader() -> bytes:
             try:
+                if request.headers.get("Expect", "").lower() == "100-continue":
+                    # only now: a client refused at the head (a bad token) never sends
+                    # the body it asked to send (RFC 9110 §10.1.1)
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 return await request.read()
             except web.HTTPRequestEntityTooLarge as e:  # the gate's bound, as aiohttp counts
                 raise BodyError(413, f"request body over {self.limits.max_body} bytes") from e
@@ -201,7 +205,9 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> None:
         lim = self.limits
-        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        self._runner = web.AppRunner(
+            self.app, handle_signals=False, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         self._kwargs = {
             # a backstop behind the gate's own timers: an idle connection is closed
@@ -225,9 +231,7 @@ class HttpServer:
         if self._server is not None:
             self._server.close()
         if self._runner is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._runner.shutdown(), 1.0)
-            await self._runner.cleanup()
+            await self._runner.cleanup()  # requests in flight get shutdown_timeout (1 s)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
@@ -303,6 +307,11 @@ class HttpServer:
         resp.force_close()  # one request per connection
         resp.headers["Server"] = "relay"  # not aiohttp's version
         return resp
+
+
+async def _no_continue(request: web.Request) -> None:
+    """No `100 Continue` before the route ran: `Request.read` sends it (aiohttp's default
+    sends it at once, before the route could refuse the head)."""
 
 
 def _text_response(status: int, text: str) -> web.Response:
