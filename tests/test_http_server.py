@@ -252,3 +252,25 @@ async def test_100_continue_only_after_the_route_asked_for_the_body(port: int) -
     data = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"POST /auth 5 b'hello'")
+
+
+async def test_a_route_of_aiohttps_own_kind_gets_the_same_gate() -> None:
+    """The operator console's way in: `server.app.router` with aiohttp handlers, behind the
+    same bounds (framing, one request per connection)."""
+    from aiohttp import web
+
+    async def native(request: web.Request) -> web.Response:
+        return web.json_response({"hello": request.match_info["name"]})
+
+    srv = HttpServer("test", LIMITS)
+    srv.app.router.add_get("/hello/{name}", native)
+    await srv.start("127.0.0.1", 0)
+    try:
+        status, body = await exchange(srv.port, b"GET /hello/you HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (status, body) == (200, b'{"hello": "you"}')
+        raw = (
+            b"GET /hello/you HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+        )
+        assert (await exchange(srv.port, raw))[0] == 400
+    finally:
+        await srv.stop()

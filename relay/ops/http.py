@@ -304,8 +304,9 @@ class HttpServer:
         except Exception:
             log.exception("%s request %s %s failed", self.name, request.method, request.path)
             resp = _text_response(500, "internal error")
-        resp.force_close()  # one request per connection
-        resp.headers["Server"] = "relay"  # not aiohttp's version
+        if not resp.prepared:  # a route of aiohttp's own kind may have streamed already
+            resp.force_close()  # one request per connection
+            resp.headers["Server"] = "relay"  # not aiohttp's version
         return resp
 
 
