@@ -127,7 +127,8 @@ DEFAULTS: dict[str, Any] = {
     },
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
-    "admin": {"listen": "127.0.0.1:9025"},
+    # each HTTP listener's connection bounds (relay/ops/http.py)
+    "admin": {"listen": "127.0.0.1:9025", "max_connections": 256, "max_connections_per_ip": 32},
     "dkim": {},
     "feedback": {
         "listen": None,
@@ -139,6 +140,8 @@ DEFAULTS: dict[str, Any] = {
         "mail_budget": "64MiB",
         "rate_per_ip": 20,
         "rate_window": "1m",
+        "max_connections": 256,
+        "max_connections_per_ip": 32,
         "providers": {},
     },
     "log": {"level": "info", "format": "json", "unmask": False},
@@ -715,6 +718,15 @@ class FeedbackProvider:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpBounds:
+    """An HTTP listener's connection bounds (admin.*, feedback.*): past them a new connection
+    gets 503 and is closed (relay/ops/http.py)."""
+
+    max_connections: int = 256  # open at once, all clients together
+    max_connections_per_ip: int = 32  # from one client IP (IPv6: one /64)
+
+
+@dataclass(frozen=True, slots=True)
 class FeedbackConf:
     listen: tuple[str, int] | None = None  # its own HTTP listener; None: admin.listen
     address: str | None = None  # bounces@relay.example.com: mail to it is feedback
@@ -730,6 +742,7 @@ class FeedbackConf:
     # from clients outside every `allow` network (relay/anvil.py); 0 = no limit
     rate_per_ip: int = 20
     rate_window: float = 60.0
+    http: HttpBounds = field(default_factory=HttpBounds)  # its own listener's, when it has one
 
     @property
     def local(self) -> str:
@@ -836,6 +849,7 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
     rate_window = r.duration("rate_window")
     if rate_window <= 0:
         raise ConfigError("feedback.rate_window: must be more than 0s")
+    http = _http_bounds(r)
     raw = r.get("providers") or {}
     if not isinstance(raw, Mapping):
         raise ConfigError("feedback.providers: expected a mapping of provider names")
@@ -883,6 +897,14 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
         mail_budget=mail_budget,
         rate_per_ip=rate_per_ip,
         rate_window=rate_window,
+        http=http,
+    )
+
+
+def _http_bounds(r: _Reader) -> HttpBounds:
+    return HttpBounds(
+        max_connections=r.integer("max_connections", 1),
+        max_connections_per_ip=r.integer("max_connections_per_ip", 1),
     )
 
 
@@ -967,6 +989,8 @@ class Config:
     def maildrop_dir(self) -> Path:
         """Where relay-sendmail leaves mail the daemon did not take (relay/maildrop.py)."""
         return self.maildrop_path or self.spool_path / "maildrop"
+
+    admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
 
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
@@ -1354,6 +1378,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     ad = _Reader(top.get("admin"), "admin")
     admin_addr = ad.opt_str("listen")
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
+    admin_http = _http_bounds(ad)
     ad.finish()
 
     feedback = _feedback(top.get("feedback"), base_dir)
@@ -1395,6 +1420,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         alerts=alerts,
         dsn=dsn,
         admin_listen=admin_listen,
+        admin_http=admin_http,
         log=log,
         shutdown_timeout=shutdown_timeout,
         raw=merged,

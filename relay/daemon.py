@@ -53,11 +53,11 @@ from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
-from relay.httpd import HttpServer, Request, Response
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.logs import log_event, reconfigure, setup_logging
 from relay.metrics import Metrics
+from relay.ops.http import HttpLimits, HttpServer
 from relay.outbox import Outbox
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.sendmail import Target
@@ -79,6 +79,12 @@ SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watc
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
 INBOUND_START_TIMEOUT = 30.0  # seconds for inbound processes to listen at start
+
+
+def _http_limits(max_connections: int, per_ip: int, max_body: int) -> HttpLimits:
+    return HttpLimits(
+        max_connections=max_connections, max_connections_per_ip=per_ip, max_body=max_body
+    )
 
 
 class Daemon:
@@ -209,23 +215,32 @@ class Daemon:
             srv = await listen(loop, h, self.config, LISTEN_BACKLOG, reuse_port=pg)
             self.handlers.append(h)
             self.servers.append(srv)
+        fb = self.config.feedback
         if self.config.admin_listen is not None:
-            # the feedback endpoints share the admin listener unless they have their own
-            shared = self.public_http if self.config.feedback.listen is None else None
             self.admin = AdminServer(
                 self.metrics,
                 self.writer,
                 self.readiness_problems,
                 self.health_doc,
-                shared,
-                self.config.feedback.max_body,
+                self.config.spool_path,
+                _http_limits(
+                    self.config.admin_http.max_connections,
+                    self.config.admin_http.max_connections_per_ip,
+                    fb.max_body,
+                ),
             )
+            # the feedback endpoints share the admin listener unless they have their own
+            if fb.listen is None:
+                self._public_routes(self.admin.http)
             await self.admin.start(*self.config.admin_listen)
-        if self.config.feedback.listen is not None:
+        if fb.listen is not None:
             self.feedback_http = HttpServer(
-                self.public_http, self.config.feedback.max_body, name="feedback"
+                "feedback",
+                _http_limits(fb.http.max_connections, fb.http.max_connections_per_ip, fb.max_body),
+                self.metrics,
             )
-            await self.feedback_http.start(*self.config.feedback.listen)
+            self._public_routes(self.feedback_http)
+            await self.feedback_http.start(*fb.listen)
         for sig, fn in (
             (signal.SIGTERM, self._stop.set),
             (signal.SIGINT, self._stop.set),
@@ -386,12 +401,11 @@ class Daemon:
                 exit_code=checkdns.exit_code(checks),
             )
 
-    async def public_http(self, req: Request) -> Response:
+    def _public_routes(self, server: HttpServer) -> None:
         """What may face the providers and the recipients: the feedback webhooks and the
         one-click unsubscribe pages (on `feedback.listen`, else on the admin listener)."""
-        if req.path.startswith("/u/"):
-            return await self.unsubscribe.http(req)
-        return await self.feedback.http(req)
+        server.route("/feedback/", self.feedback.http, prefix=True)
+        server.route("/u/", self.unsubscribe.http, prefix=True)
 
     # --- background work ----------------------------------------------------------------
 

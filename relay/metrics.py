@@ -160,3 +160,23 @@ class Metrics:
         self.auth_bans = Counter(
             "relay_auth_bans", "Client IPs banned for AUTH failures", registry=r
         )
+        # the HTTP listeners (admin, feedback): relay/ops/http.py
+        self.http_connections_open = Gauge(
+            "relay_http_connections_open",
+            "HTTP connections open now, per listener",
+            ["listener"],
+            registry=r,
+        )
+        self.http_connections_refused = Counter(
+            "relay_http_connections_refused",
+            "HTTP connections refused with 503 (total, per_ip)",
+            ["listener", "reason"],
+            registry=r,
+        )
+        self.http_bad_requests = Counter(
+            "relay_http_bad_requests",
+            "HTTP requests refused before a route (malformed, ambiguous framing, too big,"
+            " too slow)",
+            ["listener"],
+            registry=r,
+        )

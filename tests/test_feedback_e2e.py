@@ -417,7 +417,7 @@ def test_generic_bad_input_and_unknown_recipients(world: World) -> None:
         world.post("generic", json.dumps({"type": "explode", "recipient": "x@y.z"}).encode())[0]
         == 400
     )
-    assert world.post("generic", b"[" + b" " * 70000 + b"]")[0] == 400  # over max_body
+    assert world.post("generic", b"[" + b" " * 70000 + b"]")[0] == 413  # over max_body
     stranger = world.unique("stranger")
     status, resp = world.post(
         "generic", json.dumps({"type": "bounce", "recipient": stranger}).encode()

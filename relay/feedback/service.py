@@ -41,10 +41,10 @@ from relay.feedback import bounces, providers, sns, storage
 from relay.feedback.apply import EVENTS_PER_JOB, Applied, acted_on, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
 from relay.feedback.worker import ParserWorker
-from relay.httpd import Request, Response
 from relay.logs import log_event
 from relay.message import header, parse_headers, split_message
 from relay.metrics import Metrics
+from relay.ops.http import Request, Response
 from relay.spool import ops
 from relay.spool.writer import SpoolError, SpoolWriter
 
@@ -144,6 +144,7 @@ class FeedbackService:
                 b"unauthorized\n",
                 headers={"WWW-Authenticate": f'Basic realm="relay feedback {name}"'},
             )
+        await req.read()  # only now, after the token: a stranger's body is never read
         now = self.clock()
         try:
             _verify(prov, req, now)

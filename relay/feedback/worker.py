@@ -108,9 +108,13 @@ def _read(f: IO[bytes], n: int) -> bytes:
     return buf
 
 
+START_TIMEOUT = 30.0  # a child that has not imported its modules by then is not coming
+_READY = b"R"
+
+
 class ParserWorker:
     """The parent's side: `await parse(data)` never blocks the loop and never takes longer
-    than about `budget` seconds (plus a child's start, about 0.1 s, on first use)."""
+    than about `budget` seconds (the child's start is not counted: it says when it is ready)."""
 
     def __init__(self, budget: float = PARSE_BUDGET, idle_exit: float = IDLE_EXIT) -> None:
         self.budget = budget
@@ -133,6 +137,13 @@ class ParserWorker:
             close_fds=True,
         )
         self.started += 1
+        # The budget measures parsing, not the child's start (imports take 0.1 s idle, and
+        # seconds on a loaded machine): the child says it is ready with one byte first.
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout.fileno()], [], [], START_TIMEOUT)
+        if not ready or proc.stdout.read(1) != _READY:
+            self._reap()
+            raise OSError(f"not ready within {START_TIMEOUT:g} s")
         log.debug("feedback parser process %d started", proc.pid)
         return proc
 
@@ -201,6 +212,8 @@ def _serve(idle_exit: float) -> int:
     with contextlib.suppress(OSError):
         os.nice(10)  # the daemon's work first
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(_READY)  # imports done: the parent's budget starts now
+    stdout.flush()
     fd = stdin.fileno()
     while True:
         ready, _, _ = select.select([fd], [], [], idle_exit)
