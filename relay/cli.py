@@ -23,7 +23,7 @@ from relay.address import AddressError, check_mailbox, printable
 from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
 from relay.dedup import normalize_message_id
 from relay.feedback.apply import rates as feedback_rates
-from relay.logs import log_event, setup_logging
+from relay.logs import log_event, redact_text, set_secrets, setup_logging
 from relay.spool import bodies, db, ops
 
 T = TypeVar("T")
@@ -387,11 +387,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as e:
-        print(f"relay: {e}", file=sys.stderr)
+        text = redact_text(str(e))  # a bad URL's message may quote it
+        print(f"relay: {text}", file=sys.stderr)
         if args.cmd == "status":
-            print(f"UNKNOWN: bad config: {e}")
+            print(f"UNKNOWN: bad config: {text}")
             return 3
         return EX_CONFIG
+    set_secrets(config.secrets())
     setup_logging(config.log.level, "text", config.log.unmask)
     # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing
@@ -402,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_dns(args, config)
     if args.cmd == "check-config":
         for warning in config.warnings():
-            print(f"relay: warning: {warning}", file=sys.stderr)
+            print(f"relay: warning: {redact_text(warning)}", file=sys.stderr)
         if args.json:
             print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
         else:
