@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
 from urllib.parse import urlsplit
 
 import yaml
@@ -1023,8 +1022,8 @@ class Config:
             values.append(wh.secret)
             shown = redact_webhook_url(wh.url)
             out[wh.url] = shown
-            scheme, _, rest = wh.url.partition("://")
-            host, slash, tail = rest.partition("/")
+            rest = wh.url.partition("://")[2]
+            slash, tail = rest.partition("/")[1:]
             if slash and tail:  # the path alone, as a library might print it
                 out["/" + tail] = "/***"
             for item in urlsplit(wh.url).query.split("&"):  # a token's value alone

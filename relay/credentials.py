@@ -30,7 +30,7 @@ def expand(value: str, key: str, environ: Mapping[str, str] | None = None) -> st
     if not folder:
         raise ValueError(
             f"{key}: {value!r} names ${{{VARIABLE}}}, which is not set: it is set by systemd"
-            " for a unit with LoadCredential= (README \"Running as a service\"); outside"
+            ' for a unit with LoadCredential= (README "Running as a service"); outside'
             f" the service, set {VARIABLE} to the folder that holds the files"
         )
     return value.replace(_TOKEN, folder.rstrip("/") or "/")

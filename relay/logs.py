@@ -195,8 +195,9 @@ def _userinfo_host(netloc: str, keep_user: bool) -> tuple[str, str]:
 
 
 def redact_url(url: str) -> str:
-    """A URL fit to print: the password of its userinfo (``user:***@``), every query value (``?token=***``) and the fragment replaced; scheme, host,
-    port and path kept. The general rule for URLs in logs and error messages."""
+    """A URL fit to print: the password of its userinfo (``user:***@``), every query value
+    (``?token=***``) and the fragment replaced; scheme, host, port and path kept. The
+    general rule for URLs in logs and error messages."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
