@@ -942,8 +942,8 @@ class Config:
         if problem is not None:
             where = "hostname" if self.hostname_set else "hostname (unset: the system's name)"
             out.append(
-                f"{where}: {self.hostname!r} {problem}: set `hostname` in the config to this"
-                " host's fully-qualified name; it names the relay in Received headers and"
+                f"{where}: {self.hostname!r} {problem}, not this host's fully-qualified domain"
+                " name: set `hostname` in the config; it names the relay in Received headers and"
                 " Message-IDs, in EHLO (upstream.helo), and qualifies bare senders and"
                 " recipients (root -> root@<local.domain, else hostname>)"
             )
@@ -1073,7 +1073,7 @@ def hostname_problem(name: str) -> str | None:
     if n == "localhost" or n.startswith("localhost.") or n.endswith(".localhost"):
         return "is localhost"
     if "." not in n:
-        return "has no dot (not a fully-qualified domain name)"
+        return "has no dot"
     return None
 
 

@@ -52,13 +52,16 @@ def _one(unit: Unit, section: str, key: str) -> str:
     ("key", "expected"),
     [
         ("Type", "notify"),
-        ("ExecStart", "/opt/relay/.venv/bin/relay serve -c /etc/relay/relay.yaml"),
+        ("ExecStart", "/opt/relay/bin/relay serve -c /etc/relay/relay.yaml"),
         ("ExecReload", "/bin/kill -HUP $MAINPID"),
         ("Restart", "on-failure"),
         ("RestartSec", "2s"),
         ("WatchdogSec", "30s"),
-        ("DynamicUser", "yes"),
+        ("User", "relay"),
+        ("Group", "relay"),
         ("StateDirectory", "relay"),
+        ("StateDirectoryMode", "0710"),
+        ("LoadCredential", "relay:/etc/relay/credentials"),
         ("ConfigurationDirectory", "relay"),
         ("NoNewPrivileges", "yes"),
         ("ProtectSystem", "strict"),
@@ -162,9 +165,14 @@ def test_the_fleet_template_is_the_unit_with_the_instance_name() -> None:
     assert differs == {
         ("Unit", "Description"),
         ("Service", "ExecStart"),
+        ("Service", "ExecStartPre"),
         ("Service", "StateDirectory"),
         ("Service", "SyslogIdentifier"),
     }
+    assert template["Service"]["ExecStartPre"] == [
+        v.replace("/var/lib/relay/spool", "/var/lib/relay/%i")
+        for v in unit["Service"]["ExecStartPre"]
+    ]
     assert _one(template, "Service", "ExecStart").endswith("-c /etc/relay/%i.yaml")
     assert _one(template, "Service", "StateDirectory") == "relay/%i"
     assert _one(template, "Service", "SyslogIdentifier") == "relay@%i"
