@@ -187,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     kg.add_argument("--algorithm", choices=["rsa-sha256", "ed25519-sha256"], default="rsa-sha256")
     kg.add_argument("--bits", type=int, default=2048, help="RSA key size (2048-4096)")
     kg.add_argument(
-        "--out", help="the key file (default: dkim/<domain>.<selector>.key beside the config)"
+        "--out",
+        help="the key file (default: credentials/dkim-<domain>.<selector>.key beside the config"
+        " when that folder exists, as after make install; else dkim/<domain>.<selector>.key)",
     )
     cd = sub.add_parser(
         "check-dns",
@@ -208,23 +210,42 @@ def _dkim_keygen(args: argparse.Namespace) -> int:
     from relay.dkim_sign import DkimConfigError, keygen
 
     base = Path(args.config or DEFAULT_PATH).resolve().parent
-    path = Path(args.out) if args.out else base / "dkim" / f"{args.domain}.{args.selector}.key"
+    name = f"{args.domain}.{args.selector}.key"
+    # installed (make install): the credentials folder the unit loads with LoadCredential=
+    creds = base / "credentials"
+    if args.out:
+        path = Path(args.out)
+    elif creds.is_dir():
+        path = creds / f"dkim-{name}"
+    else:
+        path = base / "dkim" / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         zone = keygen(args.domain, args.selector, path, args.algorithm, args.bits)
     except (DkimConfigError, OSError) as e:
         print(f"relay: dkim keygen: {e}", file=sys.stderr)
         return EXIT_FAIL
+    # a key in the credentials folder reaches the service as a copy in its own
+    # $CREDENTIALS_DIRECTORY, named relay_<file> (systemd/relay.service): name it so
+    key_file = str(path)
+    if path.resolve().parent == creds.resolve():
+        key_file = f"${{CREDENTIALS_DIRECTORY}}/relay_{path.name}"
     if args.json:
         _print_json(
-            {"domain": args.domain, "selector": args.selector, "key_file": str(path), "dns": zone}
+            {
+                "domain": args.domain,
+                "selector": args.selector,
+                "key_file": str(path),
+                "config_key_file": key_file,
+                "dns": zone,
+            }
         )
         return EXIT_OK
-    print(f"; private key written to {path} (mode 0600): keep it secret")
+    print(f"; private key written to {path} (mode 0600, this user's): keep it secret")
     print("; publish this record in the zone of the domain:")
     print(zone)
     print("; and add to the relay's config:")
-    print(f";   dkim: {{{args.domain}: {{selector: {args.selector}, key_file: {path},")
+    print(f";   dkim: {{{args.domain}: {{selector: {args.selector}, key_file: {key_file},")
     print(f";          algorithm: {args.algorithm}}}}}")
     return EXIT_OK
 
