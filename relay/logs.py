@@ -181,6 +181,9 @@ _URL_RE: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s\
 # what replaces each one; longest first so a secret that contains another goes whole.
 _secrets: tuple[tuple[str, str], ...] = ()
 _MIN_SECRET: Final = 6  # shorter values would blank out ordinary words in log lines
+# Fields whose URL is printed whole, for the operator to open: Amazon SNS's SubscribeURL
+# (relay/feedback/service.py), whose token confirms that one subscription and nothing else.
+_WHOLE_URL_KEYS: Final = frozenset({"subscribe_url"})
 
 
 def _userinfo_host(netloc: str, keep_user: bool) -> tuple[str, str]:
@@ -249,12 +252,17 @@ def set_secrets(secrets: Mapping[str, str]) -> None:
     _secrets = tuple(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
 
 
-def redact_text(text: str) -> str:
-    """Free text fit to print: registered secrets replaced, then every URL in it through
-    :func:`redact_url`. For log lines, error messages and alert texts."""
+def _replace_secrets(text: str) -> str:
     for secret, shown in _secrets:
         if secret in text:
             text = text.replace(secret, shown)
+    return text
+
+
+def redact_text(text: str) -> str:
+    """Free text fit to print: registered secrets replaced, then every URL in it through
+    :func:`redact_url`. For log lines, error messages and alert texts."""
+    text = _replace_secrets(text)
     if "://" not in text:
         return text
     return _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
@@ -435,7 +443,12 @@ class _StructuredFormatter(logging.Formatter):
         if record.stack_info and self.include_traceback:
             out["stack"] = self._text(record.stack_info)
         # secrets and URLs' passwords and query values, in every field, even unmasked
-        return {k: _redact_tree(v) for k, v in out.items()}
+        return {
+            k: _replace_secrets(v)
+            if k in _WHOLE_URL_KEYS and isinstance(v, str)
+            else _redact_tree(v)
+            for k, v in out.items()
+        }
 
 
 def _json_default(value: object) -> object:

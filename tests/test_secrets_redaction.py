@@ -289,3 +289,15 @@ def test_every_file_key_expands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         "alerts.webhook.secret_file",
     ):
         assert f"{key}: '${{CREDENTIALS_DIRECTORY}}/" in str(e.value), (key, str(e.value))
+
+
+def test_sns_subscribe_url_is_printed_whole(no_secrets: None) -> None:
+    """The one URL the operator must open (SNS SubscriptionConfirmation) keeps its query;
+    the same URL in any other field does not."""
+    stream = _capture()
+    url = "https://sns.us-east-1.amazonaws.com/?Action=ConfirmSubscription&Token=t0k"
+    log_event(logging.getLogger("relay.test_secrets"), logging.WARNING, "x", subscribe_url=url)
+    log_event(logging.getLogger("relay.test_secrets"), logging.WARNING, "x", other=url)
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["subscribe_url"] == url
+    assert second["other"] == "https://sns.us-east-1.amazonaws.com/?Action=***&Token=***"
