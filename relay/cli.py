@@ -16,6 +16,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from relay import __version__
@@ -405,6 +406,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _auth_hash(args)
     if args.cmd == "dkim":  # needs no valid config: it makes keys the config will name
         return _dkim_keygen(args)
+    # outside the unit, secrets named by ${CREDENTIALS_DIRECTORY} are read where the unit
+    # loads them from (relay/credentials.py)
+    from relay import credentials
+    from relay.config import DEFAULT_PATH
+
+    source = Path(args.config or os.environ.get("RELAY_CONFIG") or DEFAULT_PATH)
+    credentials.use_source_folder(source.resolve().parent / "credentials")
     try:
         config = load_config(args.config)
     except ConfigError as e:

@@ -154,8 +154,23 @@ def test_dkim_keygen_into_the_credentials_folder(staged: Path, tmp_path: Path) -
         capture_output=True, text=True, timeout=60, env={**env, "CREDENTIALS_DIRECTORY": str(run)},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
+    # the operator's commands, outside the unit: the same name read where the unit loads
+    # it from (etc/credentials/<name>), so `sudo relay check-config` checks the real file
     res = subprocess.run(
         [sys.executable, "-m", "relay", "check-config", "-c", str(etc / "relay.yaml")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    key.rename(key.with_name("moved"))
+    res = subprocess.run(
+        [sys.executable, "-m", "relay", "check-config", "-c", str(etc / "relay.yaml")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert res.returncode == 78 and str(key) in res.stderr, res.stderr
+    # the daemon has no such fallback: the variable unset is an error naming the key
+    key.with_name("moved").rename(key)
+    res = subprocess.run(
+        [sys.executable, "-m", "relay", "serve", "-c", str(etc / "relay.yaml")],
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert res.returncode == 78

@@ -235,6 +235,14 @@ def test_bad_urls_are_quoted_redacted_in_config_errors(tmp_path: Path) -> None:
 # --- ${CREDENTIALS_DIRECTORY} -----------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def no_source_folder() -> Iterator[None]:
+    """The CLI's fallback is process-wide: off for these tests, whatever ran before."""
+    credentials.use_source_folder(None)
+    yield
+    credentials.use_source_folder(None)
+
+
 @pytest.mark.parametrize(
     ("value", "env", "expanded"),
     [
@@ -301,3 +309,19 @@ def test_sns_subscribe_url_is_printed_whole(no_secrets: None) -> None:
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["subscribe_url"] == url
     assert second["other"] == "https://sns.us-east-1.amazonaws.com/?Action=***&Token=***"
+
+
+def test_outside_the_service_the_source_folder(tmp_path: Path) -> None:
+    """The CLI (use_source_folder) reads `${CREDENTIALS_DIRECTORY}/relay_<name>` as
+    `<config folder>/credentials/<name>` when the variable is unset; the variable, when set,
+    wins; a name without the unit's `relay_` prefix is still an error."""
+    src = tmp_path / "credentials"
+    credentials.use_source_folder(src)
+    c = "${CREDENTIALS_DIRECTORY}"
+    assert credentials.expand(f"{c}/relay_pw", "k", {}) == str(src / "pw")
+    assert credentials.expand(f"{c}/relay_pw", "k", {"CREDENTIALS_DIRECTORY": "/run/x"}) == (
+        "/run/x/relay_pw"
+    )
+    for value in (f"{c}/pw", f"/x{c}/relay_pw", f"{c}/relay_"):
+        with pytest.raises(ValueError, match=r"^k: .*not set"):
+            credentials.expand(value, "k", {})
