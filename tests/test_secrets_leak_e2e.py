@@ -256,7 +256,15 @@ def _run_the_day(r: RelayProcess, up: Upstream, hook: Receiver) -> None:
 
 def _surfaces(r: RelayProcess, hook: Receiver) -> dict[str, str]:
     out: dict[str, str] = {}
-    for args in (("check-config",), ("check-config", "--json"), ("status",), ("status", "--json")):
+    for args in (
+        ("check-config",),
+        ("check-config", "--json"),
+        ("status",),
+        ("status", "--json"),
+        ("alerts",),
+        ("alerts", "--json"),
+        ("queue", "list", "--all"),
+    ):
         res = r.cli(*args)
         assert res.returncode in (0, 1, 2), (args, res.stdout, res.stderr)
         out["relay " + " ".join(args)] = res.stdout + res.stderr

@@ -105,6 +105,17 @@ def test_nofile_limit_fits_the_default_connections(unit: Unit) -> None:
     assert fdlimit.problem(default, int(_one(unit, "Service", "LimitNOFILE"))) is None
 
 
+def test_static_user_and_the_maildrop(unit: Unit) -> None:
+    """Not DynamicUser=: its state would live under /var/lib/private (0700), where apps in
+    group relay could not reach the maildrop. The maildrop and the spool are made before each
+    start as root ("+": RestrictSUIDSGID= forbids the daemon the setgid bit)."""
+    assert "DynamicUser" not in unit["Service"]
+    assert unit["Service"]["ExecStartPre"] == [
+        "+/usr/bin/install -d -m 0710 -o relay -g relay /var/lib/relay/spool",
+        "+/usr/bin/install -d -m 3730 -o relay -g relay /var/lib/relay/spool/maildrop",
+    ]
+
+
 def test_install_section(unit: Unit) -> None:
     assert _one(unit, "Install", "WantedBy") == "multi-user.target"
 
