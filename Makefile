@@ -89,7 +89,7 @@ install:
 	  { echo "make install: run as root (sudo make install), or stage with DESTDIR=..."; exit 1; }
 	# the program: a virtualenv of its own, its commands linked into $(PREFIX)/bin
 	[ -x $(DESTDIR)$(RELAY_HOME)/bin/python ] || $(PY) -m venv $(DESTDIR)$(RELAY_HOME)
-	$(DESTDIR)$(RELAY_HOME)/bin/pip install -q --upgrade .
+	$(DESTDIR)$(RELAY_HOME)/bin/python -m pip install -q --upgrade .
 	# a staged venv names the staging folder in its scripts' #! lines: name the real one
 	[ -z "$(DESTDIR)" ] || grep -lZ "^#!$(DESTDIR)$(RELAY_HOME)/bin/" \
 	  $(DESTDIR)$(RELAY_HOME)/bin/* | xargs -0r sed -i "1s|^#!$(DESTDIR)|#!|"

@@ -5,7 +5,9 @@ installed unit passes `systemd-analyze verify` (pointed at the staged program); 
 made by `relay dkim keygen` lands in the credentials folder and the config names it through
 `${CREDENTIALS_DIRECTORY}` as the unit's LoadCredential= provides it.
 
-One `make install` for the module (a virtualenv and a pip install: ~20 s)."""
+One test, one `make install` (a virtualenv and a pip install: ~20 s), then a second run
+over it (an upgrade): under pytest-xdist a module fixture would run once per worker, two
+installs building in the same checkout at once."""
 
 from __future__ import annotations
 
@@ -23,9 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD_ANALYZE = Path("/usr/bin/systemd-analyze")
 
 
-@pytest.fixture(scope="module")
-def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("destdir")
+def _install(dest: Path) -> None:
     res = subprocess.run(
         ["make", "-C", str(ROOT), "install", f"DESTDIR={dest}", f"PY={sys.executable}"],
         capture_output=True,
@@ -33,18 +33,40 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return dest
+
+
+@pytest.mark.timeout(900)
+def test_make_install(tmp_path: Path) -> None:
+    staged = tmp_path / "destdir"
+    _install(staged)
+    check_the_program_where_the_unit_points(staged)
+    check_config_and_modes(staged)
+    check_installed_config_loads_with_the_installed_program(staged)
+    check_dkim_keygen_into_the_credentials_folder(staged, tmp_path / "keygen")
+    # a second run (an upgrade) keeps the operator's config and fixes the modes again
+    conf = staged / "etc/relay/relay.yaml"
+    conf.write_text(conf.read_text() + "# the operator's edit\n")
+    (staged / "var/lib/relay/spool/maildrop").chmod(0o755)
+    _install(staged)
+    assert conf.read_text().endswith("# the operator's edit\n")
+    assert _mode(staged / "var/lib/relay/spool/maildrop") == 0o3730
+    check_the_program_where_the_unit_points(staged)
+    if not SYSTEMD_ANALYZE.exists():  # last: everything else above is checked regardless
+        pytest.skip(f"{SYSTEMD_ANALYZE} is not installed; cannot verify the installed units")
+    for name in ("relay.service", "relay@.service"):
+        (tmp_path / name).mkdir()
+        check_installed_unit_verifies(staged, tmp_path / name, name)
 
 
 def _mode(p: Path) -> int:
     return stat.S_IMODE(p.lstat().st_mode)
 
 
-def test_the_program_where_the_unit_points(staged: Path) -> None:
+def check_the_program_where_the_unit_points(staged: Path) -> None:
     relay = staged / "opt/relay/bin/relay"
     assert os.access(relay, os.X_OK)
     # the scripts name the installed interpreter, not the staging folder
-    assert relay.read_text().splitlines()[0].startswith("#!/opt/relay/bin/python3")
+    assert relay.read_text().splitlines()[0].startswith("#!/opt/relay/bin/python")
     for name in ("relay", "relay-sendmail"):
         link = staged / "usr/local/bin" / name
         assert link.is_symlink() and os.readlink(link) == f"/opt/relay/bin/{name}"
@@ -54,7 +76,7 @@ def test_the_program_where_the_unit_points(staged: Path) -> None:
     assert (staged / "etc/systemd/system/relay@.service").is_file()
 
 
-def test_config_and_modes(staged: Path) -> None:
+def check_config_and_modes(staged: Path) -> None:
     conf = staged / "etc/relay/relay.yaml"
     assert _mode(conf) == 0o644  # relay-sendmail (any app) reads it; it holds no secret
     shipped = (ROOT / "conf/relay.yaml").read_text().splitlines()
@@ -72,7 +94,7 @@ def test_config_and_modes(staged: Path) -> None:
     assert maildrop.stat().st_mode & stat.S_ISGID and maildrop.stat().st_mode & stat.S_ISVTX
 
 
-def test_installed_config_loads_with_the_installed_program(staged: Path) -> None:
+def check_installed_config_loads_with_the_installed_program(staged: Path) -> None:
     """The staged program reads the staged config: the spool is the absolute path the unit
     makes writable, not /etc/var/spool (`../var/spool` beside /etc/relay/relay.yaml)."""
     res = subprocess.run(
@@ -94,12 +116,9 @@ def _verify(unit: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("name", ["relay.service", "relay@.service"])
-def test_installed_unit_verifies(staged: Path, tmp_path: Path, name: str) -> None:
+def check_installed_unit_verifies(staged: Path, tmp_path: Path, name: str) -> None:
     """`systemd-analyze verify` checks that ExecStart's program exists: the installed unit,
     with /opt/relay pointed at the staged /opt/relay and nothing else changed."""
-    if not SYSTEMD_ANALYZE.exists():
-        pytest.skip(f"{SYSTEMD_ANALYZE} is not installed; cannot verify the unit file")
     text = (staged / "etc/systemd/system" / name).read_text()
     assert text.count("/opt/relay/bin/relay ") == 1
     unit = tmp_path / name
@@ -117,7 +136,7 @@ def test_installed_unit_verifies(staged: Path, tmp_path: Path, name: str) -> Non
     assert _verify(unit).returncode != 0
 
 
-def test_dkim_keygen_into_the_credentials_folder(staged: Path, tmp_path: Path) -> None:
+def check_dkim_keygen_into_the_credentials_folder(staged: Path, tmp_path: Path) -> None:
     """`relay dkim keygen` with the installed config writes the key beside the other
     secrets (0600: root's when run by root; systemd copies it for the service) and prints
     the key_file line that names the service's copy."""
