@@ -16,6 +16,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from relay import __version__
@@ -23,7 +24,7 @@ from relay.address import AddressError, check_mailbox, printable
 from relay.config import EX_CONFIG, ConfigError, load_config, parse_duration
 from relay.dedup import normalize_message_id
 from relay.feedback.apply import rates as feedback_rates
-from relay.logs import log_event, setup_logging
+from relay.logs import log_event, redact_text, set_secrets, setup_logging
 from relay.spool import bodies, db, ops
 
 T = TypeVar("T")
@@ -195,7 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     kg.add_argument("--algorithm", choices=["rsa-sha256", "ed25519-sha256"], default="rsa-sha256")
     kg.add_argument("--bits", type=int, default=2048, help="RSA key size (2048-4096)")
     kg.add_argument(
-        "--out", help="the key file (default: dkim/<domain>.<selector>.key beside the config)"
+        "--out",
+        help="the key file (default: credentials/dkim-<domain>.<selector>.key beside the config"
+        " when that folder exists, as after make install; else dkim/<domain>.<selector>.key)",
     )
     cd = sub.add_parser(
         "check-dns",
@@ -216,23 +219,42 @@ def _dkim_keygen(args: argparse.Namespace) -> int:
     from relay.dkim_sign import DkimConfigError, keygen
 
     base = Path(args.config or DEFAULT_PATH).resolve().parent
-    path = Path(args.out) if args.out else base / "dkim" / f"{args.domain}.{args.selector}.key"
+    name = f"{args.domain}.{args.selector}.key"
+    # installed (make install): the credentials folder the unit loads with LoadCredential=
+    creds = base / "credentials"
+    if args.out:
+        path = Path(args.out)
+    elif creds.is_dir():
+        path = creds / f"dkim-{name}"
+    else:
+        path = base / "dkim" / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         zone = keygen(args.domain, args.selector, path, args.algorithm, args.bits)
     except (DkimConfigError, OSError) as e:
         print(f"relay: dkim keygen: {e}", file=sys.stderr)
         return EXIT_FAIL
+    # a key in the credentials folder reaches the service as a copy in its own
+    # $CREDENTIALS_DIRECTORY, named relay_<file> (systemd/relay.service): name it so
+    key_file = str(path)
+    if path.resolve().parent == creds.resolve():
+        key_file = f"${{CREDENTIALS_DIRECTORY}}/relay_{path.name}"
     if args.json:
         _print_json(
-            {"domain": args.domain, "selector": args.selector, "key_file": str(path), "dns": zone}
+            {
+                "domain": args.domain,
+                "selector": args.selector,
+                "key_file": str(path),
+                "config_key_file": key_file,
+                "dns": zone,
+            }
         )
         return EXIT_OK
-    print(f"; private key written to {path} (mode 0600): keep it secret")
+    print(f"; private key written to {path} (mode 0600, this user's): keep it secret")
     print("; publish this record in the zone of the domain:")
     print(zone)
     print("; and add to the relay's config:")
-    print(f";   dkim: {{{args.domain}: {{selector: {args.selector}, key_file: {path},")
+    print(f";   dkim: {{{args.domain}: {{selector: {args.selector}, key_file: {key_file},")
     print(f";          algorithm: {args.algorithm}}}}}")
     return EXIT_OK
 
@@ -392,14 +414,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _auth_hash(args)
     if args.cmd == "dkim":  # needs no valid config: it makes keys the config will name
         return _dkim_keygen(args)
+    # outside the unit, secrets named by ${CREDENTIALS_DIRECTORY} are read where the unit
+    # loads them from (relay/credentials.py)
+    from relay import credentials
+    from relay.config import DEFAULT_PATH
+
+    source = Path(args.config or os.environ.get("RELAY_CONFIG") or DEFAULT_PATH)
+    credentials.use_source_folder(source.resolve().parent / "credentials")
     try:
         config = load_config(args.config)
     except ConfigError as e:
-        print(f"relay: {e}", file=sys.stderr)
+        text = redact_text(str(e))  # a bad URL's message may quote it
+        print(f"relay: {text}", file=sys.stderr)
         if args.cmd == "status":
-            print(f"UNKNOWN: bad config: {e}")
+            print(f"UNKNOWN: bad config: {text}")
             return 3
         return EX_CONFIG
+    set_secrets(config.secrets())
     setup_logging(config.log.level, "text", config.log.unmask)
     # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing
@@ -411,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_dns(args, config)
     if args.cmd == "check-config":
         for warning in config.warnings():
-            print(f"relay: warning: {warning}", file=sys.stderr)
+            print(f"relay: warning: {redact_text(warning)}", file=sys.stderr)
         if args.json:
             print(json.dumps(config.redacted(), indent=2, sort_keys=True, default=str))
         else:

@@ -24,12 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
+from relay import credentials
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
+from relay.logs import redact_url, redact_webhook_url
 from relay.shaping import ShapingRule
 from relay.unsubscribe import UnsubscribeConf
 
@@ -247,7 +250,9 @@ def _webhook(item: object, base: Path) -> Webhook | None:
     r = _Reader(item, "alerts.webhook")
     url = r.string("url")
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"alerts.webhook.url: {url!r} is not an http:// or https:// URL")
+        raise ConfigError(
+            f"alerts.webhook.url: {redact_webhook_url(url)!r} is not an http:// or https:// URL"
+        )
     secret_file = r.path_("secret_file", base)
     secret = None
     if secret_file is not None:
@@ -376,7 +381,13 @@ class _Reader:
 
     def path_(self, name: str, base: Path) -> Path | None:
         v = self.opt_str(name)
-        return None if v is None else (base / v).resolve() if not os.path.isabs(v) else Path(v)
+        if v is None:
+            return None
+        try:  # systemd's LoadCredential= folder (relay/credentials.py)
+            v = credentials.expand(v, self.key(name))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
     def _misspelt(self, name: str) -> None:
         """A required key is missing: if an unknown key looks like it, say so (the
@@ -598,8 +609,8 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class Webhook:
-    url: str
-    secret: bytes | None  # read from secret_file at load; signs X-Relay-Signature
+    url: str = field(repr=False)  # Slack, Teams, Google Chat: the URL is the secret
+    secret: bytes | None = field(repr=False)  # read from secret_file; signs X-Relay-Signature
     secret_file: Path | None
     timeout: float
 
@@ -985,17 +996,26 @@ class Config:
     fleet: FleetConf = field(default_factory=lambda: FleetConf())
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
     maildrop_path: Path | None = None  # spool.maildrop; None: <spool_path>/maildrop
+    admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
+    hostname_set: bool = True  # False: `hostname` unset, the system's name (getfqdn) used
 
     def maildrop_dir(self) -> Path:
         """Where relay-sendmail leaves mail the daemon did not take (relay/maildrop.py)."""
         return self.maildrop_path or self.spool_path / "maildrop"
 
-    admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
-
     def warnings(self) -> list[str]:
         """Settings that work but are probably not what the operator wants (check-config
         prints them; the daemon logs them at start)."""
         out = []
+        problem = hostname_problem(self.hostname)
+        if problem is not None:
+            where = "hostname" if self.hostname_set else "hostname (unset: the system's name)"
+            out.append(
+                f"{where}: {self.hostname!r} {problem}, not this host's fully-qualified domain"
+                " name: set `hostname` in the config; it names the relay in Received headers and"
+                " Message-IDs, in EHLO (upstream.helo), and qualifies bare senders and"
+                " recipients (root -> root@<local.domain, else hostname>)"
+            )
         if self.dedup_window < self.retry.max_age:
             out.append(
                 f"dedup.window ({self.dedup_window:g}s) is shorter than retry.max_age"
@@ -1037,7 +1057,10 @@ class Config:
         return {n: i.unsubscribe for n, i in self.identities.items() if i.unsubscribe}
 
     def redacted(self) -> dict[str, Any]:
-        """The effective config as a plain mapping, secrets replaced (for check-config)."""
+        """The effective config as a plain mapping, secrets replaced (for check-config):
+        secrets are only ever named by file, and every URL goes through the printing rules
+        (README "Secrets"): a webhook URL shows its scheme and host only, any other URL loses
+        its userinfo password and query values; a DSN its password."""
         out = copy.deepcopy(dict(self.raw))
         sh = out.get("upstream", {}).get("smarthost", {})
         if sh.get("password_file"):
@@ -1047,7 +1070,80 @@ class Config:
             from relay.spool.pg import redact
 
             sp["dsn"] = redact(sp["dsn"])
+        wh = out.get("alerts", {}).get("webhook")
+        if isinstance(wh, dict) and isinstance(wh.get("url"), str):
+            wh["url"] = redact_webhook_url(wh["url"])
+        redacted: dict[str, Any] = _redact_urls(out)
+        return redacted
+
+    def secrets(self) -> dict[str, str]:
+        """Every secret value this config holds -> what prints in its place; the log
+        formatter replaces them in every line (relay.logs.set_secrets), a second guard
+        behind never logging them."""
+        out: dict[str, str] = {}
+        values: list[str | bytes | None] = [self.upstream.smarthost.password]
+        for up in self.routing.upstreams.values():
+            values.append(up.password)
+            if up.oauth is not None:
+                values += [up.oauth.client_secret, up.oauth.refresh_token]
+        wh = self.alerts.webhook
+        if wh is not None:
+            values.append(wh.secret)
+            shown = redact_webhook_url(wh.url)
+            out[wh.url] = shown
+            rest = wh.url.partition("://")[2]
+            slash, tail = rest.partition("/")[1:]
+            if slash and tail:  # the path alone, as a library might print it
+                out["/" + tail] = "/***"
+            for item in urlsplit(wh.url).query.split("&"):  # a token's value alone
+                out[item.partition("=")[2]] = "***"
+        values.append(self.feedback.verp_secret)
+        for p in self.feedback.providers.values():
+            values += [p.token, p.signing_key]
+        for ident in self.identities.values():
+            if ident.unsubscribe is not None:
+                values.append(ident.unsubscribe.secret)
+        if self.spool_pg is not None:
+            from relay.spool.pg import dsn_passwords
+
+            values += dsn_passwords(self.spool_pg.dsn)
+            if self.spool_pg.password_file is not None:  # read at connect, by pg.py
+                try:
+                    values.append(self.spool_pg.password_file.read_text().rstrip("\r\n"))
+                except OSError:
+                    pass
+        for v in values:
+            if isinstance(v, bytes):
+                v = v.decode("utf-8", "replace")
+            if v:
+                out[v] = "***"
         return out
+
+
+def _redact_urls(node: Any) -> Any:
+    """Every string in the tree that holds a URL, through relay.logs.redact_text."""
+    from relay.logs import redact_text
+
+    if isinstance(node, dict):
+        return {k: _redact_urls(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redact_urls(v) for v in node]
+    if isinstance(node, str) and "://" in node:
+        return redact_text(node)
+    return node
+
+
+def hostname_problem(name: str) -> str | None:
+    """Why `name` is no name for this host on the Internet, or None. Other servers see it
+    in EHLO (RFC 5321 §4.1.1.1 asks for the fully-qualified domain name), in Received
+    headers and Message-IDs (RFC 5322 §3.6.4: a domain unique to this host); `localhost`
+    (what getfqdn() gives when /etc/hosts names nothing better) or a bare label is neither."""
+    n = name.strip().rstrip(".").lower()
+    if n == "localhost" or n.startswith("localhost.") or n.endswith(".localhost"):
+        return "is localhost"
+    if "." not in n:
+        return "has no dot"
+    return None
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -1127,6 +1223,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     top = _Reader(merged, "")
 
     hostname = top.opt_str("hostname") or socket.getfqdn()
+    hostname_set = bool(top.opt_str("hostname"))
 
     listen_raw = top.get("listen")
     if not isinstance(listen_raw, list) or not listen_raw:
@@ -1403,6 +1500,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     return Config(
         path=path,
         hostname=hostname,
+        hostname_set=hostname_set,
         listen=listeners,
         spool_path=spool_path,
         # on PostgreSQL every body lives in its row: the nodes of a fleet share no disk
@@ -1707,10 +1805,11 @@ def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
     url = r.opt_str("url")
     if url is not None:
         if not url.lower().startswith(("https://", "http://")):
-            raise ConfigError(f"{key}.url: {url!r} is not an https:// URL")
+            raise ConfigError(f"{key}.url: {redact_url(url)!r} is not an https:// URL")
         if not url.rstrip("/").endswith("/u"):
             raise ConfigError(
-                f"{key}.url: {url!r} must end in /u (the relay serves POST/GET /u/<token>)"
+                f"{key}.url: {redact_url(url)!r} must end in /u (the relay serves POST/GET"
+                " /u/<token>)"
             )
     mailto = r.opt_str("mailto")
     if mailto is not None:

@@ -55,7 +55,7 @@ from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
-from relay.logs import log_event, reconfigure, setup_logging
+from relay.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
 from relay.metrics import Metrics
 from relay.ops.http import HttpLimits, HttpServer
 from relay.outbox import Outbox
@@ -530,6 +530,7 @@ class Daemon:
             )
             self.notifier.ready()
             return False
+        set_secrets({**self.config.secrets(), **new.secrets()})  # old ones may be in flight
         self.config = new
         self.guard.reconfigure(new)
         by_name = {lst.name: lst for lst in new.listen}
@@ -927,8 +928,9 @@ def serve(config_path: str | None) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as e:
-        print(f"relay: {e}", flush=True, file=sys.stderr)
+        print(f"relay: {redact_text(str(e))}", flush=True, file=sys.stderr)
         return 78
+    set_secrets(config.secrets())  # before anything logs: the formatter hides them
     fd_limit = fdlimit.raise_soft_limit()
     err = fdlimit.problem(config, fd_limit)
     if err is not None:

@@ -19,6 +19,7 @@ from relay.shaping import parse_rule
 PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "logs._ADDRESS_RE (masking of free text)": logs._ADDRESS_RE,
     "logs._LOGFMT_KEY_RE": logs._LOGFMT_KEY_RE,
+    "logs._URL_RE (redaction of URLs in free text)": logs._URL_RE,
     "replies._ENHANCED_RE": replies._ENHANCED_RE,
     "replies._LEADING_ENHANCED_RE": replies._LEADING_ENHANCED_RE,
     "replies._FROM_STR_RE": replies._FROM_STR_RE,
@@ -55,6 +56,8 @@ HOSTILE = [
     "too many " * (N // 9),
     "x@[" + "1" * N,
     "-" * N + "@x",
+    "a:/" * (N // 3),
+    "a://" + "b" * N,
 ]
 
 
