@@ -238,10 +238,15 @@ def _refold(new: bytes, old_lines: list[bytes]) -> bytes | None:
     line cannot be folded to fit. Lines that were long before are left as they were."""
     tokens = tokenize(new)
     assert tokens is not None  # an insertion after an atom keeps the field tokenizable
+    # not right after the field name's colon: a first line of `To:` alone is legal but odd
+    after_name = new.find(b":") + 1
     points = [
         t.start
         for t in tokens
-        if t.kind == WS and b"\r" not in new[t.start : t.end] and t.end < len(new)
+        if t.kind == WS
+        and after_name < t.start
+        and t.end < len(new)
+        and b"\r" not in new[t.start : t.end]
     ]
     out: list[bytes] = []
     start = 0
