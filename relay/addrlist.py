@@ -21,8 +21,10 @@ Rules:
   CR/LF; octets that are not UTF-8; a phrase without an address (`Bob Jones`, a lone
   encoded word); a special where none belongs.
 - Linear time: every token is one anchored match of a regex whose alternatives begin with
-  different characters (no backtracking), or a loop that advances at every step; the
-  structure is read in one pass over the tokens.
+  different characters, under possessive quantifiers (`*+`, `++`: no backtracking, and no
+  backtracking stack, which for a plain `*` over a 2 MiB quoted-string took 185 MB and
+  grew faster than the input), or a loop that advances at every step; the structure is
+  read in one pass over the tokens.
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ SPECIALS = frozenset("<>:;@,.")
 # the start of a fold.
 _CTL = rb"\x00-\x08\x0a-\x1f\x7f"
 _FOLD = rb"\r\n[ \t]"
-_WSP = re.compile(rb"(?:[ \t]|" + _FOLD + rb")+")
+_WSP = re.compile(rb"(?:[ \t]|" + _FOLD + rb")++")
 # atext (§3.2.3) plus octets of UTF-8 (RFC 6532 §3.2; the caller checked the encoding)
 _ATEXT = rb"[^\x00-\x20\x7f()<>\[\]:;@\\,.\"]"
-_ATOM = re.compile(_ATEXT + rb"+(?:\." + _ATEXT + rb"+)*")
-_QUOTED = re.compile(rb'"(?:[^"\\' + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb')*"')
-_LITERAL = re.compile(rb"\[(?:[^\[\]\\" + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb")*\]")
-_CTEXT = re.compile(rb"(?:[^()\\" + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb")+")
+_ATOM = re.compile(_ATEXT + rb"++(?:\." + _ATEXT + rb"++)*+")
+_QUOTED = re.compile(rb'"(?:[^"\\' + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb')*+"')
+_LITERAL = re.compile(rb"\[(?:[^\[\]\\" + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb")*+\]")
+_CTEXT = re.compile(rb"(?:[^()\\" + _CTL + rb"]|\\[^" + _CTL + rb"]|" + _FOLD + rb")++")
 
 _PHRASE = frozenset({ATOM, QUOTED, "."})  # obs-phrase (§4.1) allows "." in a display name
 _ADDR_SPEC = frozenset({ATOM, QUOTED, LITERAL, ".", "@"})
