@@ -122,7 +122,7 @@ def test_qualification_is_linear() -> None:
     def to_field(size: int) -> bytes:
         return b"To: root" + b",\r\n root" * (size // 8) + b"\r\n"
 
-    # a To of 1 MiB with a bare address on every line: tokenized, and every one qualified
+    # a To of 512 KiB with a bare address on every line: tokenized, and every one qualified
     assert_linear(qualify, to_field, MiB // 2)
     head = to_field(MiB // 2)
     out = qualify(head)
