@@ -254,7 +254,7 @@ def _parsed(lines: list[bytes]) -> dict[str, list[tuple[str, str | None, str]]]:
     return out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     to=_lists,
     cc=st.one_of(st.none(), _lists),
@@ -336,7 +336,7 @@ def _faithful(lines: list[bytes], fields: dict[str, tuple[Address | Group, ...]]
         return False
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     items=_lists,
     policy=st.sampled_from(sorted(_POLICIES)),
