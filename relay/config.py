@@ -57,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
         "session_timeout": "300s",
         "max_line_length": 65536,  # accepted; over 998 octets re-encoded (relay/longlines.py)
         "max_command_length": 512,
+        "max_header_size": "1MiB",
         "max_connections": 500,
         "max_connections_per_ip": 50,
         "max_connections_per_ip_allowed": 500,
@@ -482,6 +483,12 @@ class Listener:
     auth: ListenerAuth | None = None
 
 
+# limits.max_header_size: at most what the spool keeps in memory as a message's header block
+# (relay/spool/incoming.py HEAD_MAX); at least a few ordinary headers' worth
+MAX_HEADER_SIZE = 1 << 20
+MIN_HEADER_SIZE = 1 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_message_size: int
@@ -489,6 +496,8 @@ class Limits:
     session_timeout: float
     max_line_length: int
     max_command_length: int
+    # the header block (up to the first empty line) of any message over SMTP; more: 552 5.3.4
+    max_header_size: int = MAX_HEADER_SIZE
     max_connections: int = 500  # open SMTP connections at once, all clients together
     max_connections_per_ip: int = 50  # per client IP outside every `allow` network
     max_connections_per_ip_allowed: int = 500  # per IP in an `allow` network or loopback
@@ -1271,6 +1280,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         session_timeout=lim.duration("session_timeout"),
         max_line_length=lim.integer("max_line_length", 78),
         max_command_length=lim.integer("max_command_length", 512),
+        max_header_size=parse_size(lim.get("max_header_size"), "limits.max_header_size"),
         max_connections=lim.integer("max_connections", 1),
         max_connections_per_ip=lim.integer("max_connections_per_ip", 1),
         max_connections_per_ip_allowed=lim.integer("max_connections_per_ip_allowed", 1),
@@ -1284,6 +1294,11 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError(
             f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
             f" limits.max_connections ({limits.max_connections})"
+        )
+    if not MIN_HEADER_SIZE <= limits.max_header_size <= MAX_HEADER_SIZE:
+        raise ConfigError(
+            f"limits.max_header_size: {limits.max_header_size} must be between"
+            f" {MIN_HEADER_SIZE} (1KiB) and {MAX_HEADER_SIZE} (1MiB)"
         )
     if limits.command_timeout <= 0:
         raise ConfigError("limits.command_timeout: must be more than 0")

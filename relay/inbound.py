@@ -70,7 +70,6 @@ from relay.message import (
     header,
     parse_headers,
     qualify_header_block,
-    qualify_headers,
     received_header,
     strip_header,
 )
@@ -207,6 +206,7 @@ class RelaySMTP(SMTP):
         limits = handler.config.limits
         self.line_length_limit = limits.max_line_length + 1  # + transparent dot
         self.command_size_limit = limits.max_command_length
+        self.header_size_limit = limits.max_header_size
         self.relay_listener = listener  # as configured when this connection began
         self.relay_auth_failures = 0  # per connection (a STARTTLS does not reset it)
         super().__init__(handler, **kwargs)
@@ -464,7 +464,9 @@ class RelaySMTP(SMTP):
         handler = self._relay_handler
         envelope = self.envelope
         await self.push("354 End data with <CR><LF>.<CR><LF>")
-        parser = DataParser(self.data_size_limit or 0, self.line_length_limit)
+        parser = DataParser(
+            self.data_size_limit or 0, self.line_length_limit, self.header_size_limit
+        )
         incoming = IncomingBody(handler.config.spool_path, handler.config.inline_max)
         reader = smtpd_adapter.reader_of(self)
         store_error: OSError | None = None
@@ -495,6 +497,11 @@ class RelaySMTP(SMTP):
             incoming.discard()
             if parser.state is DataState.TOO_MUCH:  # RFC 5321 §4.5.3.1.7
                 await self.push("552 5.3.4 Message size exceeds fixed maximum message size")
+            elif parser.state is DataState.HEADER_TOO_BIG:
+                # limits.max_header_size: every later step (feedback, unsubscribe, dedup,
+                # DKIM) parses the header block; §4.5.3.1.7's 552 and RFC 3463's X.3.4
+                self._relay_handler.stats.reject("header_too_large")
+                await self.push("552 5.3.4 Message header too large")
             else:  # §4.5.3.1.6
                 await self.push("500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)")
             return
@@ -743,14 +750,15 @@ class InboundHandler(AuthMechanisms):
         peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         try:
             await incoming.finish()
-            head_lines = incoming.header_block()[:-2].split(b"\r\n")
+            head = incoming.header_block()
+            domain = cfg.local.domain
+            # `To: root` from an allow-listed app: qualified like the envelope; the header
+            # block (up to limits.max_header_size) is read in a thread, off the event loop
             if (
                 self._peer_allowed(session)
-                and incoming.header_block()
-                and qualify_headers(head_lines, cfg.local.domain) != head_lines
+                and head
+                and await asyncio.to_thread(qualify_header_block, head, domain) is not None
             ):
-                # `To: root` from an allow-listed app: qualified like the envelope
-                domain = cfg.local.domain
                 await incoming.rewrite(lambda d: qualify_header_block(d, domain))
             if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
                 before = incoming.size
