@@ -622,16 +622,28 @@ class Daemon:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
             mx = cfg.upstream.mode == "mx"
-            for name, circuit, failures, err, reopen in self.engine.health():
-                if mx and err is None and f"destination:{name}" not in self.health.checks:
+            checks = self.health.checks
+            for d in self.engine.health():
+                if mx and d.config_error is None and f"destination:{d.name}" not in checks:
                     # in MX mode a destination is a recipient domain: one whose MX is down
                     # is that domain's problem (its circuit_* lines are logged), not the
                     # relay's; only a configuration error there is the operator's
                     continue
                 results.append(
                     (
-                        f"destination:{name}",
-                        *health.destination(name, circuit, failures, err, reopen),
+                        f"destination:{d.name}",
+                        *health.destination(
+                            d.name,
+                            d.circuit,
+                            d.failures,
+                            d.config_error,
+                            d.reopen_at,
+                            # a recipient domain (MX) that does not answer is that
+                            # domain's problem; an upstream's is ours
+                            failing_for=d.failing_for if d.upstream else None,
+                            answered=d.answered,
+                            failing_after=hc.failing_after,
+                        ),
                     )
                 )
             results.append(

@@ -20,18 +20,35 @@ def _reopens(st: DestState, now: float) -> str | None:
     return ops.iso_utc(st.breaker.reopens_at(now)) if st.breaker.state(now) == "open" else None
 
 
-def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
-    """(destination, circuit, consecutive failures, config error, reopen time)."""
+@dataclass(frozen=True, slots=True)
+class DestHealth:
+    """One destination as the health model judges it (relay/health.py `destination`)."""
+
+    name: str
+    circuit: str
+    failures: int  # consecutive connection failures
+    config_error: str | None
+    reopen_at: str | None
+    failing_for: float | None  # seconds since the first failure after the last success
+    answered: bool  # answered at least once since the daemon started
+    upstream: bool  # an upstream (smarthost, a route's); False: a recipient domain (MX)
+
+
+def health(e: Engine) -> list[DestHealth]:
     now = e.clock()
-    out: list[tuple[str, str, int, str | None, str | None]] = []
+    out: list[DestHealth] = []
     for st in e.dests.values():
+        b = st.breaker
         out.append(
-            (
+            DestHealth(
                 st.name,
-                st.breaker.state(now),
-                st.breaker.failures,
+                b.state(now),
+                b.failures,
                 st.config_error,
                 _reopens(st, now),
+                None if b.failing_since is None else max(0.0, now - b.failing_since),
+                b.answered,
+                st.upstream is not None,
             )
         )
     return out
