@@ -273,6 +273,9 @@ class Daemon:
         faulthandler.dump_traceback_later(self.config.shutdown_timeout + SHUTDOWN_MARGIN, exit=True)
         for h in self.handlers:
             h.closing = True
+        # no password check from now on (AUTH gets 454 4.7.0, try later): the CPU is for
+        # the drain, and no check may outlive the loop in a thread pool
+        self.guard.close()
         deadline = time.monotonic() + self.config.shutdown_timeout
         await self._stop_inbound(deadline)
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
@@ -303,7 +306,6 @@ class Daemon:
         if self.feedback_http is not None:
             await self.feedback_http.stop()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
