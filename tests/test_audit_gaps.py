@@ -124,8 +124,10 @@ def test_after_a_restart_a_refused_alert_goes_out_at_once(
         receiver.status = 200
         again = alerts.Dispatcher(w, lambda: cfg.alerts, lambda: "relay.test", lambda: now["t"])
         task = asyncio.create_task(again.run())
-        deadline = time.monotonic() + 5
-        while (await _rows(w))[0]["sent_at"] is None and time.monotonic() < deadline:
+        await asyncio.to_thread(receiver.wait, lambda ok: len(ok) == 1, 5.0)
+        for _ in range(250):  # then the row is marked sent
+            if (await _rows(w))[0]["sent_at"] is not None:
+                break
             await asyncio.sleep(0.02)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
