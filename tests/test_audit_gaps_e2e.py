@@ -20,7 +20,6 @@ import pytest
 
 from tests.harness import (
     RelayProcess,
-    Upstream,
     deep_merge,
     fast_config,
     free_port,
