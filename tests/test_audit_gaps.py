@@ -250,3 +250,23 @@ async def test_max_pending_n_lets_exactly_n_checks_wait(
     gate.set()
     assert await asyncio.gather(running, *waiting) == [None] * (pending + 1)
     g.close()
+
+
+# --- long lines: a folded Content-Transfer-Encoding goes whole ------------------------------
+
+
+def test_a_folded_content_transfer_encoding_is_removed_whole() -> None:
+    msg = (
+        b"Subject: folded\r\n"
+        b"Content-Transfer-Encoding:\r\n"
+        b" 8bit\r\n"
+        b"X-After: kept\r\n"
+        b"\r\n" + b"y" * 2000 + b"\r\n"
+    )
+    out = longlines.conform(msg)
+    assert out is not None
+    head = out.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    assert b" 8bit" not in head  # no orphan continuation line (it would fold into Subject)
+    ctes = [h for h in head if h.lower().startswith(b"content-transfer-encoding:")]
+    assert ctes == [b"Content-Transfer-Encoding: quoted-printable"], head
+    assert b"Subject: folded" in head and b"X-After: kept" in head
