@@ -626,10 +626,8 @@ class Daemon:
             mx = cfg.upstream.mode == "mx"
             checks = self.health.checks
             for d in self.engine.health():
-                if mx and d.config_error is None and f"destination:{d.name}" not in checks:
-                    # in MX mode a destination is a recipient domain: one whose MX is down
-                    # is that domain's problem (its circuit_* lines are logged), not the
-                    # relay's; only a configuration error there is the operator's
+                shown = f"destination:{d.name}" in checks
+                if not health.judged(mx, d.upstream, d.config_error, shown):
                     continue
                 results.append(
                     (

@@ -138,6 +138,15 @@ def dead_letters(count: int, warning: int) -> tuple[Status, str]:
     return "ok", detail
 
 
+def judged(mx_mode: bool, upstream: bool, config_error: str | None, shown: bool) -> bool:
+    """Does a destination get a `destination:NAME` check? In MX mode a recipient domain
+    whose MX is down is that domain's problem (its circuit_* lines are logged), not the
+    relay's: only a configuration error there is the operator's (and a check once shown
+    stays, so it can turn ok). An upstream (the smarthost, a route's, in MX mode too) is
+    always ours."""
+    return upstream or not mx_mode or config_error is not None or shown
+
+
 def destination(
     name: str,
     circuit: str,

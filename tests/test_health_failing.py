@@ -66,6 +66,23 @@ def test_destination_judgement(
     assert detail.startswith("d: ")  # the check names the destination
 
 
+@pytest.mark.parametrize(
+    ("mx_mode", "upstream", "err", "shown", "want"),
+    [
+        (False, True, None, False, True),  # the smarthost
+        (True, True, None, False, True),  # a route's upstream in MX mode: ours
+        (True, False, None, False, False),  # a recipient domain: its own problem
+        (True, False, "535 bad", False, True),  # ... unless it refused our configuration
+        (True, False, None, True, True),  # a check once shown stays (to turn ok)
+        (False, False, None, False, True),  # a `via: mx` domain in smarthost mode: as before
+    ],
+)
+def test_which_destinations_get_a_check(
+    mx_mode: bool, upstream: bool, err: str | None, shown: bool, want: bool
+) -> None:
+    assert health.judged(mx_mode, upstream, err, shown) is want
+
+
 def test_the_breaker_remembers_the_first_failure_since_the_last_answer() -> None:
     b = shaping.Breaker(threshold=2, cooldown=60.0)
     assert (b.failing_since, b.answered) == (None, False)
