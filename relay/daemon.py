@@ -44,7 +44,7 @@ from typing import Any
 from relay import __version__, alerts, faults, fdlimit, health, smtpd_adapter
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
-from relay.delivery import smtpclient_adapter
+from relay.delivery import smtpclient_adapter, views
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
@@ -67,6 +67,7 @@ HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
+FAILING_SINCE = "failing_since"  # runtime row: upstream -> first failure since its answer
 DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
 PRUNE_EVERY = 600.0
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
@@ -175,6 +176,10 @@ class Daemon:
             clock=faults.now,
         )
         self.engine.verp_sender = self.feedback.verp_sender
+        if self.config.spool_pg is None:  # the failing time of each upstream, as left
+            left = await self.writer.run(lambda c: ops.get_runtime(c, FAILING_SINCE))
+            if left is not None and isinstance(left[0], dict):
+                views.seed_failing_since(self.engine, left[0])
         # with inbound processes, they hold the listeners and this process delivers
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
@@ -394,11 +399,15 @@ class Daemon:
         now = time.time()
         node = self.engine.node
 
+        failing = views.failing_since(self.engine)
+
         def put(c: Any) -> None:
             # a fleet: the last node's view as `daemon`, and each node's own view
             ops.put_runtime(c, "daemon", snap, now)
             if self.config.spool_pg is not None:
                 ops.put_runtime(c, f"node:{node}", snap, now)
+            else:  # for the next start (relay/delivery/views.py failing_since)
+                ops.put_runtime(c, FAILING_SINCE, failing, now)
 
         await self.writer.run(put)
 

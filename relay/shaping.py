@@ -478,8 +478,8 @@ class Breaker:
     For the health model (relay/health.py `destination`) it also remembers when the first
     failure since the last success happened (`failing_since`, every failure counts, late
     ones too) and whether the destination ever answered since the daemon started
-    (`answered`). Both live in memory, per daemon: an operator's `reset` changes neither,
-    only an answer does.
+    (`answered`). An operator's `reset` changes neither, only an answer does. The daemon
+    keeps `failing_since` across a restart (relay/delivery/views.py `failing_since`).
     """
 
     threshold: int = 5

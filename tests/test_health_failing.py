@@ -175,3 +175,28 @@ def test_failing_after_defaults_to_five_minutes_and_is_a_duration(tmp_path: Path
         _load(tmp_path, {"health": {"failing_after": "soon"}})
     shipped = yaml.safe_load((Path(__file__).parent.parent / "conf/relay.yaml").read_text())
     assert shipped["health"]["failing_after"] == "5m"
+
+
+def test_the_failing_time_is_kept_for_the_next_start_of_a_configured_upstream(
+    tmp_path: Path,
+) -> None:
+    from relay.delivery.engine import Engine
+    from relay.spool.writer import SpoolWriter
+
+    cfg = _load(tmp_path, {"upstream": {"smarthost": {"host": "127.0.0.1", "port": 2525}}})
+    now = {"t": 5000.0}
+    e = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"])
+    e.dest("smarthost").breaker.on_failure(4000.0)
+    e.dest("example.org")  # a recipient domain (MX): not an upstream, not kept
+    e.dest("example.org").breaker.on_failure(4000.0)
+    kept = views.failing_since(e)
+    assert kept == {"smarthost": 4000.0}
+    # the next start: a fresh engine, seeded; a name no longer configured is left out
+    again = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"])
+    views.seed_failing_since(again, {**kept, "gone": 1.0, "smarthost-typo": "x"})
+    assert set(again.dests) == {"smarthost"}
+    (d,) = views.health(again)
+    assert (d.failing_for, d.answered) == (1000.0, False)
+    # an answer clears it, and nothing is kept
+    again.dest("smarthost").breaker.on_success(5001.0)
+    assert views.failing_since(again) == {}

@@ -1,7 +1,8 @@
 """A dead smarthost is a WARNING within seconds, end to end (issue 26 item 5): a real daemon
 whose smarthost port refuses connections, `health.failing_after` short; `relay status`
 exits 1 naming the destination while nothing is due, an alert is raised, and an aiosmtpd
-upstream started on that port brings it back to OK after the first success."""
+upstream started on that port brings it back to OK after the first success. A restart
+in between keeps the failing time (the spool's runtime row)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ def test_a_refusing_smarthost_warns_within_seconds_and_clears_after_a_success(re
         assert any(
             a["key"] == "destination:smarthost" and a["severity"] == "warning" for a in raised
         ), raised
+        # a restart does not reset the clock: with nothing due (no new attempt), the
+        # warning is there again at the first health pass
+        r.restart()
+        r.wait_until(
+            lambda: "every attempt has failed for" in _status(r)[1],
+            timeout=10,
+            what="the warning after a restart",
+        )
         # the upstream comes up on that port; an attempt now (flush) succeeds
         up.start()
         try:

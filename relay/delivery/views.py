@@ -54,6 +54,27 @@ def health(e: Engine) -> list[DestHealth]:
     return out
 
 
+def failing_since(e: Engine) -> dict[str, float]:
+    """Each upstream failing since when (its first failure after its last answer): kept in
+    the spool's `runtime` table so a restart does not reset the clock of the health
+    model's `health.failing_after` (a single daemon; a fleet's nodes each start fresh)."""
+    return {
+        name: st.breaker.failing_since
+        for name, st in e.dests.items()
+        if st.upstream is not None and st.breaker.failing_since is not None
+    }
+
+
+def seed_failing_since(e: Engine, since: dict[str, Any]) -> None:
+    """At start: the failing time of each upstream still configured, as the last run left
+    it (an upstream that answered since has no entry)."""
+    for name, at in since.items():
+        if name in e.config.routing.upstreams and isinstance(at, int | float):
+            b = e.dest(name).breaker
+            if b.failing_since is None:
+                b.failing_since = float(at)
+
+
 def dead_letters_last_hour(e: Engine) -> int:
     cutoff = e.clock() - 3600
     while e.dead_times and e.dead_times[0] < cutoff:
