@@ -127,6 +127,7 @@ DEFAULTS: dict[str, Any] = {
         "queue_age_warning": "30m",
         "queue_age_critical": "4h",
         "stall_after": "10m",
+        "failing_after": "5m",
         "dead_letters_warning": 50,
     },
     "dsn": {"enabled": False, "from": None},
@@ -639,6 +640,8 @@ class Health:
     queue_age_warning: float = 1800.0
     queue_age_critical: float = 4 * 3600.0
     stall_after: float = 600.0
+    # an upstream whose every attempt failed this long, no answer since: a warning
+    failing_after: float = 300.0
     dead_letters_warning: int = 50  # dead letters in the last hour
 
 
@@ -1449,6 +1452,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         queue_age_warning=he.duration("queue_age_warning"),
         queue_age_critical=he.duration("queue_age_critical"),
         stall_after=he.duration("stall_after"),
+        failing_after=he.duration("failing_after"),
         dead_letters_warning=he.integer("dead_letters_warning", 1),
     )
     if health.disk_free_critical > health.disk_free_warning:

@@ -48,7 +48,7 @@ from typing import Any
 from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup, smtpd_adapter
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
-from relay.delivery import smtpclient_adapter
+from relay.delivery import smtpclient_adapter, views
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
@@ -72,6 +72,7 @@ HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
+FAILING_SINCE = "failing_since"  # runtime row: upstream -> first failure since its answer
 DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
 PRUNE_EVERY = 600.0
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
@@ -196,6 +197,10 @@ class Daemon:
             clock=faults.now,
         )
         self.engine.verp_sender = self.feedback.verp_sender
+        if self.config.spool_pg is None:  # the failing time of each upstream, as left
+            left = await self.writer.run(lambda c: ops.get_runtime(c, FAILING_SINCE))
+            if left is not None and isinstance(left[0], dict):
+                views.seed_failing_since(self.engine, left[0])
         # with inbound processes, they hold the listeners and this process delivers
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
@@ -307,6 +312,9 @@ class Daemon:
             await asyncio.gather(self._pickup_task, return_exceptions=True)
         for h in self.handlers:
             h.closing = True
+        # no password check from now on (AUTH gets 454 4.7.0, try later): the CPU is for
+        # the drain, and no check may outlive the loop in a thread pool
+        self.guard.close()
         deadline = time.monotonic() + self.config.shutdown_timeout
         await self._stop_inbound(deadline)
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
@@ -338,7 +346,6 @@ class Daemon:
             await self.feedback_http.stop()
         await self.feedback.close()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
@@ -446,11 +453,15 @@ class Daemon:
         now = time.time()
         node = self.engine.node
 
+        failing = views.failing_since(self.engine)
+
         def put(c: Any) -> None:
             # a fleet: the last node's view as `daemon`, and each node's own view
             ops.put_runtime(c, "daemon", snap, now)
             if self.config.spool_pg is not None:
                 ops.put_runtime(c, f"node:{node}", snap, now)
+            else:  # for the next start (relay/delivery/views.py failing_since)
+                ops.put_runtime(c, FAILING_SINCE, failing, now)
 
         await self.writer.run(put)
 
@@ -682,16 +693,26 @@ class Daemon:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
             mx = cfg.upstream.mode == "mx"
-            for name, circuit, failures, err, reopen in self.engine.health():
-                if mx and err is None and f"destination:{name}" not in self.health.checks:
-                    # in MX mode a destination is a recipient domain: one whose MX is down
-                    # is that domain's problem (its circuit_* lines are logged), not the
-                    # relay's; only a configuration error there is the operator's
+            checks = self.health.checks
+            for d in self.engine.health():
+                shown = f"destination:{d.name}" in checks
+                if not health.judged(mx, d.upstream, d.config_error, shown):
                     continue
                 results.append(
                     (
-                        f"destination:{name}",
-                        *health.destination(name, circuit, failures, err, reopen),
+                        f"destination:{d.name}",
+                        *health.destination(
+                            d.name,
+                            d.circuit,
+                            d.failures,
+                            d.config_error,
+                            d.reopen_at,
+                            # a recipient domain (MX) that does not answer is that
+                            # domain's problem; an upstream's is ours
+                            failing_for=d.failing_for if d.upstream else None,
+                            answered=d.answered,
+                            failing_after=hc.failing_after,
+                        ),
                     )
                 )
             results.append(
