@@ -120,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
         x = q.add_parser(name, parents=[common], help=helptext)
         x.add_argument("ids", nargs="*")
         _bulk_options(x)
-    q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    qfl = q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    qfl.add_argument("--dry-run", action="store_true", help="only say how many would change")
     qp = q.add_parser(
         "purge",
         parents=[common],
@@ -450,11 +451,17 @@ def _act(
         ops.log_operator(
             conn,
             action,
-            {**detail, "result": res if isinstance(res, int | bool) else None},
+            {**detail, "result": _audit_result(res)},
             time.time(),
         )
     log_event(log, logging.INFO, "operator_action", action, **detail)
     return res
+
+
+def _audit_result(res: object) -> Any:
+    if isinstance(res, ops.BulkResult):
+        return {"messages": len(res.messages), "recipients": res.recipients}
+    return res if isinstance(res, int | bool) else None
 
 
 def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, Any]]) -> None:
@@ -673,14 +680,6 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         return EXIT_OK
     if c == "summary":
         return _summary(args, conn, now)
-    if c == "flush":
-
-        def flush(x: sqlite3.Connection) -> int:
-            ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
-            return ops.flush(x, now)
-
-        n = _act(conn, "flush", {}, flush)
-        return _done(args, "flush", n, [])
     if c == "purge":
         try:
             age = parse_duration(args.older_than, "--older-than")
@@ -704,71 +703,100 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
         return EXIT_OK
     ids: list[str] = list(getattr(args, "ids", []) or [])
+    dry = bool(getattr(args, "dry_run", False))
     filters = [f for f in ("state", "domain", "recipient", "older_than") if getattr(args, f, None)]
-    if getattr(args, "all", False):
+    target: list[str] | None = ids
+    if c == "flush":
+        target = None
+    elif getattr(args, "all", False):
         if ids:
             print(f"relay: queue {c}: --all selects with filters; give it no IDs", file=sys.stderr)
             return EXIT_USAGE
         try:
-            ids = _select(args, conn, now)
+            target = _select(args, conn, now)
         except ConfigError as e:
             print(f"relay: {e}", file=sys.stderr)
             return EXIT_USAGE
-        if not ids or args.dry_run:
-            n = len(ids)
-            if args.json:
-                _print_json({"action": c, "dry_run": args.dry_run, "ids": ids, "messages": n})
-            else:
-                verb = "would change" if args.dry_run else "changed"
-                print(f"{c}: {verb} {n} message{'' if n == 1 else 's'}")
-            return EXIT_OK
-    elif filters or getattr(args, "dry_run", False):
-        print(f"relay: queue {c}: filters and --dry-run go with --all", file=sys.stderr)
+    elif filters:
+        print(f"relay: queue {c}: filters go with --all", file=sys.stderr)
         return EXIT_USAGE
     elif c in ("delete", "hold", "release") and not ids:
         print(f"relay: queue {c} needs IDs or --all", file=sys.stderr)
         return EXIT_USAGE
-    if c == "retry" and not ids and not args.failed:
-        print("relay: queue retry needs IDs, --failed or --all", file=sys.stderr)
-        return EXIT_USAGE
-    missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
-    if missing:
-        raise CliError(f"no such message: {', '.join(missing)}")
+    elif c == "retry" and not ids:
+        if not args.failed:
+            print("relay: queue retry needs IDs, --failed or --all", file=sys.stderr)
+            return EXIT_USAGE
+        target = None  # --failed: every dead letter
+    if target is ids:
+        missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
+        if missing:
+            raise CliError(f"no such message: {', '.join(missing)}")
+    failed = bool(getattr(args, "failed", False))
     if c == "retry":
-        target = ids or None
-        for qid, addr, reason in ops.suppressed_recipients(conn, target, args.failed):
+        for qid, addr, reason in ops.suppressed_recipients(conn, target, failed):
             print(
                 f"relay: {qid}: {printable(addr)} is on the suppression list"
                 f" ({printable(reason)}) and is not retried; lift it with"
                 f" `relay suppression remove {printable(addr)}` and retry again",
                 file=sys.stderr,
             )
-        n = _act(
-            conn,
-            "retry",
-            {"ids": ids, "failed": args.failed},
-            lambda x: ops.retry(x, target, now, failed_only=args.failed),
+
+    def run(x: sqlite3.Connection) -> ops.BulkResult:
+        if c == "flush" and not dry:
+            ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
+        # --domain/--recipient select recipients, never the other recipients of the same
+        # message; the dry run is this same statement as a SELECT (ops.bulk)
+        return ops.bulk(
+            x,
+            c,
+            target,
+            now,
+            recipient=getattr(args, "recipient", None),
+            domain=getattr(args, "domain", None),
+            failed_only=failed,
+            dry_run=dry,
         )
-        return _done(args, "retry", n, ids)
-    if c == "delete":
-        paths = _act(conn, "delete", {"ids": ids}, lambda x: ops.delete_messages(x, ids))
-        bodies.delete_bodies(spool, paths)
-        return _done(args, "delete", len(ids), ids)
-    if c == "hold":
-        n = _act(conn, "hold", {"ids": ids}, lambda x: ops.hold(x, ids, now))
-        return _done(args, "hold", n, ids)
-    if c == "release":
-        n = _act(conn, "release", {"ids": ids}, lambda x: ops.release(x, ids, now))
-        return _done(args, "release", n, ids)
-    return EXIT_USAGE
 
-
-def _done(args: argparse.Namespace, action: str, n: int, ids: list[str]) -> int:
-    if args.json:
-        _print_json({"action": action, "ids": ids, "recipients_changed": n})
+    if dry:
+        res = run(conn)
     else:
-        noun = "message" if action == "delete" else "recipient"
-        print(f"{action}: {n} {noun}{'' if n == 1 else 's'} changed")
+        detail: dict[str, Any] = {} if target is None else {"ids": target}
+        if c == "retry":
+            detail["failed"] = failed
+        detail.update({f: getattr(args, f) for f in filters})
+        res = _act(conn, c, detail, run)
+        bodies.delete_bodies(spool, list(res.paths))
+    return _done(args, c, res, dry)
+
+
+def _done(args: argparse.Namespace, action: str, res: ops.BulkResult, dry: bool) -> int:
+    """Every bulk action's answer: the messages and the recipients it changed (or, dry,
+    would change: the same counts the real run then reports)."""
+    m, n = len(res.messages), res.recipients
+    if args.json:
+        doc: dict[str, Any] = {
+            "action": action,
+            "dry_run": dry,
+            "ids": list(res.messages),
+            "messages": m,
+            "recipients": n,
+            "recipients_changed": n,  # the name before `recipients`, kept for scripts
+        }
+        if action == "delete":
+            doc["messages_removed"] = res.removed
+        _print_json(doc)
+        return EXIT_OK
+    what = f"{n} recipient{'' if n == 1 else 's'} of {m} message{'' if m == 1 else 's'}"
+    if dry:
+        line = f"{action}: would {'delete' if action == 'delete' else 'change'} {what}"
+    else:
+        line = f"{action}: {what} {'deleted' if action == 'delete' else 'changed'}"
+    if action == "delete":
+        k = res.removed
+        gone = "would be" if dry else ("was" if k == 1 else "were")
+        line += f" ({k} message{'' if k == 1 else 's'} left with no recipient {gone} removed)"
+    print(line)
     return EXIT_OK
 
 
