@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 # RFC 5322 §3.2.3 atext (the ASCII part); UTF-8 beyond ASCII is allowed too (RFC 6531 §3.3).
@@ -232,14 +233,29 @@ def _show(ch: str) -> str:
     return f"U+{o:04X}"
 
 
-def printable(text: str) -> str:
-    """Text safe for an operator's terminal and for a log: control characters (and bytes
-    that were not UTF-8) shown as \\xNN / \\uNNNN, never written raw."""
-    if all(_printable(ch) for ch in text):
+# Unicode categories never written raw to a terminal: format characters (bidi overrides
+# such as U+202E reorder what follows on screen, zero-width ones hide text, U+FEFF), line
+# and paragraph separators, surrogates, unassigned code points.
+_HIDDEN = frozenset({"Cf", "Zl", "Zp", "Cs", "Cn"})
+
+
+def _shown_raw(ch: str, keep: str) -> bool:
+    o = ord(ch)
+    if o < 0x80:
+        return 32 <= o < 127 or ch in keep
+    return _printable(ch) and unicodedata.category(ch) not in _HIDDEN
+
+
+def printable(text: str, keep: str = "") -> str:
+    """Text safe for an operator's terminal and for a log: control characters, bytes that
+    were not UTF-8, and invisible or reordering characters (bidi, zero-width: Unicode
+    category Cf) shown as \\xNN / \\uNNNN, never written raw. `keep` names ASCII controls
+    to leave as they are (a TAB in a folded header)."""
+    if text.isascii() and text.isprintable() and not keep:
         return text
     out = []
     for ch in text:
-        if _printable(ch):
+        if _shown_raw(ch, keep):
             out.append(ch)
         else:
             o = ord(ch)
@@ -247,6 +263,8 @@ def printable(text: str) -> str:
                 out.append(f"\\x{o - 0xDC00:02x}")
             elif o < 0x100:
                 out.append(f"\\x{o:02x}")
+            elif o > 0xFFFF:
+                out.append(f"\\U{o:08x}")
             else:
                 out.append(f"\\u{o:04x}")
     return "".join(out)

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import sys
@@ -82,8 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     fm = fb.add_parser("mail", parents=[common], help="feedback mail received (unread: kept)")
     fm.add_argument("--unread", action="store_true", help="only mail that could not be read")
     fm.add_argument("--limit", type=int, default=50)
-    fs = fb.add_parser("show", parents=[common], help="one feedback mail, as received")
+    fs = fb.add_parser(
+        "show", parents=[common], help="one feedback mail, control characters escaped"
+    )
     fs.add_argument("id", type=int)
+    fs.add_argument(
+        "--raw", action="store_true", help="write the bytes as received (e.g. into a file)"
+    )
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
         dest="qcmd", required=True
@@ -106,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
     qs.add_argument("id")
     qs.add_argument("--body", action="store_true", help="also print the message itself")
+    qs.add_argument(
+        "--raw",
+        action="store_true",
+        help="with --body: only the message's bytes as stored (headers and body), unescaped",
+    )
     qr = q.add_parser("retry", parents=[common], help="make messages due now, attempts reset")
     qr.add_argument("ids", nargs="*")
     qr.add_argument(
@@ -670,9 +681,15 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")
+        if args.body and args.raw and not args.json:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            return EXIT_OK
         msg["headers"] = head.decode("utf-8", errors="replace")
         if args.body:
-            msg["body"] = body.decode("utf-8", errors="replace")
+            msg["body"] = body.decode(
+                "utf-8", errors="surrogateescape" if not args.json else "replace"
+            )
         if args.json:
             _print_json(msg)
         else:
@@ -841,7 +858,13 @@ def _feedback(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
         data = ops.feedback_mail_body(conn, args.id)
         if data is None:
             raise CliError(f"no such feedback mail: {args.id}")
-        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        if args.raw:  # the operator asked for the sender's bytes: a file, a parser
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            return EXIT_OK
+        # an outsider wrote this mail: ESC, OSC 8 links, bidi overrides never reach the
+        # terminal raw (printable), a line at a time
+        _print_escaped(data)
         return EXIT_OK
     if args.fcmd == "events":
         rows = ops.feedback_events(conn, max(1, args.limit))
@@ -950,19 +973,29 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             _print_json(out)
         else:
             print(
-                f"{'destination':<28} {'queued':>7} {'rate/s':>8} {'conns':>6} "
-                f"{'circuit':<10} {'today':>7} {'limit':>7}  suspended"
+                f"{'destination':<28} {'upstream':<30} {'queued':>7} {'rate/s':>8} {'conns':>6} "
+                f"{'circuit':<12} {'today':>7} {'limit':>7}  suspended"
             )
             for i in out:
                 rate = i.get("effective_rate")
+                # an upstream that refused our configuration (AUTH, TLS) takes no mail
+                # although its circuit is closed: say so, and why, instead of `closed`
+                err = i.get("config_error")
+                circuit = "CONFIG-ERROR" if err else str(i.get("circuit", "-"))
                 print(
-                    f"{i['name'][:28]:<28} {i['queued_recipients']:>7} "
+                    f"{i['name'][:28]:<28} {printable(str(i.get('upstream') or '-'))[:30]:<30} "
+                    f"{i['queued_recipients']:>7} "
                     f"{'-' if rate is None else f'{rate:.2f}':>8} "
                     f"{i.get('effective_connections', '-')!s:>6} "
-                    f"{i.get('circuit', '-')!s:<10} {i.get('delivered_today', 0)!s:>7} "
+                    f"{circuit:<12} {i.get('delivered_today', 0)!s:>7} "
                     f"{i.get('daily_limit') or '-'!s:>7}  "
                     f"{i.get('suspended_until') or ''}"
                 )
+                if err:
+                    print(
+                        f"  config error: {printable(str(err))} (fix the configuration, then"
+                        f" `relay destination reset {i['name']}`)"
+                    )
         return EXIT_OK
     name = args.name.lower()
     if args.dcmd == "suspend":
@@ -1092,8 +1125,29 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else ops.iso_utc(ts)
 
 
+_NON_ASCII = re.compile("[^\x00-\x7e]")  # one character at a time: linear
+
+
+def _json_char(m: re.Match[str]) -> str:
+    ch = m[0]
+    if printable(ch) == ch:
+        return ch
+    o = ord(ch)
+    if o > 0xFFFF:  # JSON spells an astral character as its UTF-16 surrogate pair
+        o -= 0x10000
+        return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+    return f"\\u{o:04x}"
+
+
+def _json_text(obj: Any) -> str:
+    """JSON with the text readable (ensure_ascii=False) but terminal-safe: json.dumps
+    escapes C0 controls itself; DEL, C1 controls (0x9B is a CSI), bidi and zero-width
+    characters and undecodable bytes are escaped here too (the same string to a parser)."""
+    return _NON_ASCII.sub(_json_char, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
+
+
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
+    print(_json_text(obj))
 
 
 def _print_mailq(msgs: Iterable[dict[str, Any]]) -> None:
@@ -1130,7 +1184,7 @@ def _stream_json_array(items: Iterable[Any]) -> None:
     out = sys.stdout
     first = True
     for item in items:
-        text = json.dumps(item, indent=2, sort_keys=True, ensure_ascii=False)
+        text = _json_text(item)
         out.write(("[\n" if first else ",\n") + "  " + text.replace("\n", "\n  "))
         first = False
     out.write("[]\n" if first else "\n]\n")
@@ -1173,8 +1227,18 @@ def _print_show(msg: dict[str, Any]) -> None:
             f"  {printable(a['reply'] or '')}"
         )
     print("headers:")
-    for line in msg["headers"].splitlines():
-        print(f"  {printable(line)}")
+    # split at CRLF only (what ends a header line); a folded header's TAB is shown as the
+    # indentation it is, every other control character escaped
+    for line in msg["headers"].split("\r\n"):
+        print("  " + printable(line, keep="\t"))
     if "body" in msg:
         print("body:")
-        print(msg["body"])
+        _print_escaped(msg["body"].encode("utf-8", "surrogateescape"))
+
+
+def _print_escaped(data: bytes) -> None:
+    """Stored mail for a terminal: line by line (CRLF or LF), TAB kept, every other control
+    character, invalid byte and invisible character escaped (printable)."""
+    text = data.decode("utf-8", "surrogateescape")
+    for line in text.split("\n"):
+        print(printable(line.removesuffix("\r"), keep="\t"))

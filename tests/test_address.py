@@ -263,7 +263,8 @@ def test_error_messages_name_the_character(arg: str, message: str | None) -> Non
         ("a\udcffb", "a\\xffb"),
         ("a\ud800b", "a\\ud800b"),
         ("a\udfffb", "a\\udfffb"),
-        ("a\u2028b", "a\u2028b"),
+        ("a\u2028b", "a\\u2028b"),  # LINE SEPARATOR: a line break to some viewers
+        ("a\u202eb", "a\\u202eb"),  # RIGHT-TO-LEFT OVERRIDE reorders the rest on screen
         ("\x00\x1f ~", "\\x00\\x1f ~"),
     ],
 )

@@ -188,6 +188,7 @@ def test_deleting_some_recipients_keeps_the_message_for_the_others(
         " (1 message left with no recipient would be removed)\n"
     )
     rc, text = run(config, "queue", "delete", "--all", "--domain", "example.org", "--json")
+    assert rc == 0
     doc = json.loads(text)
     assert (doc["messages"], doc["recipients"], doc["messages_removed"]) == (3, 3, 1)
     left = {r[0] for r in c.execute("SELECT id FROM messages")}
