@@ -765,6 +765,16 @@ def queue_health(
     return (None if oldest is None else max(0.0, now - oldest)), int(due) + int(stuck)
 
 
+def unfinished_counts(conn: sqlite3.Connection) -> tuple[int, int]:
+    """(unfinished recipients, how many of them held), over the recipients_state index:
+    what a spool database deleted under the daemon still holds (its drain)."""
+    row = conn.execute(
+        f"SELECT count(*), coalesce(sum(CASE WHEN state = '{RcptState.HELD}' THEN 1 ELSE 0"
+        f" END), 0) FROM recipients WHERE state IN {_UNFINISHED}"
+    ).fetchone()
+    return int(row[0]), int(row[1])
+
+
 def waiting_recipients(
     conn: sqlite3.Connection,
 ) -> Iterator[tuple[str, str, str, str, str | None]]:
