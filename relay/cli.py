@@ -404,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"UNKNOWN: bad config: {e}")
             return 3
         return EX_CONFIG
+    except Exception as e:  # a value the reader did not foresee: still one line, never a trace
+        print(f"relay: config: cannot be read ({type(e).__name__}: {e})", file=sys.stderr)
+        return EX_CONFIG
     setup_logging(config.log.level, "text", config.log.unmask)
     # the destination a recipient goes through: its route's first upstream, or its domain
     args.routing = config.routing

@@ -131,9 +131,9 @@ def redact(dsn: str) -> str:
     if parts.scheme in ("postgres", "postgresql"):
         if parts.password is None:
             return dsn
-        host = parts.hostname or ""
-        if parts.port:
-            host += f":{parts.port}"
+        # host[:port] as written: parts.port raises on a port that is not a number, and a
+        # redaction must never fail (check-config shows the DSN before anything checks it)
+        host = parts.netloc.rpartition("@")[2]
         user = parts.username or ""
         return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
     return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
