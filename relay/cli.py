@@ -568,7 +568,7 @@ def _bulk_options(p: argparse.ArgumentParser) -> None:
 def _select(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> list[str]:
     """The message ids a bulk command (`--all` + filters) acts on."""
     older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-    msgs = ops.list_messages(
+    msgs = ops.iter_messages(  # a page at a time: only the ids are kept
         conn,
         state=args.state,
         include_finished=args.qcmd == "delete",

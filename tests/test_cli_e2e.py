@@ -233,8 +233,7 @@ def test_hold_release_delete_and_destinations(upstream, relay) -> None:
     # delete one
     res = r.cli("queue", "delete", q[2], check=True)
     assert res.stdout.strip() == (
-        "delete: 1 recipient of 1 message deleted"
-        " (1 message left with no recipient was removed)"
+        "delete: 1 recipient of 1 message deleted (1 message left with no recipient was removed)"
     )
     assert "event=operator_action" in res.stderr and "delete" in res.stderr
     assert r.cli("queue", "show", q[2]).returncode == 1
