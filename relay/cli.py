@@ -601,12 +601,12 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
                     if a["sent_at"]
                     else (
                         f"pending {','.join(a['pending_sinks'])}"
-                        + (f" ({a['last_error']})" if a["last_error"] else "")
+                        + (f" ({printable(a['last_error'])})" if a["last_error"] else "")
                     )
                 )
                 print(
                     f"{a['last_at']} {a['severity']:<8} {a['event']:<20} x{a['count']:<4}"
-                    f" {a['summary']}  [{state}]"
+                    f" {printable(a['summary'])}  [{state}]"
                 )
         return EXIT_OK
     if args.cmd == "queue":
@@ -1220,14 +1220,14 @@ def _print_show(msg: dict[str, Any]) -> None:
         if r.get("upstream_id"):
             print(f"      upstream id: {printable(r['upstream_id'])}")
         if r.get("reason"):
-            print(f"      waiting: {r['reason']}")
+            print(f"      waiting: {printable(r['reason'])}")
         elif r.get("waiting_on"):
             print(f"      waiting: {r['waiting_on']}")
     print("attempt log:")
     for a in msg["attempt_log"]:
         print(
-            f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}  {a['host'] or '-'}"
-            f"  {printable(a['reply'] or '')}"
+            f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}"
+            f"  {printable(a['host'] or '-')}  {printable(a['reply'] or '')}"
         )
     print("headers:")
     # split at CRLF only (what ends a header line); a folded header's TAB is shown as the

@@ -202,3 +202,18 @@ def test_destination_list_shows_the_upstream_host_and_its_config_error(
     )
     backup = next(x for x in lines if x.startswith("backup "))
     assert "backup.example.net:25" in backup and " closed " in backup
+
+
+def test_alerts_listing_escapes_a_summary_built_from_outside_text(
+    spool: tuple[Path, sqlite3.Connection],
+) -> None:
+    from relay import alerts
+
+    config, c = spool
+    ev = alerts.Event("late_bounce", "warning", "smarthost", f"bounce: {HOSTILE}")
+    with db.transaction(c):
+        alerts.record(c, ev, T0, 300.0, ["command"])
+    rc, out = run(config, "alerts")
+    assert rc == 0
+    assert_terminal_safe(out)
+    assert "bounce: \\x1b]8;;https://evil.example/" in out.decode()
