@@ -389,6 +389,9 @@ class _Reader:
             v = credentials.expand(v, self.key(name))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # ENAMETOOLONG is an OSError that Path.is_file() raises instead of answering False
+        if len(os.fsencode(v)) >= 4096 or any(len(os.fsencode(c)) > 255 for c in v.split("/")):
+            raise ConfigError(f"{self.key(name)}: file name too long")
         return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
     def _misspelt(self, name: str) -> None:
@@ -1187,6 +1190,10 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     """The config tree, or one ConfigError listing every error of the file (one a line):
     after an error the offending key is set aside (its default applies) and the file is
     read again, so errors in other places are found in the same run."""
+    # a NUL reaches no file name, host or header: os and socket calls raise ValueError on it
+    nul = [f"{k}: a NUL character is not allowed in a config value" for k in _nul_keys(data)]
+    if nul:
+        raise ConfigError("\n".join(nul))
     errors: list[str] = []
     current = copy.deepcopy(data)
     for _ in range(50):
@@ -1202,6 +1209,21 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
             break
         return config
     raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def _nul_keys(node: object, key: str = "") -> list[str]:
+    """The keys whose value (or name) holds a NUL character."""
+    if isinstance(node, str):
+        return [key or "config"] if "\x00" in node else []
+    out: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            out += _nul_keys(k, sub) + _nul_keys(v, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _nul_keys(v, f"{key}[{i}]")
+    return out
 
 
 def _set_aside(data: dict[str, Any], msg: str) -> bool:
@@ -1569,9 +1591,33 @@ def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
         raise ConfigError("spool.dsn: required with spool.backend: postgresql")
     if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
         raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
+    _check_dsn_port(dsn)
     if password_file is not None and not password_file.is_file():
         raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
     return PgSpool(dsn, password_file)
+
+
+def _check_dsn_port(dsn: str) -> None:
+    """A DSN whose URL or port libpq could never use is a config error now, not a crash
+    of whatever reads it first (the message never shows the DSN: it may hold a password)."""
+    from urllib.parse import urlsplit
+
+    ports: list[str] = []
+    if dsn.startswith(("postgresql://", "postgres://")):
+        try:
+            netloc = urlsplit(dsn).netloc
+        except ValueError as e:
+            raise ConfigError(f"spool.dsn: not a valid URL ({e})") from None
+        # libpq's multi-host form: host1:5432,[::1]:5433
+        for hostport in netloc.rpartition("@")[2].split(","):
+            tail = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+            ports.append(tail.partition(":")[2])
+    else:
+        m = re.search(r"(?:^|\s)port\s*=\s*'?([^'\s]*)", dsn)
+        ports = m.group(1).split(",") if m else []
+    for p in ports:
+        if p and not (p.isascii() and p.isdigit() and 0 < int(p) < 65536):
+            raise ConfigError(f"spool.dsn: port {p!r} is not a number from 1 to 65535")
 
 
 def _listener(item: object, key: str, base: Path) -> Listener:

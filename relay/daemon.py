@@ -88,6 +88,33 @@ def _http_limits(max_connections: int, per_ip: int, max_body: int) -> HttpLimits
     )
 
 
+def spool_gone_advice(path: os.PathLike[str], how: str, waiting: int, held: int) -> str:
+    """The `spool` check's detail once the database file was deleted or replaced under the
+    running daemon. The daemon keeps the old file open and keeps delivering from it, so a
+    restart now would discard what it still holds: drain first, then restart (`waiting`
+    -1: the count could not be read)."""
+    head = (
+        f"the spool database {path} was {how} under the running daemon: new mail is refused"
+        " (451 4.3.0)"
+    )
+    if waiting == 0:
+        return f"{head}; every recipient in the old file is finished: restart relay now"
+    count = "an unknown number of" if waiting < 0 else str(waiting)
+    stuck = (
+        f" ({held} of them held: they never leave on their own, and `relay queue release`"
+        f" cannot reach the old file; a restart discards them)"
+        if held > 0
+        else ""
+    )
+    return (
+        f"{head}; {count} recipients are still queued in the old file{stuck}. Do not"
+        " restart relay yet (a restart discards them): the daemon keeps delivering from the"
+        " open file; wait until `relay status` (or GET /health) shows this check with 0"
+        " recipients queued (`relay queue list` cannot see the old file), then restart"
+        " relay to start a new spool"
+    )
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -827,20 +854,20 @@ class Daemon:
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was deleted under the running"
-                " daemon: new mail is refused (451 4.3.0); restore it, or"
-                " restart relay to start a new spool"
-            )
+            return "critical", await self._spool_gone_detail(path, "deleted")
         except OSError as e:
             return "critical", f"cannot stat the spool database {path}: {e}"
         if (st.st_dev, st.st_ino) != self._spool_id:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was replaced under the running"
-                " daemon: new mail is refused (451 4.3.0); restart relay"
-            )
+            return "critical", await self._spool_gone_detail(path, "replaced")
         return None
+
+    async def _spool_gone_detail(self, path: os.PathLike[str], how: str) -> str:
+        try:  # the open handle still reads the old file
+            waiting, held = await asyncio.wait_for(self.writer.run(ops.unfinished_counts), 2.0)
+        except Exception:
+            waiting = held = -1
+        return spool_gone_advice(path, how, waiting, held)
 
     async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
         hc = self.config.health
