@@ -327,6 +327,10 @@ class _Reader:
         self.used: set[str] = set()
 
     def key(self, name: str) -> str:
+        # a key from the file is shown escaped: a control character in an unknown key must
+        # not break the one-error-a-line message (str.splitlines splits on \x1c-\x1e too)
+        if not name.isprintable():
+            name = name.encode("unicode_escape").decode("ascii")
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
