@@ -75,19 +75,19 @@ def _parser() -> argparse.ArgumentParser:
         help="health, as a monitoring plugin: exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN",
     )
     al = sub.add_parser("alerts", parents=[common], help="the newest alerts and their sinks")
-    al.add_argument("--limit", type=int, default=20)
+    al.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
     fb = sub.add_parser(
         "feedback", help="bounces and complaints after the 250 (webhooks, feedback mail)"
     ).add_subparsers(dest="fcmd", required=True)
     fe = fb.add_parser("events", parents=[common], help="the newest feedback events")
-    fe.add_argument("--limit", type=int, default=50)
+    fe.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     fm = fb.add_parser("mail", parents=[common], help="feedback mail received (unread: kept)")
     fm.add_argument("--unread", action="store_true", help="only mail that could not be read")
-    fm.add_argument("--limit", type=int, default=50)
+    fm.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     fs = fb.add_parser(
         "show", parents=[common], help="one feedback mail, control characters escaped"
     )
-    fs.add_argument("id", type=int)
+    fs.add_argument("id", type=int, help="its id, from relay feedback mail")
     fp = fb.add_parser("purge", parents=[common], help="delete stored feedback mail")
     which = fp.add_mutually_exclusive_group(required=True)
     which.add_argument("--older-than", help="what arrived more than this long ago (e.g. 2d)")
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     qf.add_argument("--upstream-id", help="the id the upstream gave at its 250")
     qf.add_argument("--recipient", help="a recipient address")
     qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
-    qs.add_argument("id")
+    qs.add_argument("id", help="the queue id (or a maildrop file name)")
     qs.add_argument("--body", action="store_true", help="also print the message itself")
     qs.add_argument(
         "--raw",
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --body: only the message's bytes as stored (headers and body), unescaped",
     )
     qr = q.add_parser("retry", parents=[common], help="make messages due now, attempts reset")
-    qr.add_argument("ids", nargs="*")
+    qr.add_argument("ids", nargs="*", help="queue ids")
     qr.add_argument(
         "--failed", action="store_true", help="every dead letter (bounced/failed recipients)"
     )
@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         ("release", "release held messages (due now)"),
     ):
         x = q.add_parser(name, parents=[common], help=helptext)
-        x.add_argument("ids", nargs="*")
+        x.add_argument("ids", nargs="*", help="queue ids")
         _bulk_options(x)
     qfl = q.add_parser("flush", parents=[common], help="every deferred recipient due now")
     qfl.add_argument("--dry-run", action="store_true", help="only say how many would change")
@@ -158,17 +158,17 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("suppression", help="the suppression list").add_subparsers(
         dest="scmd", required=True
     )
-    s.add_parser("list", parents=[common])
-    sa = s.add_parser("add", parents=[common])
-    sa.add_argument("address")
-    sa.add_argument("--reason", default="added by operator")
+    s.add_parser("list", parents=[common], help="every suppressed address, scope and source")
+    sa = s.add_parser("add", parents=[common], help="suppress an address (mail to it is refused)")
+    sa.add_argument("address", help="the address")
+    sa.add_argument("--reason", default="added by operator", help="why, shown by list")
     sa.add_argument(
         "--scope",
         default="global",
         help="global (default), or one sending identity (shaping.identity_by)",
     )
-    sr = s.add_parser("remove", parents=[common])
-    sr.add_argument("address")
+    sr = s.add_parser("remove", parents=[common], help="lift the suppression of an address")
+    sr.add_argument("address", help="the address")
     sr.add_argument(
         "--scope", default=None, help="lift only this scope's entry (default: every entry)"
     )
@@ -176,17 +176,17 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("destination", help="per-destination state and controls").add_subparsers(
         dest="dcmd", required=True
     )
-    d.add_parser("list", parents=[common])
-    ds = d.add_parser("suspend", parents=[common])
-    ds.add_argument("name")
+    d.add_parser("list", parents=[common], help="every destination: circuit, rate, today's count")
+    ds = d.add_parser("suspend", parents=[common], help="send nothing to a destination for a while")
+    ds.add_argument("name", help="the destination (domain, upstream name or smarthost)")
     ds.add_argument("--for", dest="duration", default="1h", help="how long (default 1h)")
-    ds.add_argument("--reason", default="suspended by operator")
-    dr = d.add_parser("resume", parents=[common])
-    dr.add_argument("name")
+    ds.add_argument("--reason", default="suspended by operator", help="shown by list")
+    dr = d.add_parser("resume", parents=[common], help="end a suspension; its mail is due now")
+    dr.add_argument("name", help="the destination")
     dx = d.add_parser(
         "reset", parents=[common], help="close the circuit and clear any slow-down, now"
     )
-    dx.add_argument("name")
+    dx.add_argument("name", help="the destination")
 
     a = sub.add_parser("auth", help="inbound AUTH users").add_subparsers(dest="acmd", required=True)
     ah = a.add_parser(
@@ -203,9 +203,14 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="write a new private key (mode 0600) and print the DNS TXT record to publish",
     )
-    kg.add_argument("domain")
-    kg.add_argument("--selector", required=True)
-    kg.add_argument("--algorithm", choices=["rsa-sha256", "ed25519-sha256"], default="rsa-sha256")
+    kg.add_argument("domain", help="the signing (From) domain")
+    kg.add_argument("--selector", required=True, help="the DNS selector, e.g. s2026")
+    kg.add_argument(
+        "--algorithm",
+        choices=["rsa-sha256", "ed25519-sha256"],
+        default="rsa-sha256",
+        help="the key type (default rsa-sha256)",
+    )
     kg.add_argument("--bits", type=int, default=2048, help="RSA key size (2048-4096)")
     kg.add_argument(
         "--out",
@@ -218,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
         help="SPF, DKIM, DMARC, MX, MTA-STS and TLS-RPT of a sending domain;"
         " exit 0 ok, 1 warnings, 2 errors",
     )
-    cd.add_argument("domain")
+    cd.add_argument("domain", help="the sending domain")
     cd.add_argument("--ip", help="the address we send from, to check SPF authorises it")
     return p
 
@@ -598,7 +603,11 @@ def _bulk_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every message matching the filters (like postsuper -d ALL)",
     )
-    p.add_argument("--state", choices=["queued", "deferred", "sending", "held", "sent", "failed"])
+    p.add_argument(
+        "--state",
+        choices=["queued", "deferred", "sending", "held", "sent", "failed"],
+        help="with --all: messages in this state",
+    )
     p.add_argument("--domain", help="with --all: a recipient at this domain")
     p.add_argument("--recipient", help="with --all: this recipient")
     p.add_argument("--older-than", help="with --all: older than this (e.g. 1h)")
