@@ -225,7 +225,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     cd.add_argument("domain", help="the sending domain")
     cd.add_argument("--ip", help="the address we send from, to check SPF authorises it")
+    _describe(p)
     return p
+
+
+def _describe(p: argparse.ArgumentParser) -> None:
+    """`relay <verb> --help` opens with what the verb does: its one-line help."""
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            helps = {c.dest: c.help for c in a._choices_actions}
+            for verb, child in a.choices.items():
+                child.description = child.description or helps.get(verb)
+                _describe(child)
 
 
 def _dkim_keygen(args: argparse.Namespace) -> int:

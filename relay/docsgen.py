@@ -745,6 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m relay.docsgen", description="generate the reference and man pages"
     )
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    p.add_argument(
+        "--out", type=Path, default=ROOT, help="the tree to write or check (default: this one)"
+    )
     args = p.parse_args(argv)
     try:
         files = render_all()
@@ -753,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     stale = []
     for rel, text in files.items():
-        path = ROOT / rel
+        path = args.out / rel
         old = path.read_text(encoding="utf-8") if path.exists() else None
         if old == text:
             continue
