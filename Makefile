@@ -141,7 +141,7 @@ install:
 	install -d -m 0710 $(OWNER) $(DESTDIR)$(SPOOLDIR)
 	install -d -m 3730 $(OWNER) $(DESTDIR)$(SPOOLDIR)/maildrop
 	[ -n "$(DESTDIR)" ] || systemctl daemon-reload 2>/dev/null || true
-	@echo "installed; next: README \"Running as a service\" (credentials, then systemctl enable --now relay)"
+	@echo "installed; next: docs/service.md (credentials, then systemctl enable --now relay); man 8 relay"
 
 clean:
 	rm -rf $(VENV) $(VENV).lock var .coverage-data htmlcov mutants site
