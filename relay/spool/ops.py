@@ -1099,11 +1099,13 @@ def iter_messages(
     queue_id: str | None = None,
     message_id: str | None = None,
     upstream_id: str | None = None,
+    sender: str | None = None,
+    after: str | None = None,
     page: int = 500,
 ) -> Iterator[dict[str, Any]]:
     """Messages matching the filters, oldest first, read a page at a time (keyset
     pagination on (created_at, id)): the first ones come at once and memory does not grow
-    with the spool."""
+    with the spool. `after` (a queue id) starts after that message (the console's pages)."""
     now = time.time() if now is None else now
     where = []
     params: list[Any] = []
@@ -1137,8 +1139,14 @@ def iter_messages(
     if older_than is not None:
         where.append("m.created_at <= ?")
         params.append(now - older_than)
+    if sender is not None:
+        where.append("lower(m.sender) = ?")
+        params.append(sender.strip().strip("<>").lower())
     base_where = list(where)
     cursor: tuple[float, str] | None = None
+    if after is not None:  # the console's next page: after this message, in the same order
+        row = conn.execute("SELECT created_at, id FROM messages WHERE id = ?", (after,)).fetchone()
+        cursor = None if row is None else (row[0], row[1])
     emitted = 0
     while True:
         conds = list(base_where)
