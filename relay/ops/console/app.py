@@ -531,6 +531,11 @@ class Console:
             [[h(str(r)[:160]), str(n)] for r, n in d["reasons"]],
             num=[1],
         )
+        # the minute so far, from the counters in memory: mail sent a moment ago is drawn
+        if self._prev is not None:
+            depth = sum(v.get(k, 0) for v in d["lanes"].values() for k in UNFINISHED)
+            cur = rollup.delta(self._prev, rollup.sample(self.metrics), minute, depth)
+            d["series"].append(rollup.as_row(cur))
         charts = self._charts(d["series"], minute)
         overall = status(str(doc.get("status", "?")))
         return (
@@ -546,7 +551,7 @@ class Console:
         by = {r["minute"]: r for r in rows}
         out = []
         for label, span, step in (("last hour", 60, 1), ("last 24 hours", 24 * 60, 10)):
-            xs = list(range(minute - span, minute, step))
+            xs = list(range(minute - span + 1, minute + 1, step))
             buckets = [[by[m] for m in range(x, x + step) if m in by] for x in xs]
             flows = {
                 k: [float(sum(r[k] for r in b)) / step for b in buckets] for k in rollup.SERIES

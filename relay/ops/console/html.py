@@ -153,15 +153,17 @@ def chart(
                 f'<text x="{left + w * frac:.1f}" y="{height - 4}" text-anchor="{anchor}">'
                 f"{h(label)}</text>"
             )
-    for i, (_name, vs) in enumerate(series.items()):
+    for i, (name, vs) in enumerate(series.items()):
         pts = [
             f"{left + w * (x - x0) / span:.1f},{top + hgt - hgt * (v / ymax):.1f}"
             for x, v in zip(xs, vs, strict=False)
             if v is not None
         ]
         if pts:
+            top_of = max((v for v in vs if v is not None), default=0.0)
             out.append(
-                f'<polyline class="s{i % 5}" data-points="{len(pts)}" points="{" ".join(pts)}"/>'
+                f'<polyline class="s{i % 5}" data-series="{h(name)}" data-max="{top_of:g}"'
+                f' points="{" ".join(pts)}"/>'
             )
     out.append("</svg>")
     legend = "".join(f'<span class="s{i % 5}">{h(n)}</span>' for i, n in enumerate(series))

@@ -135,6 +135,18 @@ def write_minute(conn: sqlite3.Connection, m: Minute) -> None:
     conn.execute("DELETE FROM console_minutes WHERE minute < ?", (m.minute - KEEP_MINUTES,))
 
 
+def as_row(m: Minute) -> dict[str, Any]:
+    """A minute as `read_series` gives it (the console's current, unwritten minute)."""
+    return {
+        "minute": m.minute,
+        **m.counts,
+        "queue_depth": m.queue_depth,
+        "p50": m.p50,
+        "p90": m.p90,
+        "p99": m.p99,
+    }
+
+
 def read_series(conn: sqlite3.Connection, since_minute: int) -> list[dict[str, Any]]:
     rows = conn.execute(
         "SELECT minute, accepted, delivered, deferred, bounced, suppressed, queue_depth,"
