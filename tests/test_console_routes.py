@@ -1,0 +1,216 @@
+"""The console over HTTP against a real daemon (one per module): login, slowed and counted
+failures, CSRF, roles, a bulk action whose confirmation count is what it then does (and
+what the CLI sees), escaping and the security headers; and the access rules that need no
+daemon (open read-only on loopback, refused elsewhere without users)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+import yaml
+
+from relay.config import ConfigError, load_config
+from relay.metrics import Metrics
+from relay.ops.console import auth
+from relay.ops.console.app import Console
+from relay.ops.http import Request
+from relay.spool.writer import SpoolWriter
+from tests.harness import RelayProcess, free_port, make_message, send
+
+PASSWORDS = {"olga": "operator-pw", "vic": "viewer-pw"}
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RelayProcess]:
+    work = tmp_path_factory.mktemp("console")
+    (work / "users").write_text(
+        auth.user_line("olga", "operator", PASSWORDS["olga"])
+        + "\n"
+        + auth.user_line("vic", "viewer", PASSWORDS["vic"])
+        + "\n"
+    )
+    dead = free_port()  # nothing listens: mail stays queued (deferred)
+    r = RelayProcess(
+        work,
+        {
+            "admin": {"users_file": "users"},
+            "upstream": {
+                "mode": "smarthost",
+                "smarthost": {"host": "127.0.0.1", "port": dead, "tls": "none"},
+            },
+        },
+    )
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cookie = ""
+
+    def req(
+        self, method: str, path: str, form: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, str], str]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        headers = {"Cookie": self.cookie} if self.cookie else {}
+        body = None
+        if form is not None:
+            body = urlencode(form, doseq=True)
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+        c.request(method, path, body=body, headers=headers)
+        resp = c.getresponse()
+        text = resp.read().decode()
+        hdrs = {k.lower(): v for k, v in resp.getheaders()}
+        c.close()
+        return resp.status, hdrs, text
+
+    def login(self, name: str, password: str) -> int:
+        status, hdrs, _ = self.req("POST", "/console/login", {"name": name, "password": password})
+        if "set-cookie" in hdrs:
+            self.cookie = hdrs["set-cookie"].split(";")[0]
+        return status
+
+    def csrf(self) -> str:
+        _s, _h, text = self.req("GET", "/console/queue")
+        m = re.search(r'name="csrf" value="([^"]+)"', text)
+        assert m, text[:500]
+        return m.group(1)
+
+
+def test_login_required_and_wrong_password_slowed_and_counted(relay: RelayProcess) -> None:
+    c = Client(relay.admin_port)
+    status, hdrs, _ = c.req("GET", "/console/queue")
+    assert status == 303 and hdrs["location"] == "/console/login"
+    assert c.req("POST", "/console/queue/act", {"action": "hold"})[0] == 403
+    before = relay.metric("relay_console_login_failures_total")
+    t0 = time.monotonic()
+    assert c.login("olga", "not-her-password") == 401
+    assert time.monotonic() - t0 >= 0.9  # LOGIN_FAIL_DELAY (1 s), doubling after
+    assert c.cookie == ""
+    assert relay.metric("relay_console_login_failures_total") == before + 1
+    assert any(e.get("event") == "console_login_failed" for e in relay.events())
+
+
+def test_csrf_roles_and_bulk_count(relay: RelayProcess) -> None:
+    for i in range(3):
+        send(relay.port, "app@example.com", [f"held{i}@example.org"], make_message(i))
+    send(relay.port, "app@example.com", ["other@example.net"], make_message(9))
+    op = Client(relay.admin_port)
+    assert op.login("olga", PASSWORDS["olga"]) == 303
+    token = op.csrf()
+    sel = {"action": "hold", "scope": "all", "destination": "example.org"}
+    # no token, a wrong one: 403, and nothing held
+    assert op.req("POST", "/console/queue/act", sel)[0] == 403
+    assert op.req("POST", "/console/queue/act", {**sel, "csrf": token + "x"})[0] == 403
+    assert not [m for m in relay.queue() if m["state"] == "held"]
+    # the confirmation counts what the action then does, and the CLI agrees
+    status, _h, text = op.req("POST", "/console/queue/confirm", {**sel, "csrf": token})
+    assert status == 200
+    shown = int(re.search(r'id="dry-run-count">(\d+)<', text).group(1))  # type: ignore[union-attr]
+    status, _h, text = op.req("POST", "/console/queue/act", {**sel, "csrf": token})
+    done = int(re.search(r'id="action-count">(\d+)<', text).group(1))  # type: ignore[union-attr]
+    held = [m for m in relay.queue() if m["state"] == "held"]
+    assert shown == done == len(held) == 3
+    acts = [e for e in relay.events() if e.get("event") == "operator_action"]
+    assert acts[-1]["msg"] == "hold" and acts[-1]["user"] == "olga"
+    # a viewer reads, but cannot act even with its own valid token
+    v = Client(relay.admin_port)
+    assert v.login("vic", PASSWORDS["vic"]) == 303
+    status, _h, text = v.req("GET", "/console/queue?state=held")
+    assert status == 200 and held[0]["id"] in text and "queue/confirm" not in text
+    vt = re.search(r'name="csrf" value="([^"]+)"', text).group(1)  # type: ignore[union-attr]
+    status, _h, text = v.req(
+        "POST", "/console/queue/act", {"action": "release", "scope": "all", "csrf": vt}
+    )
+    assert status == 403 and "only operators act" in text
+    assert len([m for m in relay.queue() if m["state"] == "held"]) == 3
+    # after logout the old cookie's session still verifies (stateless), but the browser
+    # dropped it: the response clears it
+    status, hdrs, _ = op.req("POST", "/console/logout", {"csrf": token})
+    assert status == 303 and "Max-Age=0" in hdrs["set-cookie"]
+
+
+def test_pages_escape_and_send_security_headers(relay: RelayProcess) -> None:
+    evil = "<script>alert(1)</script>"
+    send(
+        relay.port,
+        "app@example.com",
+        ["x@example.org"],
+        make_message(50, subject=evil, body=f"{evil}\r\n".encode()),
+    )
+    qid = next(m["id"] for m in relay.queue() if m["recipients"][0]["address"] == "x@example.org")
+    op = Client(relay.admin_port)
+    op.login("olga", PASSWORDS["olga"])
+    for path in (
+        "/console/",
+        f"/console/message/{qid}",
+        "/console/queue",
+        "/console/dead",
+        "/console/destinations",
+        "/console/suppressions",
+        "/console/alerts",
+        "/console/feedback",
+        "/console/overview.json",
+    ):
+        status, hdrs, text = op.req("GET", path)
+        assert status == 200, path
+        assert "script-src 'self'" in hdrs["content-security-policy"]
+        assert "<script>alert" not in text, path
+    _s, _h, text = op.req("GET", f"/console/message/{qid}")
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text and "<h2>Body</h2>" in text
+    v = Client(relay.admin_port)
+    v.login("vic", PASSWORDS["vic"])
+    _s, _h, text = v.req("GET", f"/console/message/{qid}")
+    assert "shown to operators only" in text and "<h2>Body</h2>" not in text
+
+
+# --- access rules without a daemon ------------------------------------------------------------
+
+
+def _config(tmp_path: Path, admin: dict[str, Any]) -> Any:
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml.safe_dump({"spool": {"path": "spool"}, "admin": admin}))
+    return load_config(path)
+
+
+def test_non_loopback_admin_needs_users(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not loopback: the console there needs"):
+        _config(tmp_path, {"listen": "0.0.0.0:9025"})
+    assert not _config(tmp_path, {"listen": "0.0.0.0:9025", "console": False}).admin_console
+    (tmp_path / "users").write_text(auth.user_line("a", "viewer", "pw") + "\n")
+    cfg = _config(tmp_path, {"listen": "0.0.0.0:9025", "users_file": "users"})
+    assert cfg.admin_users_file == tmp_path / "users"
+    assert _config(tmp_path, {"listen": "[::1]:9025"}).admin_users_file is None
+    (tmp_path / "bad").write_text("a:viewer:nope\n")
+    with pytest.raises(ConfigError, match=r"admin\.users_file: line 1"):
+        _config(tmp_path, {"users_file": "bad"})
+
+
+def test_without_users_loopback_reads_but_never_acts(tmp_path: Path) -> None:
+    async def main() -> None:
+        writer = SpoolWriter(tmp_path)
+        writer.start()
+        try:
+            con = Console(writer, Metrics(), lambda: {"status": "ok", "checks": []}, tmp_path)
+            r = await con.handle(Request("GET", "/console/queue", "", {}, None, "127.0.0.1"))
+            assert r.status == 200 and b"read-only" in r.body and b"queue/confirm" not in r.body
+            token = auth.csrf_token(con.key, auth.Session("local", "viewer", "anonymous", 0))
+            body = urlencode({"action": "hold", "scope": "all", "csrf": token}).encode()
+            r = await con.handle(Request("POST", "/console/queue/act", "", {}, body, "127.0.0.1"))
+            assert r.status == 403
+        finally:
+            writer.close()
+
+    asyncio.run(main())
