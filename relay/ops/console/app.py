@@ -511,7 +511,7 @@ class Console:
         checks = table(
             ["check", "status", "since", "detail"],
             [
-                [h(c["name"]), status(c["status"]), h(c["since"]), h(c["detail"])]
+                [h(c["name"]), status(c["status"]), h(str(c["since"]).replace("T", " ")), h(c["detail"])]
                 for c in doc.get("checks", [])
             ],
         )
@@ -540,7 +540,7 @@ class Console:
         overall = status(str(doc.get("status", "?")))
         return (
             f'<p>Health: {overall} <span class="muted">updated {h(ops.iso_utc(now))}</span></p>'
-            f'<div class="grid"><div class="card"><h2>Health checks</h2>{checks}</div>'
+            f'<div class="grid"><div class="card wide"><h2>Health checks</h2>{checks}</div>'
             f'<div class="card"><h2>Queue now (recipients)</h2>{queue}</div>'
             f'<div class="card"><h2>Top destinations</h2>{dests}</div>'
             f'<div class="card"><h2>Deferral reasons</h2>{reasons}</div></div>'

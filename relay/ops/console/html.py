@@ -123,12 +123,12 @@ def chart(
     series: Mapping[str, Sequence[float | None]],
     *,
     unit: str = "",
-    width: int = 640,
-    height: int = 180,
+    width: int = 460,
+    height: int = 190,
 ) -> str:
     """A line chart as inline SVG: one polyline per series (classes s0.. colour them), the
     x axis in minutes (`xs`, unix minutes), a y grid of 4 lines from 0 to the maximum."""
-    left, right, top, bottom = 44, 8, 8, 20
+    left, right, top, bottom = 40, 8, 8, 20
     w, hgt = width - left - right, height - top - bottom
     values = [v for vs in series.values() for v in vs if v is not None]
     top_v = max(values, default=0.0)
