@@ -107,14 +107,17 @@ def main(out: Path) -> int:
                     make_message(20 + i, subject="Weekly digest", headers={"Precedence": "bulk"}),
                 )
             send(r.port, "app@example.com", ["nobody@example.org"], make_message(30))
-            send(
-                r.port,
-                "app@example.com",
-                ["hold-me@example.com"],
-                make_message(31, subject="Password reset"),
+            send(r.port, "app@example.com", ["grey-hold@example.net"], make_message(31))
+            r.wait_until(
+                lambda: any(
+                    m["state"] == "deferred" and m["sender"] == "app@example.com" for m in r.queue()
+                ),
+                what="a deferral",
             )
             held = next(
-                m["id"] for m in r.queue() if m["recipients"][0]["address"] == "hold-me@example.com"
+                m["id"]
+                for m in r.queue()
+                if m["recipients"][0]["address"] == "grey-hold@example.net"
             )
             r.cli("queue", "hold", held, check=True)
             r.cli(

@@ -77,7 +77,6 @@ def test_release_a_held_message_and_the_chart(relay: RelayProcess, browser: Any)
     qid = relay.queue()[0]["id"]
     relay.cli("queue", "hold", qid, check=True)
     page = _login(browser, relay, "olga")
-    base = f"http://127.0.0.1:{relay.admin_port}"
     # the chart of the last hour draws the mail just accepted (the current minute is
     # read from the daemon's counters); the overview refreshes itself without a reload
     sel = 'polyline[data-series="accepted"]'

@@ -511,7 +511,12 @@ class Console:
         checks = table(
             ["check", "status", "since", "detail"],
             [
-                [h(c["name"]), status(c["status"]), h(str(c["since"]).replace("T", " ")), h(c["detail"])]
+                [
+                    h(c["name"]),
+                    status(c["status"]),
+                    h(str(c["since"]).replace("T", " ")),
+                    h(c["detail"]),
+                ]
                 for c in doc.get("checks", [])
             ],
         )
