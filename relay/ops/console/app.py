@@ -39,6 +39,7 @@ from prometheus_client import Counter
 
 from relay import alerts as alerts_mod
 from relay import anvil
+from relay.lanes import LANE_PRIORITY
 from relay.logs import log_event
 from relay.metrics import Metrics
 from relay.ops.console import auth, rollup
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 LOGIN_FAIL_DELAY = 1.0
 PAGE = 50
 REFRESH_SECONDS = 5
+OVERVIEW_CACHE = 4.0
+REASONS_SAMPLE = 10_000  # deferral reasons: of the newest deferred recipients only
 ROLLUP_EVERY = 60.0
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -207,6 +210,7 @@ class Console:
             registry=metrics.registry,
         )
         self._prev: rollup.Sample | None = None
+        self._overview_cache: tuple[float, dict[str, Any]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def install(self, server: HttpServer) -> None:
@@ -482,32 +486,7 @@ class Console:
         doc = self.health_doc()
         minute = int(now // 60)
 
-        def read(c: sqlite3.Connection) -> dict[str, Any]:
-            lanes: dict[str, dict[str, int]] = {}
-            for lane, state, n in c.execute(
-                "SELECT m.lane, r.state, count(*) FROM recipients r JOIN messages m"
-                " ON m.id = r.msg_id WHERE r.state IN ('pending', 'deferred', 'held', 'sending')"
-                " GROUP BY m.lane, r.state"
-            ):
-                lanes.setdefault(lane, {})[state] = n
-            for lane, n in c.execute(
-                "SELECT m.lane, count(*) FROM recipients r JOIN messages m ON m.id = r.msg_id"
-                " WHERE r.state IN ('bounced', 'failed') AND r.updated_at >= ? GROUP BY m.lane",
-                (now - 3600,),
-            ):
-                lanes.setdefault(lane, {})["dead_last_hour"] = n
-            reasons = c.execute(
-                "SELECT coalesce(last_reply, reason, '(none)'), count(*) FROM recipients"
-                " WHERE state = 'deferred' GROUP BY 1 ORDER BY 2 DESC LIMIT 8"
-            ).fetchall()
-            return {
-                "lanes": lanes,
-                "dests": ops.waiting_per_destination(c),
-                "reasons": reasons,
-                "series": rollup.read_series(c, minute - 24 * 60),
-            }
-
-        d = await self.writer.read(read)
+        d = await self._overview_data(now, minute)
         checks = table(
             ["check", "status", "since", "detail"],
             [
@@ -520,25 +499,36 @@ class Console:
                 for c in doc.get("checks", [])
             ],
         )
-        cols = ["pending", "deferred", "held", "sending", "dead_last_hour"]
-        lane_rows = [
-            [h(lane), *(str(v.get(k, 0)) for k in cols)] for lane, v in sorted(d["lanes"].items())
-        ]
+        st = d["states"]
         queue = table(
-            ["lane", "waiting", "deferred", "held", "sending", "dead (1 h)"],
-            lane_rows,
-            num=range(1, 6),
+            ["queued", "deferred", "held", "sending"],
+            [
+                [
+                    str(st.get("pending", 0)),
+                    str(st.get("deferred", 0)),
+                    str(st.get("held", 0)),
+                    str(st.get("sending", 0)),
+                ]
+            ],
+            num=range(4),
+        ) + table(
+            ["lane", "waiting (queued + deferred)", "dead (last hour)"],
+            [
+                [h(lane), str(v.get("waiting", 0)), str(v.get("dead_last_hour", 0))]
+                for lane, v in sorted(d["lanes"].items())
+            ],
+            num=[1, 2],
         )
         top = sorted(d["dests"].items(), key=lambda kv: -kv[1])[:8]
         dests = table(["destination", "waiting"], [[h(k), str(v)] for k, v in top], num=[1])
         reasons = table(
-            ["deferral reason", "recipients"],
+            ["deferral reason (latest 10,000 deferred)", "recipients"],
             [[h(str(r)[:160]), str(n)] for r, n in d["reasons"]],
             num=[1],
         )
         # the minute so far, from the counters in memory: mail sent a moment ago is drawn
         if self._prev is not None:
-            depth = sum(v.get(k, 0) for v in d["lanes"].values() for k in UNFINISHED)
+            depth = sum(d["states"].values())
             cur = rollup.delta(self._prev, rollup.sample(self.metrics), minute, depth)
             d["series"].append(rollup.as_row(cur))
         charts = self._charts(d["series"], minute)
@@ -551,6 +541,54 @@ class Console:
             f'<div class="card"><h2>Deferral reasons</h2>{reasons}</div></div>'
             f"{charts}"
         )
+
+    async def _overview_data(self, now: float, minute: int) -> dict[str, Any]:
+        """The overview's spool reads, shared for OVERVIEW_CACHE seconds (several open tabs
+        refreshing every 5 s cost one read). Counted on the recipients' own columns and
+        indexes (lane_prio, state): no join with messages over a deep queue."""
+        cached = self._overview_cache
+        if cached is not None and now - cached[0] < OVERVIEW_CACHE:
+            return {**cached[1], "series": list(cached[1]["series"])}
+        lane_of = {v: k for k, v in LANE_PRIORITY.items()}
+
+        def read(c: sqlite3.Connection) -> dict[str, Any]:
+            # waiting per lane from the due index (it holds the lane: no row is read);
+            # the states from the state index; the recent dead by lane (few rows)
+            lanes: dict[str, dict[str, int]] = {}
+            for prio, n in c.execute(
+                "SELECT lane_prio, count(*) FROM recipients INDEXED BY recipients_due"
+                " WHERE state IN ('pending', 'deferred') GROUP BY lane_prio"
+            ):
+                lanes.setdefault(lane_of.get(prio, str(prio)), {})["waiting"] = n
+            for prio, n in c.execute(
+                "SELECT lane_prio, count(*) FROM recipients"
+                " WHERE state IN ('bounced', 'failed') AND updated_at >= ? GROUP BY lane_prio",
+                (now - 3600,),
+            ):
+                lanes.setdefault(lane_of.get(prio, str(prio)), {})["dead_last_hour"] = n
+            states = {
+                s: n
+                for s, n in c.execute(
+                    "SELECT state, count(*) FROM recipients"
+                    " WHERE state IN ('pending', 'deferred', 'held', 'sending') GROUP BY state"
+                )
+            }
+            reasons = c.execute(
+                "SELECT coalesce(last_reply, reason, '(none)'), count(*) FROM"
+                " (SELECT last_reply, reason FROM recipients WHERE state = 'deferred'"
+                f" ORDER BY id DESC LIMIT {REASONS_SAMPLE}) GROUP BY 1 ORDER BY 2 DESC LIMIT 8"
+            ).fetchall()
+            return {
+                "lanes": lanes,
+                "states": states,
+                "dests": ops.waiting_per_destination(c),
+                "reasons": reasons,
+                "series": rollup.read_series(c, minute - 24 * 60),
+            }
+
+        d = await self.writer.read(read)
+        self._overview_cache = (now, d)
+        return {**d, "series": list(d["series"])}
 
     def _charts(self, rows: list[dict[str, Any]], minute: int) -> str:
         by = {r["minute"]: r for r in rows}
@@ -1042,30 +1080,49 @@ class Console:
         return f'<p class="banner">{h(text)}</p><p>{link(url("suppressions"), "Back")}</p>'
 
     async def _dead_body(self, q: dict[str, list[str]]) -> str:
-        after = (q.get("after") or [""])[0] or None
-        msgs = await self.writer.read(
-            lambda c: list(
-                ops.iter_messages(
-                    c, state="failed", include_finished=True, after=after, limit=PAGE + 1
-                )
-            )
-        )
+        """Messages with a bounced or failed recipient, newest first: found from the
+        recipients' state index (a scan of every message for its state took seconds at a
+        million), a page at a time keyed on the newest dead recipient's row id."""
+        before = (q.get("before") or [""])[0]
+        cursor = int(before) if before.isdigit() else None
+
+        def read(c: sqlite3.Connection) -> list[tuple[int, dict[str, Any]]]:
+            rows = c.execute(
+                "SELECT msg_id, max(id) AS last FROM recipients"
+                " WHERE state IN ('bounced', 'failed')"
+                + ("" if cursor is None else " AND id < ?")
+                + " GROUP BY msg_id ORDER BY last DESC LIMIT ?",
+                ([] if cursor is None else [cursor]) + [PAGE + 1],
+            ).fetchall()
+            out = []
+            for msg_id, last in rows:
+                found = ops.list_messages(c, include_finished=True, queue_id=msg_id)
+                if found:
+                    out.append((int(last), found[0]))
+            return out
+
+        msgs = await self.writer.read(read)
         rows = [
             [
                 link(url(f"message/{m['id']}"), m["id"]),
                 h(m["created_at"]),
                 h(m["sender"] or "<>"),
-                h(", ".join(r["address"] for r in m["recipients"][:3])),
+                h(
+                    ", ".join(
+                        r["address"] for r in m["recipients"] if r["state"] in ("bounced", "failed")
+                    )[:200]
+                ),
                 h(next((r["last_reply"] for r in m["recipients"] if r["last_reply"]), "")[:160]),
             ]
-            for m in msgs[:PAGE]
+            for _last, m in msgs[:PAGE]
         ]
-        pager = (
-            f'<p class="pager">{link(url("dead", after=msgs[PAGE - 1]["id"]), "Next page →")}</p>'
-            if len(msgs) > PAGE
-            else ""
+        pager = ""
+        if len(msgs) > PAGE:
+            nxt = link(url("dead", before=msgs[PAGE - 1][0]), "Older →")
+            pager = f'<p class="pager">{nxt}</p>'
+        return (
+            table(["queue id", "arrived", "sender", "dead recipients", "last reply"], rows) + pager
         )
-        return table(["queue id", "arrived", "sender", "recipients", "last reply"], rows) + pager
 
     async def _alerts_body(self) -> str:
         rows = await self.writer.read(lambda c: alerts_mod.recent(c, 100))
