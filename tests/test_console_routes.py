@@ -214,3 +214,64 @@ def test_without_users_loopback_reads_but_never_acts(tmp_path: Path) -> None:
             writer.close()
 
     asyncio.run(main())
+
+
+def test_login_failures_ban_the_address(tmp_path: Path) -> None:
+    (tmp_path / "users").write_text(auth.user_line("a", "operator", "right") + "\n")
+
+    async def main() -> None:
+        writer = SpoolWriter(tmp_path)
+        writer.start()
+        try:
+            m = Metrics()
+            con = Console(
+                writer,
+                m,
+                lambda: {"status": "ok", "checks": []},
+                tmp_path,
+                tmp_path / "users",
+                fail_delay=0.0,
+            )
+
+            def login(pw: str, peer: str = "192.0.2.7") -> Request:
+                body = urlencode({"name": "a", "password": pw}).encode()
+                return Request("POST", "/console/login", "", {}, body, peer)
+
+            for _ in range(10):
+                assert (await con.handle(login("wrong"))).status == 401
+            # banned: even the right password is not looked at from there
+            assert (await con.handle(login("right"))).status == 429
+            assert (await con.handle(login("right", "192.0.2.8"))).status == 303
+            assert m.registry.get_sample_value("relay_console_login_failures_total") == 10
+            assert m.registry.get_sample_value("relay_console_login_bans_total") == 1
+        finally:
+            writer.close()
+
+    asyncio.run(main())
+
+
+def test_admin_passwd_command(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str, pw: str = "pw1") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "relay", "admin", "passwd", *args],
+            input=pw + "\n",
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
+
+    res = run("alice", "--role", "viewer")
+    assert res.returncode == 0 and "pw1" not in res.stdout
+    users = auth.parse_users(res.stdout)
+    assert users["alice"].role == "viewer"
+    assert run("bob", "--role", "operator", "--file", "u").returncode == 0
+    assert run("bob", "--role", "viewer", "--file", "u").returncode == 1  # already there
+    assert run("carol", "--role", "operator", "--file", "u", pw="pw3").returncode == 0
+    users = auth.load_users(tmp_path / "u")
+    assert auth.check_login(users, "carol", "pw3") is not None
+    assert (tmp_path / "u").stat().st_mode & 0o077 == 0
+    assert run("x:y", "--role", "viewer").returncode == 2

@@ -907,6 +907,9 @@ class Console:
         for n in sorted(set(live) | set(susp) | set(queued)):
             i = live.get(n, {})
             rate = i.get("effective_rate")
+            conf = i.get("configured_rate")
+            # the AIMD slow-down: the share of the configured rate allowed now
+            aimd = f" ({rate / conf:.0%})" if rate is not None and conf else ""
             until = ops.iso_utc(susp[n][0]) if n in susp else ""
             acts = ""
             if s.can_act:
@@ -927,7 +930,7 @@ class Console:
                     h(n),
                     str(queued.get(n, 0)),
                     h(i.get("circuit", "-")),
-                    "-" if rate is None else f"{rate:.2f}",
+                    "-" if rate is None else h(f"{rate:.2f}{aimd}"),
                     h(f"{i.get('active_connections', '-')}/{i.get('effective_connections', '-')}"),
                     h(f"{i.get('delivered_today', 0)} / {i.get('daily_limit') or '-'}"),
                     h(until or i.get("suspended_until") or ""),
@@ -939,7 +942,7 @@ class Console:
                 "destination",
                 "queued",
                 "circuit",
-                "rate/s",
+                "rate/s (of configured)",
                 "conns (in use/max)",
                 "today / ceiling",
                 "suspended until",
