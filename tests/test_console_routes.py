@@ -275,3 +275,93 @@ def test_admin_passwd_command(tmp_path: Path) -> None:
     assert auth.check_login(users, "carol", "pw3") is not None
     assert (tmp_path / "u").stat().st_mode & 0o077 == 0
     assert run("x:y", "--role", "viewer").returncode == 2
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def writer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SpoolWriter]:
+    from tests.pgserver import backend_writer
+
+    w = backend_writer(request, tmp_path / "spool")
+    assert isinstance(w, SpoolWriter)
+    w.start()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def test_rollup_and_every_page_on_both_backends(writer: SpoolWriter, tmp_path: Path) -> None:
+    """The minute written from the counters, and every page's queries, on SQLite and on
+    PostgreSQL (a message with a bounced recipient and a deferred one)."""
+    from relay.ops.console import rollup
+    from relay.spool import ops
+
+    async def main() -> None:
+        m = Metrics()
+        (tmp_path / "users").write_text(auth.user_line("o", "operator", "pw") + "\n")
+        con = Console(
+            writer, m, lambda: {"status": "ok", "checks": []}, tmp_path, tmp_path / "users"
+        )
+        con.start()
+        try:
+            m.accepted.labels("transactional").inc(4)
+            m.delivered.labels("smarthost").inc(3)
+            now = time.time()
+            row = await con.rollup_once(now)
+            assert row.counts["accepted"] == 4 and row.minute == int(now // 60) - 1
+            series = await writer.read(lambda c: rollup.read_series(c, 0))
+            assert [(r["minute"], r["accepted"], r["delivered"]) for r in series] == [
+                (row.minute, 4, 3)
+            ]
+            assert (await con.rollup_once(now + 60)).counts["accepted"] == 0  # a delta
+
+            msg = ops.NewMessage(
+                queue_id="Q1",
+                message_id="m1@x",
+                sender="a@example.com",
+                size=20,
+                created_at=now,
+                client="c",
+                peer="127.0.0.1",
+                lane="transactional",
+                lane_prio=0,
+                identity="example.com",
+                body=b"Subject: <hi>\r\n\r\nbody",
+                body_path=None,
+                recipients=(
+                    ops.NewRecipient("b@example.org", "example.org", "k1"),
+                    ops.NewRecipient("c@example.org", "example.org", "k2"),
+                ),
+            )
+            await writer.run(lambda c: ops.accept(c, msg, 0))
+            await writer.run(
+                lambda c: c.execute(
+                    "UPDATE recipients SET state = 'bounced', last_reply = '550 no'"
+                    " WHERE address = 'b@example.org'"
+                )
+            )
+            login = urlencode({"name": "o", "password": "pw"}).encode()
+            r = await con.handle(Request("POST", "/console/login", "", {}, login, "127.0.0.1"))
+            cookie = {"cookie": r.headers["Set-Cookie"].split(";")[0]}
+            for path, query in [
+                ("/console/", ""),
+                ("/console/overview.json", ""),
+                ("/console/queue", "recipient=c@example.org"),
+                ("/console/queue", "sender=a@example.com&state=deferred"),
+                ("/console/message/Q1", ""),
+                ("/console/dead", ""),
+                ("/console/destinations", ""),
+                ("/console/suppressions", ""),
+                ("/console/alerts", ""),
+                ("/console/feedback", ""),
+            ]:
+                r = await con.handle(Request("GET", path, query, cookie, None, "127.0.0.1"))
+                assert r.status == 200, (path, r.body[:300])
+                if path == "/console/message/Q1":
+                    assert b"Subject: &lt;hi&gt;" in r.body
+            r = await con.handle(Request("GET", "/console/dead", "", cookie, None, "127.0.0.1"))
+            assert b"b@example.org" in r.body and b"c@example.org" not in r.body
+        finally:
+            await con.stop()
+
+    asyncio.run(main())
