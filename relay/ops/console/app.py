@@ -576,7 +576,8 @@ class Console:
             reasons = c.execute(
                 "SELECT coalesce(last_reply, reason, '(none)'), count(*) FROM"
                 " (SELECT last_reply, reason FROM recipients WHERE state = 'deferred'"
-                f" ORDER BY id DESC LIMIT {REASONS_SAMPLE}) AS latest GROUP BY 1 ORDER BY 2 DESC LIMIT 8"
+                f" ORDER BY id DESC LIMIT {REASONS_SAMPLE}) AS latest"
+                " GROUP BY 1 ORDER BY 2 DESC LIMIT 8"
             ).fetchall()
             return {
                 "lanes": lanes,
