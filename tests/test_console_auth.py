@@ -185,3 +185,29 @@ def test_chart_points_scale() -> None:
     pts = svg.split('points="')[1].split('"')[0].split()
     assert len(pts) == 2  # the missing minute draws no point
     assert "t&lt;" in svg and "t<" not in svg
+
+
+def test_bulk_action_on_more_ids_than_sqlite_takes_at_once(tmp_path: Path) -> None:
+    """ "All matching" over a deep queue: 40,000 messages held in one action (one statement
+    with every id would pass SQLite's 32,766 parameters and fail)."""
+    from relay.ops.console.app import Filters, bulk_action, select_ids
+
+    conn = db.open_spool(tmp_path)
+    n = 1_234  # three chunks, the last one partial
+    with db.transaction(conn):
+        conn.executemany(
+            "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
+            " lane, identity, body) VALUES (?, ?, '', 1, ?, 'c', 'p', 'transactional', 'i', x'')",
+            ((f"Q{i:06d}", f"m{i}", float(i)) for i in range(n)),
+        )
+        conn.executemany(
+            "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
+            " dedup_key, updated_at) VALUES (?, ?, 'example.org', 0, 'deferred', ?, 0)",
+            ((f"Q{i:06d}", f"u{i}@example.org", f"k{i}") for i in range(n)),
+        )
+    with db.transaction(conn):
+        ids = select_ids(conn, Filters(), [], True, "hold", 1e9)
+        assert len(ids) == n
+        assert bulk_action(conn, "hold", ids, 1e9) == (n, [])
+    assert conn.execute("SELECT count(*) FROM recipients WHERE state = 'held'").fetchone()[0] == n
+    conn.close()

@@ -152,19 +152,23 @@ def select_ids(
     return ops.existing_ids(conn, ids[:1000])
 
 
+BULK_CHUNK = 500  # ids per statement: PostgreSQL takes at most 65,535 parameters
+
+
 def bulk_action(
     conn: sqlite3.Connection, action: str, ids: list[str], now: float
 ) -> tuple[int, list[str]]:
-    """(recipients changed, body paths to delete) of one queue action on `ids`."""
-    if action == "hold":
-        return ops.hold(conn, ids, now), []
-    if action == "release":
-        return ops.release(conn, ids, now), []
-    if action == "retry":
-        return ops.retry(conn, ids, now), []
+    """(recipients changed, body paths to delete) of one queue action on `ids`, a chunk
+    of ids per statement ("all matching" may be every message of a deep queue)."""
     if action == "delete":
         return len(ids), ops.delete_messages(conn, ids)
-    raise ValueError(action)
+    fn = {"hold": ops.hold, "release": ops.release, "retry": ops.retry}.get(action)
+    if fn is None:
+        raise ValueError(action)
+    n = 0
+    for i in range(0, len(ids), BULK_CHUNK):
+        n += fn(conn, ids[i : i + BULK_CHUNK], now)
+    return n, []
 
 
 def _danger(action: str) -> str:
