@@ -187,9 +187,9 @@ def test_chart_points_scale() -> None:
     assert "t&lt;" in svg and "t<" not in svg
 
 
-def test_bulk_action_on_more_ids_than_sqlite_takes_at_once(tmp_path: Path) -> None:
-    """ "All matching" over a deep queue: 40,000 messages held in one action (one statement
-    with every id would pass SQLite's 32,766 parameters and fail)."""
+def test_bulk_action_in_chunks(tmp_path: Path) -> None:
+    """All matching over a deep queue: held in one action, a statement per BULK_CHUNK ids
+    (PostgreSQL takes at most 65,535 parameters); every chunk counted."""
     from relay.ops.console.app import Filters, bulk_action, select_ids
 
     conn = db.open_spool(tmp_path)
