@@ -365,3 +365,12 @@ def test_rollup_and_every_page_on_both_backends(writer: SpoolWriter, tmp_path: P
             await con.stop()
 
     asyncio.run(main())
+
+
+def test_too_many_fields_is_a_bad_request(relay: RelayProcess) -> None:
+    c = Client(relay.admin_port)
+    status, _h, text = c.req("GET", "/console/login?" + "&".join(f"a{i}=1" for i in range(300)))
+    assert status == 200  # the login page reads no query
+    c.login("olga", PASSWORDS["olga"])
+    status, _h, text = c.req("GET", "/console/queue?" + "&".join(f"a{i}=1" for i in range(300)))
+    assert status == 400 and "more than 100 form fields" in text

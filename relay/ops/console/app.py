@@ -171,6 +171,14 @@ def bulk_action(
     return n, []
 
 
+def _form(text: str, most: int) -> dict[str, list[str]]:
+    """A form or query string; more fields than `most` is a bad request, not a 500."""
+    try:
+        return parse_qs(text, max_num_fields=most)
+    except ValueError:
+        raise Refused(400, f"more than {most} form fields") from None
+
+
 def _danger(action: str) -> str:
     return ' class="danger"' if action == "delete" else ""
 
@@ -283,7 +291,7 @@ class Console:
                 raise Refused(403, "not logged in")
             return Response(303, b"", headers={"Location": "/console/login"})
         if req.method == "POST":
-            form = parse_qs((await req.read()).decode("utf-8", "replace"), max_num_fields=2000)
+            form = _form((await req.read()).decode("utf-8", "replace"), 2000)
             token = (form.get("csrf") or [""])[0] or None
             if not auth.csrf_ok(self.key, session, token):
                 log_event(
@@ -307,7 +315,7 @@ class Console:
             if not session.can_act:
                 raise Refused(403, f"{session.user} is a {session.role}: only operators act")
             return await self._post(tail, form, session)
-        query = parse_qs(req.query, max_num_fields=100)
+        query = _form(req.query, 100)
         return await self._get(tail, query, session)
 
     def _session(self, req: Request) -> auth.Session | None:
@@ -332,7 +340,7 @@ class Console:
         ip = anvil.client_key(req.peer)
         if self.failures.banned_until(ip, now) is not None:
             return self._html(429, login_page("too many failed logins from your address: wait"))
-        form = parse_qs((await req.read()).decode("utf-8", "replace"), max_num_fields=10)
+        form = _form((await req.read()).decode("utf-8", "replace"), 10)
         name = (form.get("name") or [""])[0][:64]
         password = (form.get("password") or [""])[0][:1024]
         user = await asyncio.to_thread(auth.check_login, self.users, name, password)
