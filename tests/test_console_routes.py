@@ -136,10 +136,11 @@ def test_csrf_roles_and_bulk_count(relay: RelayProcess) -> None:
     )
     assert status == 403 and "only operators act" in text
     assert len([m for m in relay.queue() if m["state"] == "held"]) == 3
-    # after logout the old cookie's session still verifies (stateless), but the browser
-    # dropped it: the response clears it
+    # logout clears the cookie, and the old cookie, replayed, no longer opens a session
     status, hdrs, _ = op.req("POST", "/console/logout", {"csrf": token})
     assert status == 303 and "Max-Age=0" in hdrs["set-cookie"]
+    status, hdrs, _ = op.req("GET", "/console/queue")
+    assert status == 303 and hdrs["location"] == "/console/login"
 
 
 def test_pages_escape_and_send_security_headers(relay: RelayProcess) -> None:
@@ -209,6 +210,17 @@ def test_without_users_loopback_reads_but_never_acts(tmp_path: Path) -> None:
             token = auth.csrf_token(con.key, auth.Session("local", "viewer", "anonymous", 0))
             body = urlencode({"action": "hold", "scope": "all", "csrf": token}).encode()
             r = await con.handle(Request("POST", "/console/queue/act", "", {}, body, "127.0.0.1"))
+            assert r.status == 403
+            # an operator's cookie signed while a users file was configured (same key)
+            # acts no more once it is gone
+            old = auth.new_session("olga", "operator", time.time())
+            cookie = {"cookie": f"{auth.COOKIE}={auth.sign_session(con.key, old)}"}
+            body = urlencode(
+                {"action": "hold", "scope": "all", "csrf": auth.csrf_token(con.key, old)}
+            ).encode()
+            r = await con.handle(
+                Request("POST", "/console/queue/act", "", cookie, body, "127.0.0.1")
+            )
             assert r.status == 403
         finally:
             writer.close()

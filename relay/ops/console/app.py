@@ -67,6 +67,7 @@ LOGIN_FAIL_DELAY = 1.0
 PAGE = 50
 REFRESH_SECONDS = 5
 OVERVIEW_CACHE = 4.0
+MAX_REVOKED = 10_000
 REASONS_SAMPLE = 10_000  # deferral reasons: of the newest deferred recipients only
 ROLLUP_EVERY = 60.0
 CSP = (
@@ -223,6 +224,7 @@ class Console:
         )
         self._prev: rollup.Sample | None = None
         self._overview_cache: tuple[float, dict[str, Any]] | None = None
+        self._revoked: dict[str, float] = {}  # session id -> expiry: logged out
         self._task: asyncio.Task[None] | None = None
 
     def install(self, server: HttpServer) -> None:
@@ -304,6 +306,13 @@ class Console:
                 )
                 raise Refused(403, "missing or wrong CSRF token: reload the page and try again")
             if tail == "logout":
+                # the cookie is dropped by the browser and its session refused here from
+                # now on (until a restart; it expires within SESSION_TTL anyway)
+                now = time.time()
+                self._revoked = {k: v for k, v in self._revoked.items() if v > now}
+                if len(self._revoked) < MAX_REVOKED:
+                    self._revoked[session.sid] = session.expires
+                log_event(log, logging.INFO, "console_logout", "console logout", user=session.user)
                 return Response(
                     303,
                     b"",
@@ -319,16 +328,18 @@ class Console:
         return await self._get(tail, query, session)
 
     def _session(self, req: Request) -> auth.Session | None:
+        if self.users is None:  # an operator's cookie from before the users file went: no
+            return ANONYMOUS
         value = auth.parse_cookies(req.headers.get("cookie", "")).get(auth.COOKIE)
         if value:
             s = auth.verify_session(self.key, value, time.time())
-            if s is not None and (
-                self.users is None
-                or ((u := self.users.get(s.user)) is not None and u.role == s.role)
+            if (
+                s is not None
+                and s.sid not in self._revoked
+                and (u := self.users.get(s.user)) is not None
+                and u.role == s.role
             ):
                 return s
-        if self.users is None:
-            return ANONYMOUS
         return None
 
     async def _login(self, req: Request) -> Response:
