@@ -185,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ah.add_argument("-u", "--user", help="print the whole `USER:hash` line")
 
-    ad = sub.add_parser("admin", help="the console's users").add_subparsers(dest="adcmd")
+    ad = sub.add_parser("admin", help="the console's users").add_subparsers(
+        dest="adcmd", required=True
+    )
     ap = ad.add_parser("passwd", parents=[common], help="a users_file line (password on stdin)")
     ap.add_argument("name")
     ap.add_argument("--role", choices=["viewer", "operator"], required=True)
