@@ -125,6 +125,12 @@ def test_csrf_roles_and_bulk_count(relay: RelayProcess) -> None:
     assert shown == done == len(held) == 3
     acts = [e for e in relay.events() if e.get("event") == "operator_action"]
     assert acts[-1]["msg"] == "hold" and acts[-1]["user"] == "olga"
+    # the overview counts what `relay stats` counts
+    _s, _h, text = op.req("GET", "/console/")
+    shown_states = {k: int(v) for k, v in re.findall(r'data-state="(\w+)">(\d+)<', text)}
+    by_state = relay.cli_json("stats")["recipients"]
+    assert shown_states["held"] == 3
+    assert shown_states == {k: by_state[k] for k in shown_states}
     # a viewer reads, but cannot act even with its own valid token
     v = Client(relay.admin_port)
     assert v.login("vic", PASSWORDS["vic"]) == 303

@@ -494,6 +494,7 @@ class Console:
             return res
 
         res = await self.writer.run(job)
+        self._overview_cache = None  # the next overview shows the change
         log_event(log, logging.INFO, "operator_action", action, **detail)
         return res
 
@@ -527,10 +528,10 @@ class Console:
             ["queued", "deferred", "held", "sending"],
             [
                 [
-                    str(st.get("pending", 0)),
-                    str(st.get("deferred", 0)),
-                    str(st.get("held", 0)),
-                    str(st.get("sending", 0)),
+                    f'<span data-state="pending">{st.get("pending", 0)}</span>',
+                    f'<span data-state="deferred">{st.get("deferred", 0)}</span>',
+                    f'<span data-state="held">{st.get("held", 0)}</span>',
+                    f'<span data-state="sending">{st.get("sending", 0)}</span>',
                 ]
             ],
             num=range(4),
