@@ -379,6 +379,18 @@ def test_rollup_and_every_page_on_both_backends(writer: SpoolWriter, tmp_path: P
                     assert b"Subject: &lt;hi&gt;" in r.body
             r = await con.handle(Request("GET", "/console/dead", "", cookie, None, "127.0.0.1"))
             assert b"b@example.org" in r.body and b"c@example.org" not in r.body
+            # the suppression search: a literal substring (_ and % are not wildcards)
+            for a in ("a_b@x.org", "axb@x.org", "100%@x.org"):
+                await writer.run(lambda c, a=a: ops.suppression_add(c, a, "r", now))
+            for needle, want, not_want in (
+                ("a_b", b"a_b@x.org", b"axb@x.org"),
+                ("0%", b"100%@x.org", b"a_b@x.org"),
+            ):
+                r = await con.handle(
+                    Request("GET", "/console/suppressions", f"q={needle}", cookie, None, "l")
+                )
+                assert want in r.body and not_want not in r.body, needle
+                assert b"1 of 3 entries" in r.body
         finally:
             await con.stop()
 

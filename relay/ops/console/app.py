@@ -68,6 +68,7 @@ PAGE = 50
 REFRESH_SECONDS = 5
 OVERVIEW_CACHE = 4.0
 MAX_REVOKED = 10_000
+SHOWN = 500  # suppressions on one page
 REASONS_SAMPLE = 10_000  # deferral reasons: of the newest deferred recipients only
 ROLLUP_EVERY = 60.0
 CSP = (
@@ -1031,11 +1032,29 @@ class Console:
 
     async def _suppressions_body(self, q: dict[str, list[str]], s: auth.Session) -> str:
         needle = (q.get("q") or [""])[0].strip().lower()[:320]
-        rows = await self.writer.read(ops.suppression_list)
-        hits = [r for r in rows if needle in r["address"]] if needle else rows
+        like = "%" + needle.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+        def read(c: sqlite3.Connection) -> tuple[int, int, list[dict[str, Any]]]:
+            # in SQL, the newest SHOWN first: a long list is never read whole for a page
+            total = int(c.execute("SELECT count(*) FROM suppression").fetchone()[0])
+            where = " WHERE address LIKE ? ESCAPE '\\'" if needle else ""
+            args = [like] if needle else []
+            n = int(c.execute(f"SELECT count(*) FROM suppression{where}", args).fetchone()[0])
+            rows = c.execute(
+                "SELECT address, scope, reason, created_at, source FROM suppression"
+                f"{where} ORDER BY created_at DESC LIMIT {SHOWN}",
+                args,
+            ).fetchall()
+            keys = ("address", "scope", "reason", "created_at", "source")
+            docs = [dict(zip(keys, r, strict=True)) for r in rows]
+            for d in docs:
+                d["scope"] = d["scope"] or "global"
+            return total, n, docs
+
+        total, found, hits = await self.writer.read(read)
         csrf = auth.csrf_token(self.key, s) if s.can_act else ""
         out_rows = []
-        for r in hits[:500]:
+        for r in hits:
             rm = ""
             if s.can_act:
                 scope = "" if r["scope"] == "global" else r["scope"]
@@ -1071,7 +1090,8 @@ class Console:
                 f'<label>Reason<input name="reason" required></label>'
                 f'<button type="submit">Add</button></form>'
             )
-        count = f'<p class="muted">{len(hits)} of {len(rows)} entries</p>'
+        shown = f", the newest {len(hits)} shown" if found > len(hits) else ""
+        count = f'<p class="muted">{found} of {total} entries{shown}</p>'
         return (
             search
             + add
