@@ -127,6 +127,7 @@ DEFAULTS: dict[str, Any] = {
         "queue_age_warning": "30m",
         "queue_age_critical": "4h",
         "stall_after": "10m",
+        "failing_after": "5m",
         "dead_letters_warning": 50,
     },
     "dsn": {"enabled": False, "from": None},
@@ -332,6 +333,10 @@ class _Reader:
         self.used: set[str] = set()
 
     def key(self, name: str) -> str:
+        # a key from the file is shown escaped: a control character in an unknown key must
+        # not break the one-error-a-line message (str.splitlines splits on \x1c-\x1e too)
+        if not name.isprintable():
+            name = name.encode("unicode_escape").decode("ascii")
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
@@ -394,6 +399,9 @@ class _Reader:
             v = credentials.expand(v, self.key(name))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # ENAMETOOLONG is an OSError that Path.is_file() raises instead of answering False
+        if len(os.fsencode(v)) >= 4096 or any(len(os.fsencode(c)) > 255 for c in v.split("/")):
+            raise ConfigError(f"{self.key(name)}: file name too long")
         return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
     def _misspelt(self, name: str) -> None:
@@ -645,6 +653,8 @@ class Health:
     queue_age_warning: float = 1800.0
     queue_age_critical: float = 4 * 3600.0
     stall_after: float = 600.0
+    # an upstream whose every attempt failed this long, no answer since: a warning
+    failing_after: float = 300.0
     dead_letters_warning: int = 50  # dead letters in the last hour
 
 
@@ -1192,6 +1202,10 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     """The config tree, or one ConfigError listing every error of the file (one a line):
     after an error the offending key is set aside (its default applies) and the file is
     read again, so errors in other places are found in the same run."""
+    # a NUL reaches no file name, host or header: os and socket calls raise ValueError on it
+    nul = [f"{k}: a NUL character is not allowed in a config value" for k in _nul_keys(data)]
+    if nul:
+        raise ConfigError("\n".join(nul))
     errors: list[str] = []
     current = copy.deepcopy(data)
     for _ in range(50):
@@ -1207,6 +1221,21 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
             break
         return config
     raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def _nul_keys(node: object, key: str = "") -> list[str]:
+    """The keys whose value (or name) holds a NUL character."""
+    if isinstance(node, str):
+        return [key or "config"] if "\x00" in node else []
+    out: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            out += _nul_keys(k, sub) + _nul_keys(v, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _nul_keys(v, f"{key}[{i}]")
+    return out
 
 
 def _set_aside(data: dict[str, Any], msg: str) -> bool:
@@ -1457,6 +1486,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         queue_age_warning=he.duration("queue_age_warning"),
         queue_age_critical=he.duration("queue_age_critical"),
         stall_after=he.duration("stall_after"),
+        failing_after=he.duration("failing_after"),
         dead_letters_warning=he.integer("dead_letters_warning", 1),
     )
     if health.disk_free_critical > health.disk_free_warning:
@@ -1576,9 +1606,33 @@ def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
         raise ConfigError("spool.dsn: required with spool.backend: postgresql")
     if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
         raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
+    _check_dsn_port(dsn)
     if password_file is not None and not password_file.is_file():
         raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
     return PgSpool(dsn, password_file)
+
+
+def _check_dsn_port(dsn: str) -> None:
+    """A DSN whose URL or port libpq could never use is a config error now, not a crash
+    of whatever reads it first (the message never shows the DSN: it may hold a password)."""
+    from urllib.parse import urlsplit
+
+    ports: list[str] = []
+    if dsn.startswith(("postgresql://", "postgres://")):
+        try:
+            netloc = urlsplit(dsn).netloc
+        except ValueError as e:
+            raise ConfigError(f"spool.dsn: not a valid URL ({e})") from None
+        # libpq's multi-host form: host1:5432,[::1]:5433
+        for hostport in netloc.rpartition("@")[2].split(","):
+            tail = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+            ports.append(tail.partition(":")[2])
+    else:
+        m = re.search(r"(?:^|\s)port\s*=\s*'?([^'\s]*)", dsn)
+        ports = m.group(1).split(",") if m else []
+    for p in ports:
+        if p and not (p.isascii() and p.isdigit() and 0 < int(p) < 65536):
+            raise ConfigError(f"spool.dsn: port {p!r} is not a number from 1 to 65535")
 
 
 def _listener(item: object, key: str, base: Path) -> Listener:
