@@ -187,13 +187,15 @@ def test_chart_points_scale() -> None:
     assert "t&lt;" in svg and "t<" not in svg
 
 
-def test_bulk_action_in_chunks(tmp_path: Path) -> None:
-    """All matching over a deep queue: held in one action, a statement per BULK_CHUNK ids
-    (PostgreSQL takes at most 65,535 parameters); every chunk counted."""
-    from relay.ops.console.app import Filters, bulk_action, select_ids
+def test_bulk_dry_run_counts_what_the_action_does(tmp_path: Path) -> None:
+    """The confirmation's dry run and the action are the CLI's ops.bulk over the same
+    selection: the same messages and recipients; a recipient filter selects that
+    recipient, never the other recipient of its message; 1,234 messages ("all matching"
+    over more ids than one statement takes)."""
+    from relay.ops.console.app import Filters, run_bulk
 
     conn = db.open_spool(tmp_path)
-    n = 1_234  # three chunks, the last one partial
+    n = 1_234
     with db.transaction(conn):
         conn.executemany(
             "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer,"
@@ -202,12 +204,26 @@ def test_bulk_action_in_chunks(tmp_path: Path) -> None:
         )
         conn.executemany(
             "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
-            " dedup_key, updated_at) VALUES (?, ?, 'example.org', 0, 'deferred', ?, 0)",
-            ((f"Q{i:06d}", f"u{i}@example.org", f"k{i}") for i in range(n)),
+            " dedup_key, updated_at) VALUES (?, ?, ?, 0, 'deferred', ?, 0)",
+            (
+                (f"Q{i:06d}", f"{who}{i % 7}@{dom}", dom, f"k{who}{i}")
+                for i in range(n)
+                for who, dom in (("u", "example.org"), ("v", "example.net"))
+            ),
         )
+    f = Filters(destination="example.org")
+    dry = run_bulk(conn, f, [], True, "hold", 1e9, dry_run=True)
+    assert len(dry.messages) == n and dry.recipients == n  # the .org recipient of each
     with db.transaction(conn):
-        ids = select_ids(conn, Filters(), [], True, "hold", 1e9)
-        assert len(ids) == n
-        assert bulk_action(conn, "hold", ids, 1e9) == (n, [])
-    assert conn.execute("SELECT count(*) FROM recipients WHERE state = 'held'").fetchone()[0] == n
+        done = run_bulk(conn, f, [], True, "hold", 1e9, dry_run=False)
+    assert (done.messages, done.recipients) == (dry.messages, dry.recipients)
+    held = conn.execute(
+        "SELECT destination, count(*) FROM recipients WHERE state = 'held' GROUP BY destination"
+    ).fetchall()
+    assert [tuple(r) for r in held] == [("example.org", n)]
+    one = Filters(recipient="u3@example.org")
+    dry = run_bulk(conn, one, [], True, "release", 1e9, dry_run=True)
+    with db.transaction(conn):
+        done = run_bulk(conn, one, [], True, "release", 1e9, dry_run=False)
+    assert done.recipients == dry.recipients == len([i for i in range(n) if i % 7 == 3])
     conn.close()

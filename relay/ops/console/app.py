@@ -144,33 +144,35 @@ class Filters:
         }
 
 
-def select_ids(
-    conn: sqlite3.Connection, f: Filters, ids: list[str], every: bool, action: str, now: float
-) -> list[str]:
-    """The messages a bulk action takes: every one matching `f`, or the chosen ids that
-    exist. The confirmation page counts this; the action runs it again in its own job."""
+def run_bulk(
+    conn: sqlite3.Connection,
+    f: Filters,
+    ids: list[str],
+    every: bool,
+    action: str,
+    now: float,
+    *,
+    dry_run: bool,
+) -> ops.BulkResult:
+    """One queue action as the CLI's `queue <action> --all`/IDs runs it: the messages the
+    filters select (or the chosen ids that exist), then `ops.bulk` over their recipients,
+    where the recipient and destination filters select recipients (never the other
+    recipients of the same message). The confirmation page runs it dry (the same WHERE as a
+    SELECT), the action for real in its own job: the counts are the same unless the queue
+    changed in between."""
     if every:
-        return [m["id"] for m in ops.iter_messages(conn, **f.kwargs(now, action))]
-    return ops.existing_ids(conn, ids[:1000])
-
-
-BULK_CHUNK = 500  # ids per statement: PostgreSQL takes at most 65,535 parameters
-
-
-def bulk_action(
-    conn: sqlite3.Connection, action: str, ids: list[str], now: float
-) -> tuple[int, list[str]]:
-    """(recipients changed, body paths to delete) of one queue action on `ids`, a chunk
-    of ids per statement ("all matching" may be every message of a deep queue)."""
-    if action == "delete":
-        return len(ids), ops.delete_messages(conn, ids)
-    fn = {"hold": ops.hold, "release": ops.release, "retry": ops.retry}.get(action)
-    if fn is None:
-        raise ValueError(action)
-    n = 0
-    for i in range(0, len(ids), BULK_CHUNK):
-        n += fn(conn, ids[i : i + BULK_CHUNK], now)
-    return n, []
+        target = [m["id"] for m in ops.iter_messages(conn, **f.kwargs(now, action))]
+    else:
+        target = ops.existing_ids(conn, ids[:1000])
+    return ops.bulk(
+        conn,
+        action,
+        target,
+        now,
+        recipient=(f.recipient or None) if every else None,
+        domain=(f.destination or None) if every else None,
+        dry_run=dry_run,
+    )
 
 
 def _form(text: str, most: int) -> dict[str, list[str]]:
@@ -179,6 +181,10 @@ def _form(text: str, most: int) -> dict[str, list[str]]:
         return parse_qs(text, max_num_fields=most)
     except ValueError:
         raise Refused(400, f"more than {most} form fields") from None
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 def _danger(action: str) -> str:
@@ -746,8 +752,10 @@ class Console:
     async def _queue_confirm(self, form: dict[str, list[str]], s: auth.Session) -> str:
         action, f, ids, every = self._selection(form)
         now = time.time()
-        found = await self.writer.read(lambda c: select_ids(c, f, ids, every, action, now))
-        n = len(found)
+        res = await self.writer.read(
+            lambda c: run_bulk(c, f, ids, every, action, now, dry_run=True)
+        )
+        n, r = len(res.messages), res.recipients
         what = (
             "all messages matching "
             + h(
@@ -760,18 +768,22 @@ class Console:
         fields: dict[str, Any] = {
             "action": action,
             "scope": "all" if every else "selected",
-            "expect": n,
+            "expect": f"{n}/{r}",
             **f.query(),
         }
         inner = "".join(hidden("id", i) for i in ([] if every else ids))
         csrf = auth.csrf_token(self.key, s)
+        gone = (
+            f", removing {res.removed} message{_s(res.removed)} whole" if action == "delete" else ""
+        )
         return (
-            f'<p class="banner">{h(action.capitalize())} <strong id="dry-run-count">{n}</strong>'
-            f" message{'' if n == 1 else 's'}: {what}.</p>"
+            f'<p class="banner">{h(action.capitalize())}: <strong id="dry-run-count">{n}</strong>'
+            f' message{_s(n)} (<span id="dry-run-recipients">{r}</span> recipient{_s(r)}'
+            f"{gone}) of {what}.</p>"
             f'<form method="post" action="/console/queue/act">{hidden("csrf", csrf)}'
             + "".join(hidden(k, v) for k, v in fields.items())
             + f'{inner}<div class="actions"><button type="submit"{_danger(action)}>'
-            + f"{h(action.capitalize())} {n} message{'' if n == 1 else 's'}</button> "
+            + f"{h(action.capitalize())} {r} recipient{_s(r)}</button> "
             + link(url("queue", **f.query()), "Cancel")
             + "</div></form>"
         )
@@ -781,21 +793,26 @@ class Console:
         now = time.time()
         expect = (form.get("expect") or [""])[0]
 
-        def fn(c: sqlite3.Connection) -> tuple[int, list[str], list[str]]:
-            found = select_ids(c, f, ids, every, action, now)
-            _changed, paths = bulk_action(c, action, found, now)
-            return len(found), found, paths
+        def fn(c: sqlite3.Connection) -> tuple[int, ops.BulkResult]:
+            res = run_bulk(c, f, ids, every, action, now, dry_run=False)
+            return res.recipients, res
 
         detail = {"ids": ids[:100], "all": every, "filters": f.query()}
-        n, _found, paths = await self._act(s, action, detail, fn)
-        if paths:
-            await asyncio.to_thread(bodies.delete_bodies, self.spool_dir, paths)
+        _n, res = await self._act(s, action, detail, fn)
+        if res.paths:
+            await asyncio.to_thread(bodies.delete_bodies, self.spool_dir, list(res.paths))
+        n, r = len(res.messages), res.recipients
         note = ""
-        if expect.isdigit() and int(expect) != n:
-            note = f" (the confirmation counted {h(expect)}: the queue changed in between)"
+        if expect and expect != f"{n}/{r}":
+            note = (
+                f" (the confirmation counted {h(expect.replace('/', ' messages, '))}"
+                " recipients: the queue changed in between)"
+            )
+        gone = f"; {res.removed} message{_s(res.removed)} removed whole" if res.removed else ""
         return (
             f'<p class="banner">{h(action)}: <strong id="action-count">{n}</strong>'
-            f" message{'' if n == 1 else 's'} changed{note}.</p>"
+            f' message{_s(n)}, <span id="action-recipients">{r}</span> recipient{_s(r)}'
+            f" changed{gone}{note}.</p>"
             f"<p>{link(url('queue', **f.query()), 'Back to the queue')}</p>"
         )
 
