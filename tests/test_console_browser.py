@@ -102,8 +102,12 @@ def test_release_a_held_message_and_the_chart(relay: RelayProcess, browser: Any)
     assert page.locator("#action-count").inner_text() == "1"
     state = {m["id"]: m["state"] for m in relay.queue()}[qid]
     assert state != "held"  # the CLI agrees
-    acts = [e for e in relay.events() if e.get("event") == "operator_action"]
-    assert acts[-1]["msg"] == "release" and acts[-1]["user"] == "olga"
+
+    def released() -> bool:  # the daemon's log line may reach its file a moment later
+        acts = [e for e in relay.events() if e.get("event") == "operator_action"]
+        return bool(acts) and acts[-1]["msg"] == "release" and acts[-1]["user"] == "olga"
+
+    relay.wait_until(released, timeout=10, what="the release logged as olga's action")
     page.context.close()
 
 
