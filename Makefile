@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint typecheck bench fuzz coverage mutate clean install docs
+.PHONY: run test test-tools screenshots lint typecheck bench fuzz coverage mutate clean install docs
 
 # The bootstrap runs under a lock, and checks again once it holds it: `make run` and
 # `make test` started together on a fresh clone install once, the second waits.
@@ -21,11 +21,32 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/relay serve -c conf/relay.yaml
 
-test: $(STAMP)
+# The console's browser tests need Debian's chromium, the alert rules' check promtool (in
+# the prometheus package), the man pages' check groff (groff-base): installed here when
+# absent and we are root (CI); otherwise, or when apt cannot, those tests skip and print why.
+test-tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v groff >/dev/null || missing="$$missing groff-base"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "make test: installing$$missing (apt)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing; } >/dev/null 2>&1 \
+	      || echo "make test: could not install$$missing: those tests skip"; \
+	  else echo "make test:$$missing absent and not root: those tests skip"; fi; \
+	fi
+
+test: $(STAMP) test-tools
 	$(BIN)/ruff check relay tests bench
 	$(BIN)/ruff format --check relay tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+
+# A PNG of each console page into docs/console/ (README "Console"): a daemon with demo mail,
+# driven by Debian's chromium (tests/console_screenshots.py).
+screenshots: $(STAMP) test-tools
+	$(BIN)/python -m tests.console_screenshots docs/console
 
 # A longer run of the fuzzers: the inbound dialogue (tests/test_fuzz_inbound.py; `make test`
 # runs 150 examples) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in

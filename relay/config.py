@@ -133,7 +133,13 @@ DEFAULTS: dict[str, Any] = {
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
     # each HTTP listener's connection bounds (relay/ops/http.py)
-    "admin": {"listen": "127.0.0.1:9025", "max_connections": 256, "max_connections_per_ip": 32},
+    "admin": {
+        "listen": "127.0.0.1:9025",
+        "max_connections": 256,
+        "max_connections_per_ip": 32,
+        "console": True,  # relay/ops/console: on a non-loopback listen it needs users_file
+        "users_file": None,
+    },
     "dkim": {},
     "feedback": {
         "listen": None,
@@ -1016,6 +1022,8 @@ class Config:
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
     maildrop_path: Path | None = None  # spool.maildrop; None: <spool_path>/maildrop
     admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
+    admin_console: bool = True  # admin.console: the operator console (relay/ops/console)
+    admin_users_file: Path | None = None  # admin.users_file: the console's users
     hostname_set: bool = True  # False: `hostname` unset, the system's name (getfqdn) used
 
     def maildrop_dir(self) -> Path:
@@ -1521,6 +1529,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     admin_addr = ad.opt_str("listen")
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
     admin_http = _http_bounds(ad)
+    admin_console, admin_users_file = _console_access(ad, admin_listen, base_dir)
     ad.finish()
 
     feedback = _feedback(top.get("feedback"), base_dir)
@@ -1564,6 +1573,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         dsn=dsn,
         admin_listen=admin_listen,
         admin_http=admin_http,
+        admin_console=admin_console,
+        admin_users_file=admin_users_file,
         log=log,
         shutdown_timeout=shutdown_timeout,
         raw=merged,
@@ -1896,3 +1907,33 @@ def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
         )
     r.finish()
     return UnsubscribeConf(url=url, mailto=mailto, secret=secret)
+
+
+def _console_access(
+    ad: _Reader, listen: tuple[str, int] | None, base: Path
+) -> tuple[bool, Path | None]:
+    """admin.console and admin.users_file: the console is open (read-only, no login) only
+    on a loopback listener; elsewhere it needs users (relay/ops/console/auth.py)."""
+    import ipaddress
+
+    from relay.ops.console.auth import UsersFileError, load_users
+
+    on = ad.boolean("console")
+    path = ad.path_("users_file", base) if ad.get("users_file") else None
+    if path is not None:
+        try:
+            load_users(path)
+        except UsersFileError as e:
+            raise ConfigError(f"admin.users_file: {e}") from None
+    if on and listen is not None and path is None:
+        try:
+            loopback = ipaddress.ip_address(listen[0].strip("[]")).is_loopback
+        except ValueError:
+            loopback = listen[0] == "localhost"
+        if not loopback:
+            raise ConfigError(
+                f"admin.listen {listen[0]} is not loopback: the console there needs"
+                " admin.users_file (`relay admin passwd NAME --role operator`), or set"
+                " admin.console: false"
+            )
+    return on, path

@@ -261,6 +261,8 @@ class Daemon:
                     fb.max_body,
                 ),
             )
+            if self.config.admin_console:  # README "Console"
+                self.admin.add_console(self.config.admin_users_file, self.config.spool_path)
             # the feedback endpoints share the admin listener unless they have their own
             if fb.listen is None:
                 self._public_routes(self.admin.http)

@@ -60,6 +60,7 @@ from relay import auth as auth_
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.dataflow import DataParser, DataState
+from relay.feedback import bounces
 from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard, is_allowed
 from relay.lanes import LANE_PRIORITY, classify_lane
@@ -793,14 +794,23 @@ class InboundHandler(AuthMechanisms):
             fb = [r for r in rcpts if self.feedback.is_feedback_rcpt(r)]
             if fb:
                 try:
-                    data = await asyncio.to_thread(_whole, incoming)
+                    # read no more than is parsed or stored (an outsider's 20 MiB mail to
+                    # the feedback address is never held in memory whole)
+                    conf = self.feedback.config().feedback
+                    data = await asyncio.to_thread(
+                        _head_of, incoming, max(bounces.MAX_PARSE, conf.mail_max_stored)
+                    )
                     unsub = [r for r in fb if self.feedback.is_unsubscribe_rcpt(r)]
                     if unsub:
                         await self.feedback.unsubscribe_mail(data, peer=peer_ip, sender=sender)
                     bounce_rcpts = [r for r in fb if r not in unsub]
                     if bounce_rcpts:
                         await self.feedback.mail(
-                            data, peer=peer_ip, sender=sender, rcpts=bounce_rcpts
+                            data,
+                            peer=peer_ip,
+                            sender=sender,
+                            rcpts=bounce_rcpts,
+                            size=incoming.size,
                         )
                 except (SpoolError, OSError, sqlite3.Error) as e:
                     incoming.discard()
@@ -1104,10 +1114,14 @@ IDEMPOTENCY_KEY = "Idempotency-Key"
 REUSED = "message_id_reused"  # the log event and alert of a Message-ID reused (README "Dedup")
 
 
-def _whole(incoming: IncomingBody) -> bytes:
-    """The message as received (feedback mail is read whole; it is bounded by the size limit)."""
+def _head_of(incoming: IncomingBody, limit: int) -> bytes:
+    """The first `limit` octets of the message as received (feedback and unsubscribe mail:
+    what the parser reads and the store keeps, never a whole large body in memory)."""
     path = incoming.tmp_path
-    return incoming.inline() if path is None else path.read_bytes()
+    if path is None:
+        return incoming.inline()[:limit]
+    with path.open("rb") as f:
+        return f.read(limit)
 
 
 def _storable(text: str) -> str:
