@@ -86,6 +86,7 @@ mutate: $(STAMP)
 # its internal links and #anchors checked (tests/doccheck.py). The docs extra is part of the
 # test extra, so $(STAMP) installs MkDocs.
 docs: $(STAMP)
+	@[ -x $(BIN)/mkdocs ] || $(BIN)/pip install -q -e ".[docs]"
 	$(BIN)/python -m relay.docsgen
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 	$(BIN)/python -m tests.doccheck site

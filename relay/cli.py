@@ -39,7 +39,11 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relay", description="Local SMTP relay: daemon and CLI")
+    p = argparse.ArgumentParser(
+        prog="relay",
+        description="Local SMTP relay: daemon and CLI",
+        epilog="`relay COMMAND --help` for a command's options; man 8 relay for them all.",
+    )
     p.add_argument("--version", action="version", version=f"relay {__version__}")
     # -c and --json work before the verb (`relay -c FILE queue list`) and after it: the
     # verb's copies default to SUPPRESS so they never overwrite what was given before it
@@ -57,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 
     sub.add_parser("serve", parents=[common], help="run the daemon in the foreground")
     sub.add_parser(
