@@ -115,7 +115,7 @@ def _type_of(value: Any) -> str:
         if value.endswith("%"):
             return "percent"
         return "string"
-    return "string"  # None: unset; the meaning says what it takes
+    return ""  # None: the type comes from meanings.yaml's config_types
 
 
 def _default_text(value: Any) -> str:
@@ -158,18 +158,22 @@ def config_keys() -> Iterator[tuple[str, Any]]:
 def config_rows(meanings: dict[str, Any] | None = None) -> list[ConfigRow]:
     m = meanings if meanings is not None else load_meanings()
     table: dict[str, str] = m.get("config") or {}
+    types: dict[str, str] = m.get("config_types") or {}
     extra: dict[str, list[str]] = m.get("config_extra") or {}
     rows = []
     missing = []
     for key, default in config_keys():
         meaning = table.get(key, "").strip()
-        if not meaning:
+        typ = types.get(key) or ("" if default is None else _type_of(default))
+        if not meaning or not typ:
             missing.append(key)
-        rows.append(ConfigRow(key, _type_of(default), _default_text(default), meaning))
+        rows.append(ConfigRow(key, typ, _default_text(default), meaning))
     for key, (typ, meaning) in extra.items():
         rows.append(ConfigRow(key, typ, "(unset)", meaning))
     if missing:
-        raise MissingMeaning("config keys without a meaning: " + ", ".join(missing))
+        raise MissingMeaning(
+            "config keys without a meaning (or, default null, a type): " + ", ".join(missing)
+        )
     return rows
 
 
@@ -177,6 +181,7 @@ def stale_config_meanings(meanings: dict[str, Any]) -> list[str]:
     """Meanings of keys the code no longer has (config_extra: a key never read)."""
     known = {k for k, _ in config_keys()}
     stale = [k for k in (meanings.get("config") or {}) if k not in known]
+    stale += [k for k in (meanings.get("config_types") or {}) if k not in known]
     source = (ROOT / "relay" / "config.py").read_text(encoding="utf-8")
     for key in meanings.get("config_extra") or {}:
         if f'"{key.split(".")[-1].removeprefix("listen[]")}"' not in source:

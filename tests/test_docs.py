@@ -116,6 +116,11 @@ def test_a_config_key_without_a_meaning_fails() -> None:
         docsgen.config_rows(_without("config", "spool.retention"))
 
 
+def test_a_null_default_without_a_type_fails() -> None:
+    with pytest.raises(docsgen.MissingMeaning, match=r"dsn\.from"):
+        docsgen.config_rows(_without("config_types", "dsn.from"))
+
+
 def test_a_log_event_without_a_meaning_fails() -> None:
     with pytest.raises(docsgen.MissingMeaning, match="dead_letter"):
         docsgen.log_events(_without("events", "dead_letter"))
@@ -156,6 +161,7 @@ def test_every_config_key_of_the_code_is_in_the_reference() -> None:
         "128KiB",
     )
     assert by_key["retry.max_age"].type == "duration"
+    assert by_key["destinations.<name>.daily_limit"].type == "integer"  # null default
 
 
 def test_no_meaning_names_what_the_code_no_longer_has() -> None:
