@@ -191,8 +191,9 @@ def test_every_metric_is_in_the_reference() -> None:
 def test_replies_table_has_what_clients_are_told() -> None:
     rows = docsgen.smtp_replies()
     text = {f"{r.code} {r.text}" for r in rows}
-    assert "451 4.3.0 Spool unavailable; message not accepted, try again later" in text
-    assert "554 5.7.1 Relay access denied: authenticate or connect from an allowed network" in text
+    # the replies CONTRACT.md fixes (their texts may change, their codes may not)
+    for fixed in ("451 4.3.0 ", "452 4.3.1 ", "554 5.7.1 "):
+        assert any(t.startswith(fixed) and len(t) > len(fixed) for t in text), fixed
     assert all(re.fullmatch(r"[245]\d\d", r.code) for r in rows)
     # the samples of upstream replies that relay/upstream_ids.py recognises are not ours
     assert not any("relay/upstream_ids.py" in r.files for r in rows)
