@@ -162,14 +162,21 @@ def config_rows(meanings: dict[str, Any] | None = None) -> list[ConfigRow]:
     extra: dict[str, list[str]] = m.get("config_extra") or {}
     rows = []
     missing = []
-    for key, default in config_keys():
-        meaning = table.get(key, "").strip()
-        typ = types.get(key) or ("" if default is None else _type_of(default))
+    known = dict(config_keys())
+    for key, default in known.items():
+        # a key that moved from config_extra into DEFAULTS keeps its meaning and type
+        meaning = (table.get(key) or extra.get(key, ["", ""])[1]).strip()
+        typ = (
+            types.get(key)
+            or ("" if default is None else _type_of(default))
+            or extra.get(key, [""])[0]
+        )
         if not meaning or not typ:
             missing.append(key)
         rows.append(ConfigRow(key, typ, _default_text(default), meaning))
     for key, (typ, meaning) in extra.items():
-        rows.append(ConfigRow(key, typ, "(unset)", meaning))
+        if key not in known:
+            rows.append(ConfigRow(key, typ, "(unset)", meaning))
     if missing:
         raise MissingMeaning(
             "config keys without a meaning (or, default null, a type): " + ", ".join(missing)
