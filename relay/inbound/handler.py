@@ -80,7 +80,7 @@ from relay.spool import bodies, ops
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolError, SpoolWriter
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("relay.inbound")  # the name its log lines have always carried
 
 # Enhanced status codes (RFC 3463, advertised per RFC 2034) for aiosmtpd's built-in replies,
 # which carry none.
