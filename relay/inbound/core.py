@@ -310,9 +310,10 @@ class BareNewline(Event):
 @dataclass(frozen=True, slots=True)
 class Closed(Event):
     """The core closed the session with its last reply (221, 421); `reason` for the logs:
-    quit, max_errors, bogus, 421 (a 421 we were told to send)."""
+    quit, max_errors, bogus, 421 (a 421 we were told to send, `reply`)."""
 
     reason: str
+    reply: str = ""
 
 
 # --- the core -------------------------------------------------------------------------------
@@ -380,7 +381,7 @@ class ServerCore:
             status = "552 5.3.4 Message size exceeds fixed maximum message size"
         self._out.append(status.encode("utf-8", "surrogateescape") + b"\r\n")
         if status.startswith("421"):  # §3.8: a 421 closes the channel
-            self._close("421")
+            self._close("421", status)
             return
         if resets_errors(status):
             self.errors = 0
@@ -391,10 +392,10 @@ class ServerCore:
                 self._out.append(b"\r\n")
                 self._close("max_errors")
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, reply: str = "") -> None:
         if self.state is not State.CLOSED:
             self.state = State.CLOSED
-            self._events.append(Closed(reason))
+            self._events.append(Closed(reason, reply))
         self._in.clear()
 
     def close(self) -> None:
@@ -762,7 +763,7 @@ class ServerCore:
             # as Postfix's myorigin
             path = address_.Path(f"{path.address}@{self.settings.local_domain}", path.params)
         if null_ok and self._txn.mail:
-            self._say("503 Error: nested MAIL command")
+            self._say("503 5.5.1 Error: nested MAIL command")
             return None
         options = path.params.upper().split()
         params = _getparams(options)
@@ -803,7 +804,7 @@ class ServerCore:
         if self._helo_needed():
             return
         if not self._txn.mail:
-            self._say("503 Error: need MAIL command")
+            self._say("503 5.5.1 Error: need MAIL command")
             return
         got = self._path(arg, "TO:", null_ok=False, bad="501 5.1.3 Bad recipient address syntax")
         if got is None:
@@ -818,7 +819,7 @@ class ServerCore:
         if self._helo_needed():
             return
         if not self._txn.rcpt:
-            self._say("503 Error: need RCPT command")
+            self._say("503 5.5.1 Error: need RCPT command")
             return
         if arg:
             self._say("501 Syntax: DATA")

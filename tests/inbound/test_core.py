@@ -213,13 +213,13 @@ ROWS: list[tuple[str, dict[str, Any], bytes, list[str]]] = [
         "RCPT before MAIL",
         {},
         EHLO[:0] + b"HELO x\r\nRCPT TO:<a@b.c>\r\n",
-        ["250 2.0.0 relay.test", "503 5.5.1 need MAIL command"],
+        ["250 2.0.0 relay.test", "503 5.5.1 Error: need MAIL command"],
     ),
     (
         "DATA before RCPT",
         {},
         b"HELO x\r\nMAIL FROM:<>\r\nDATA\r\n",
-        ["250 2.0.0 relay.test", "250 2.1.0 OK", "503 5.5.1 need RCPT command"],
+        ["250 2.0.0 relay.test", "250 2.1.0 OK", "503 5.5.1 Error: need RCPT command"],
     ),
     (
         "DATA with an argument",
@@ -231,13 +231,18 @@ ROWS: list[tuple[str, dict[str, Any], bytes, list[str]]] = [
         "nested MAIL",
         {},
         b"HELO x\r\nMAIL FROM:<>\r\nMAIL FROM:<>\r\n",
-        ["250 2.0.0 relay.test", "250 2.1.0 OK", "503 5.5.1 nested MAIL command"],
+        ["250 2.0.0 relay.test", "250 2.1.0 OK", "503 5.5.1 Error: nested MAIL command"],
     ),
     (
         "RSET ends the transaction",
         {},
         b"HELO x\r\nMAIL FROM:<>\r\nRSET\r\nRCPT TO:<a@b.c>\r\n",
-        ["250 2.0.0 relay.test", "250 2.1.0 OK", "250 2.0.0 OK", "503 5.5.1 need MAIL command"],
+        [
+            "250 2.0.0 relay.test",
+            "250 2.1.0 OK",
+            "250 2.0.0 OK",
+            "503 5.5.1 Error: need MAIL command",
+        ],
     ),
     ("RSET with an argument", {}, b"RSET x\r\n", ["501 5.5.4 Syntax: RSET"]),
     ("QUIT with an argument", {}, b"QUIT x\r\n", ["501 5.5.4 Syntax: QUIT"]),
@@ -449,7 +454,7 @@ def test_a_refused_mail_starts_no_transaction() -> None:
         EHLO + b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\n",
         lambda e: "451 4.3.0 no" if isinstance(e, Mail) else default_answer(e),
     )
-    assert lines[-2:] == ["451 4.3.0 no", "503 5.5.1 need MAIL command"]
+    assert lines[-2:] == ["451 4.3.0 no", "503 5.5.1 Error: need MAIL command"]
 
 
 def test_mail_gets_36_more_octets_after_ehlo() -> None:
@@ -500,7 +505,7 @@ def test_data_over_a_limit_is_refused_by_the_core(
     end = [e for e in events if isinstance(e, DataEnd)]
     assert len(end) == 1 and end[0].refusal is not None and not end[0].needs_reply
     assert lines[-2].startswith(refusal)
-    assert lines[-1] == "503 5.5.1 need MAIL command"  # the transaction is over
+    assert lines[-1] == "503 5.5.1 Error: need MAIL command"  # the transaction is over
 
 
 def test_the_accept_decision_ends_the_transaction_whatever_it_says() -> None:
@@ -510,7 +515,7 @@ def test_the_accept_decision_ends_the_transaction_whatever_it_says() -> None:
         TXN + b".\r\nDATA\r\n",
         lambda e: "451 4.3.0 later" if isinstance(e, DataEnd) else default_answer(e),
     )
-    assert lines[-2:] == ["451 4.3.0 later", "503 5.5.1 need RCPT command"]
+    assert lines[-2:] == ["451 4.3.0 later", "503 5.5.1 Error: need RCPT command"]
 
 
 def test_pipelined_replies_come_out_in_order_in_one_buffer() -> None:
@@ -611,7 +616,8 @@ def test_a_421_decision_closes() -> None:
         ),
     )
     assert lines[-1] == "421 4.7.0 too many authentication failures"
-    assert c.state is State.CLOSED and events[-1] == Closed("421")
+    assert c.state is State.CLOSED
+    assert events[-1] == Closed("421", "421 4.7.0 too many authentication failures")
 
 
 # --- AUTH exchanges -------------------------------------------------------------------------
