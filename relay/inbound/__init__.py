@@ -5,9 +5,8 @@ The names the rest of the code (and the tests) import from `relay.inbound` are r
 here, so `relay.inbound` reads as it did when it was one module.
 """
 
+from relay.inbound.core import _HAS_ENHANCED, with_enhanced
 from relay.inbound.handler import (
-    _HAS_ENHANCED,
-    DATA_BLOCK,
     IDEMPOTENCY_KEY,
     InboundHandler,
     InboundStats,
@@ -20,11 +19,9 @@ from relay.inbound.handler import (
     _valid_domain,
     _whole,
     _with_protocol,
-    with_enhanced,
 )
 
 __all__ = [
-    "DATA_BLOCK",
     "IDEMPOTENCY_KEY",
     "_HAS_ENHANCED",
     "InboundHandler",

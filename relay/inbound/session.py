@@ -1,23 +1,15 @@
 """What one SMTP connection knows, as InboundHandler's decisions read it: the session (peer,
 EHLO name, TLS, authentication) and the envelope of the transaction in progress.
 
-The attribute names are aiosmtpd's (Session, Envelope, AuthResult), which InboundHandler and
-relay/auth_mechanisms.py were written against; they are plain records here, filled in by
-relay/inbound/transport.py from the core's events.
+The attribute names are aiosmtpd's, which InboundHandler and relay/auth_mechanisms.py were
+written against; they are plain records here, filled in by relay/inbound/transport.py from
+the core's events.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "MISSING"
-
-
-MISSING: Any = _Missing()  # no answer to an AUTH challenge (cancelled, bad base64, too long)
 
 
 @dataclass(slots=True)
@@ -38,17 +30,6 @@ class Envelope:
     smtp_utf8: bool = False
     rcpt_tos: list[str] = field(default_factory=list)
     rcpt_options: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AuthResult:
-    """The end of an AUTH mechanism (RFC 4954 §4): `success`; else `handled` (the reply is
-    out already) or `message` (the reply to send; `535 5.7.8` when None)."""
-
-    success: bool
-    handled: bool = True
-    message: str | None = None
-    auth_data: Any = None
 
 
 class TLSSetupException(Exception):

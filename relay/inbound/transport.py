@@ -36,9 +36,10 @@ from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 from relay import longlines
+from relay.auth_mechanisms import MISSING
 from relay.guard import is_allowed
 from relay.inbound import core as core_
-from relay.inbound.session import Envelope, Session
+from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.logs import log_event
 from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch
 from relay.spool.incoming import IncomingBody
@@ -306,9 +307,8 @@ class InboundProtocol(asyncio.Protocol):
     def _on_event(self, ev: core_.Event) -> None:
         h = self.handler
         core = self.core
-        # the handler's hooks name aiosmtpd's types until the daemon is switched (same shape)
-        session: Any = self.session
-        server: Any = self
+        session = self.session
+        server = self
         assert core is not None and session is not None
         if isinstance(ev, core_.Mail):
             self._touch()
@@ -475,12 +475,12 @@ class InboundProtocol(asyncio.Protocol):
             core.reply(self.handler.spool_failed("-", self._store_error))
             self._store_error = None
             return
-        session: Any = self.session
+        session = self.session
         assert session is not None
         self._decide(
             self.handler.accept_stream(
                 session,
-                cast(Any, envelope),
+                envelope,
                 incoming,
                 ev.nuls,
                 long_lines=ev.longest > longlines.MAX_LINE,
@@ -517,9 +517,7 @@ class InboundProtocol(asyncio.Protocol):
         self._watch.awaiting_command()
 
     def _tls_failed(self, error: BaseException) -> None:
-        from relay.inbound import handler as handler_mod  # its TLSSetupException type
-
-        exc = handler_mod.TLSSetupException()  # type: ignore[attr-defined]
+        exc = TLSSetupException()
         exc.__cause__ = error
         try:
             coro = self.handler.handle_exception(exc)
@@ -541,8 +539,6 @@ class InboundProtocol(asyncio.Protocol):
     ) -> Any:
         """`334 <base64>` and the client's decoded answer, or MISSING (the core answered
         a cancel, bad base64 or a line too long)."""
-        from relay import auth_mechanisms
-
         core = self.core
         assert core is not None
         data = challenge.encode() if isinstance(challenge, str) else challenge
@@ -553,7 +549,7 @@ class InboundProtocol(asyncio.Protocol):
         self._resume_reading()
         self._pump()  # an answer may be buffered already (pipelined)
         blob = await waiter
-        return auth_mechanisms.MISSING if blob is None else blob  # type: ignore[attr-defined]
+        return MISSING if blob is None else blob
 
     async def push(self, status: str | bytes) -> None:
         """A reply from an AUTH mechanism before it returns (`501 ...`): the exchange's end."""
@@ -568,7 +564,7 @@ class InboundProtocol(asyncio.Protocol):
         args = [ev.mechanism] if ev.initial is None else [ev.mechanism, ev.initial]
         self._auth_pushed = None
         try:
-            result = await method(cast(Any, self), args)
+            result = await method(self, args)
         except Exception as e:
             self._auth_waiter = None
             if core.state is core_.State.DECIDE:

@@ -543,7 +543,15 @@ def test_pipelined_replies_come_out_in_order_in_one_buffer() -> None:
 
 @pytest.mark.parametrize(
     "line",
-    [b"NOOP\n", b"NOOP\r\r\n", b"NO\rOP\r\n", b"MAIL FROM:<a@b.example>\n", b"\n"],
+    [
+        b"NOOP\n",
+        b"NOOP\r\r\n",
+        b"NO\rOP\r\n",
+        b"MAIL FROM:<a@b.example>\n",
+        b"\n",
+        b"RCPT TO:<a@b.c\n>\r\n",  # the rows of the strict reader's tests (smtpd_adapter)
+        b"MAIL FROM:<a\rb@c.d>\r\n",
+    ],
 )
 def test_a_command_line_with_a_bare_cr_or_lf_is_never_acted_on(line: bytes) -> None:
     c = session()
@@ -717,3 +725,12 @@ def test_closed_reads_nothing() -> None:
     converse(c, b"QUIT\r\n")
     c.receive_data(b"NOOP\r\n")
     assert c.next_event() is PAUSED and c.data_to_send() == b""
+
+
+def test_the_tail_of_a_line_too_long_to_keep_is_dropped_unchecked_and_the_session_goes_on() -> None:
+    c = session(max_line=50)
+    lines, events = converse(c, b"NOOP " + b"x" * 60)
+    assert lines == [] and c.state is State.COMMAND
+    lines, events = converse(c, b"x" * 100 + b"\r\nQUIT\r\n")
+    assert lines == ["500 5.5.2 Command line too long", "221 2.0.0 Bye"]
+    assert not any(isinstance(e, BareNewline) for e in events)
