@@ -175,7 +175,7 @@ class ProtocolStateError(RuntimeError):
     """The caller did something the state table does not allow (our bug, not the client's)."""
 
 
-class _Sentinel:
+class Sentinel:
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -183,8 +183,8 @@ class _Sentinel:
         return self.name
 
 
-NEED_DATA = _Sentinel("NEED_DATA")  # nothing complete in the buffer
-PAUSED = _Sentinel("PAUSED")  # waiting for a reply, for TLS, or closed
+NEED_DATA = Sentinel("NEED_DATA")  # nothing complete in the buffer
+PAUSED = Sentinel("PAUSED")  # waiting for a reply, for TLS, or closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,7 +486,7 @@ class ServerCore:
     def eof(self) -> bool:
         return self._eof
 
-    def next_event(self) -> Event | _Sentinel:
+    def next_event(self) -> Event | Sentinel:
         """The next event; NEED_DATA when the buffer holds nothing complete, PAUSED while a
         reply, the TLS handshake or nothing (CLOSED) is awaited."""
         while True:
@@ -892,6 +892,7 @@ __all__ = [
     "Rcpt",
     "Refused",
     "Rset",
+    "Sentinel",
     "ServerCore",
     "Settings",
     "StartTls",

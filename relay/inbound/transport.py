@@ -239,9 +239,9 @@ class InboundProtocol(asyncio.Protocol):
         assert core is not None
         while self._task is None or self._auth_waiter is not None:
             ev = core.next_event()
-            if ev is core_.NEED_DATA or ev is core_.PAUSED:
+            if isinstance(ev, core_.Sentinel):  # NEED_DATA or PAUSED
                 break
-            self._on_event(cast(core_.Event, ev))
+            self._on_event(ev)
         self._flush()
         if core.state is core_.State.CLOSED:
             self._close_transport()
