@@ -149,3 +149,34 @@ async def test_the_connection_counts_once_and_is_released(make: Make) -> None:
     assert guard.connections.total == 1 and p.handler.stats.sessions == 1
     p.connection_lost(None)
     assert guard.connections.total == 0
+
+
+async def test_a_message_spilled_to_disk_is_written_as_a_task_and_accepted(make: Make) -> None:
+    p, t = await make({"spool": {"inline_max": "1KiB"}})
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    body = MSG + (b"y" * 998 + b"\r\n") * 200  # 200 KiB: past inline_max, written to a file
+    for i in range(0, len(body), 16384):
+        p.data_received(body[i : i + 16384])
+        await until(lambda: not t.paused)  # a block written by a thread pauses reading
+    assert t.pauses >= 1
+    p.data_received(b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued as "))
+    p.connection_lost(None)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+async def test_a_hook_that_raises_is_a_451_and_the_session_goes_on(make: Make, waits: bool) -> None:
+    p, t = await make()
+
+    async def broken(*args: Any) -> str:
+        if waits:  # the task path: the decision really waited before it failed
+            await asyncio.sleep(0)
+        raise RuntimeError("boom")
+
+    p.handler.handle_RCPT = broken  # type: ignore[method-assign]
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"NOOP\r\n")
+    await until(lambda: t.lines()[-1] == "250 2.0.0 OK")
+    assert t.lines()[-2] == "451 4.3.0 Internal error; message not accepted, try again later"
+    p.connection_lost(None)
