@@ -101,6 +101,9 @@ def _drive(coro: Coroutine[Any, Any, Any], first: Any) -> Coroutine[Any, Any, An
         while True:
             try:
                 yield fut
+            except GeneratorExit:  # this driver is being discarded: so is the coroutine
+                coro.close()
+                raise
             except BaseException as e:  # a cancellation: handed to the coroutine
                 try:
                     fut = coro.throw(e)

@@ -180,3 +180,32 @@ async def test_a_hook_that_raises_is_a_451_and_the_session_goes_on(make: Make, w
     await until(lambda: t.lines()[-1] == "250 2.0.0 OK")
     assert t.lines()[-2] == "451 4.3.0 Internal error; message not accepted, try again later"
     p.connection_lost(None)
+
+
+async def test_a_coroutine_driven_by_hand_then_by_a_task_sees_results_and_cancellation() -> None:
+    from relay.inbound.transport import _drive
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+    seen: list[object] = []
+
+    async def decision() -> int:
+        await asyncio.sleep(0)
+        seen.append(await fut)
+        try:
+            await loop.create_future()  # never done: cancelled below
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        return 1
+
+    coro = decision()
+    first = coro.send(None)  # by hand, as InboundProtocol._decide does
+    task = loop.create_task(_drive(coro, first))
+    await asyncio.sleep(0)
+    fut.set_result(7)
+    await until(lambda: seen == [7])
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [7, "cancelled"]
