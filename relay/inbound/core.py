@@ -120,6 +120,14 @@ _SYNTAX = {
 _KNOWN = frozenset(_SYNTAX) | {"EXPN"}
 
 
+# The reply to a DATA the parser found over a limit (relay/dataflow.py's DataState): one row
+# per state; a state without a row is a size limit (552).
+DATA_REFUSALS: dict[DataState, str] = {
+    DataState.TOO_MUCH: "552 5.3.4 Message size exceeds fixed maximum message size",  # §4.5.3.1.7
+    DataState.TOO_LONG: "500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)",  # §4.5.3.1.6
+}
+
+
 # --- settings and events -------------------------------------------------------------------
 
 
@@ -850,10 +858,7 @@ class ServerCore:
             return
         self._txn = _Txn()
         self._go("end_refused")
-        if parser.state is DataState.TOO_MUCH:  # RFC 5321 §4.5.3.1.7
-            refusal = "552 5.3.4 Message size exceeds fixed maximum message size"
-        else:  # §4.5.3.1.6
-            refusal = "500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)"
+        refusal = DATA_REFUSALS.get(parser.state, DATA_REFUSALS[DataState.TOO_MUCH])
         self._events.append(DataEnd(refusal, parser.nul_count, parser.longest))
         self._say(refusal)
 
