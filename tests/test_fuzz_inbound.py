@@ -307,7 +307,9 @@ def _run_core(stream: bytes, cuts: list[int]) -> tuple[bytes, list[object], list
                 continue
             if isinstance(ev, core.DataEnd):  # the parser knows the longest line only
                 # when it matters (over RFC 5322's 998: re-encoded, relay/longlines.py)
-                events.append((ev.refusal, ev.nuls, ev.longest > 998, ev.needs_reply))
+                # (and a refused message is discarded: its NUL count is not compared either)
+                nuls = ev.nuls if ev.refusal is None else None
+                events.append((ev.refusal, nuls, ev.longest > 998, ev.needs_reply))
                 if ev.refusal is None:  # a refused message's data is discarded, not compared
                     messages.append(bytes(data))
                 data.clear()
