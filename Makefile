@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint typecheck bench fuzz coverage mutate clean
+.PHONY: run test lint typecheck bench fuzz coverage mutate clean install
 
 # The bootstrap runs under a lock, and checks again once it holds it: `make run` and
 # `make test` started together on a fresh clone install once, the second waits.
@@ -27,12 +27,15 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
-# A longer run of the inbound fuzzer (tests/test_fuzz_inbound.py); `make test` runs 150
-# examples through the socket and 500 against the sans-I/O core (ten times as many here).
+# A longer run of the fuzzers: the inbound dialogue (tests/test_fuzz_inbound.py; `make test`
+# runs 150 examples through the socket and 500 against the sans-I/O core, ten times as many
+# against the core here) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in
+# `make test`, each property).
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
 	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) RELAY_FUZZ_CORE_EXAMPLES=$$(( $(FUZZ_EXAMPLES) * 10 )) \
-		$(BIN)/pytest -q -p no:cacheprovider --timeout=0 tests/test_fuzz_inbound.py
+		RELAY_CONFIG_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
+		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py tests/test_opsmisc_config_fuzz.py
 
 # Coverage of the test process and of every daemon subprocess it starts (coverage.py's
 # COVERAGE_PROCESS_START + a .pth hook in the venv); combined report in the terminal and in
@@ -65,6 +68,67 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# `sudo make install`: the program, the unit, the user and group, the config, the credentials
+# folder and the spool with its maildrop (README "Running as a service"). DESTDIR stages
+# everything under a folder instead (a dry run, or a package): then no user or group is
+# created and nothing is chowned. An existing /etc/relay/relay.yaml is never overwritten.
+PREFIX ?= /usr/local
+RELAY_HOME ?= /opt/relay
+SYSCONFDIR ?= /etc
+STATEDIR ?= /var/lib/relay
+UNITDIR ?= /etc/systemd/system
+RELAY_USER ?= relay
+RELAY_GROUP ?= relay
+CONFDIR := $(SYSCONFDIR)/relay
+SPOOLDIR := $(STATEDIR)/spool
+ifeq ($(DESTDIR),)
+OWNER := -o $(RELAY_USER) -g $(RELAY_GROUP)
+else
+OWNER :=
+endif
+
+install:
+	@test -n "$(DESTDIR)" || test "$$(id -u)" = 0 || \
+	  { echo "make install: run as root (sudo make install), or stage with DESTDIR=..."; exit 1; }
+	# the program: a virtualenv of its own, its commands linked into $(PREFIX)/bin
+	[ -x $(DESTDIR)$(RELAY_HOME)/bin/python ] || $(PY) -m venv $(DESTDIR)$(RELAY_HOME)
+	$(DESTDIR)$(RELAY_HOME)/bin/python -m pip install -q --upgrade .
+	# a staged venv names the staging folder in its scripts' #! lines: name the real one
+	[ -z "$(DESTDIR)" ] || grep -lZ "^#!$(DESTDIR)$(RELAY_HOME)/bin/" \
+	  $(DESTDIR)$(RELAY_HOME)/bin/* | xargs -0r sed -i "1s|^#!$(DESTDIR)|#!|"
+	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin
+	ln -sfn $(RELAY_HOME)/bin/relay $(DESTDIR)$(PREFIX)/bin/relay
+	ln -sfn $(RELAY_HOME)/bin/relay-sendmail $(DESTDIR)$(PREFIX)/bin/relay-sendmail
+	# the units, pointing at the program where it was installed
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	for u in relay.service relay@.service; do \
+	  sed "s|/opt/relay/bin/|$(RELAY_HOME)/bin/|" systemd/$$u > $(DESTDIR)$(UNITDIR)/$$u.tmp \
+	  && chmod 0644 $(DESTDIR)$(UNITDIR)/$$u.tmp && mv $(DESTDIR)$(UNITDIR)/$$u.tmp $(DESTDIR)$(UNITDIR)/$$u; \
+	done
+	# the daemon's system user; its group `relay` is also the group of apps that may write
+	# to the maildrop (relay-sendmail when the daemon does not answer)
+	[ -n "$(DESTDIR)" ] || getent group $(RELAY_GROUP) >/dev/null || groupadd --system $(RELAY_GROUP)
+	[ -n "$(DESTDIR)" ] || getent passwd $(RELAY_USER) >/dev/null || useradd --system \
+	  --gid $(RELAY_GROUP) --home-dir $(STATEDIR) --no-create-home \
+	  --shell /usr/sbin/nologin --comment "relay SMTP daemon" $(RELAY_USER)
+	# the config (readable by all: it holds no secret, relay-sendmail reads it), with the
+	# spool where the unit's StateDirectory= is, and the credentials the unit loads
+	install -d -m 0755 $(DESTDIR)$(CONFDIR)
+	[ -e $(DESTDIR)$(CONFDIR)/relay.yaml ] || { \
+	  sed "s|^  path: \.\./var/spool  |  path: $(SPOOLDIR)|" conf/relay.yaml > $(DESTDIR)$(CONFDIR)/relay.yaml.tmp \
+	  && grep -q "^  path: $(SPOOLDIR) " $(DESTDIR)$(CONFDIR)/relay.yaml.tmp \
+	  && chmod 0644 $(DESTDIR)$(CONFDIR)/relay.yaml.tmp \
+	  && mv $(DESTDIR)$(CONFDIR)/relay.yaml.tmp $(DESTDIR)$(CONFDIR)/relay.yaml; }
+	install -d -m 0700 $(DESTDIR)$(CONFDIR)/credentials
+	# state: /var/lib/relay and the spool traversable by group relay (0710), nothing more;
+	# the maildrop 3730: group relay may create files (setgid: they get group relay, which
+	# the daemon reads) but not list or read them; sticky: nobody removes another's file
+	install -d -m 0710 $(OWNER) $(DESTDIR)$(STATEDIR)
+	install -d -m 0710 $(OWNER) $(DESTDIR)$(SPOOLDIR)
+	install -d -m 3730 $(OWNER) $(DESTDIR)$(SPOOLDIR)/maildrop
+	[ -n "$(DESTDIR)" ] || systemctl daemon-reload 2>/dev/null || true
+	@echo "installed; next: README \"Running as a service\" (credentials, then systemctl enable --now relay)"
 
 clean:
 	rm -rf $(VENV) $(VENV).lock var .coverage-data htmlcov mutants

@@ -1,32 +1,61 @@
 """The admin endpoint: `GET /metrics` (Prometheus text format), `GET /healthz` (readiness)
 and `GET /health` (the whole health model, relay/health.py).
 
-Rules: it is handed what it serves (metrics, the spool writer, two callables for health),
-never the daemon. A tiny HTTP/1.0-style server on asyncio streams (a few read-only routes
-do not justify a web framework: relay/httpd.py). Each request is bounded in size and time;
-anything else goes to `extra` (the feedback endpoints, when they share this listener) or
-gets 404/405.
-`/healthz` answers 200 when every listener is open, the spool's last commit worked and
+Rules: it is handed what it serves (metrics, the spool writer, two callables for health,
+the spool folder), never the daemon. It serves on relay/ops/http.py (aiohttp, bounded in
+connections, size and time); others add their routes to `self.http` (the feedback
+endpoints, when they share this listener); any other path gets 404, a method other than
+GET/HEAD on these 405.
+`/healthz` answers 200 when every listener is open, the spool's last commit worked, the
+spool folder takes a new file (created, fsynced and removed, off the event loop) and
 neither the disk nor the spool database is critical; 503 otherwise, with a JSON body
 saying why. `/health` answers 200 for ok and warning, 503 for critical.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from relay.httpd import Handler, HttpServer, Request, Response
 from relay.metrics import Metrics
+from relay.ops.http import HttpLimits, HttpServer, Request, Response
 from relay.spool import ops
 from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 2.0  # a spool folder that takes longer to create a file is not fit for mail
+_probes = itertools.count()
+
+
+def probe_writable(folder: Path) -> str | None:
+    """Create, fsync and remove a small file in `folder` (blocking: run it in a thread).
+    None when that worked, else why not."""
+    path = folder / f".healthz-probe.{os.getpid()}.{next(_probes)}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"ok\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(path)
+    except OSError as e:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return f"spool folder not writable: {e.strerror or e}"
+    return None
 
 
 class AdminServer:
@@ -36,16 +65,18 @@ class AdminServer:
         writer: SpoolWriter,
         problems: Callable[[], Awaitable[list[str]]],
         health_doc: Callable[[], dict[str, Any]],
-        extra: Handler | None = None,
-        max_body: int = 1024 * 1024,
+        spool_dir: Path | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.metrics = metrics
         self.writer = writer
         self.problems = problems  # readiness: why mail cannot be taken now
         self.health_doc = health_doc  # the whole health model
-        self.extra = extra  # routes of others (feedback, unsubscribe) on this listener
+        self.spool_dir = spool_dir  # /healthz: must take a new file
         self.started_at = time.time()
-        self.http = HttpServer(self._route, max_body, name="admin")
+        self.http = HttpServer("admin", limits, metrics)
+        for path in ("/metrics", "/health", "/healthz"):
+            self.http.route(path, self._route)
 
     async def start(self, host: str, port: int) -> None:
         await self.http.start(host, port)
@@ -59,10 +90,6 @@ class AdminServer:
 
     async def _route(self, req: Request) -> Response:
         path = req.path
-        if path not in ("/metrics", "/health", "/healthz"):
-            if self.extra is not None:
-                return await self.extra(req)
-            return Response.text(404, "not found")
         if req.method not in ("GET", "HEAD"):
             return Response.text(405, "method not allowed")
         if path == "/metrics":
@@ -75,6 +102,8 @@ class AdminServer:
                 "application/json",
             )
         problems = await self.problems()
+        if self.spool_dir is not None and (why := await self._spool_writable()) is not None:
+            problems.append(why)
         doc = {
             "status": "ok" if not problems else "unhealthy",
             "problems": problems,
@@ -83,6 +112,15 @@ class AdminServer:
         return Response(
             200 if not problems else 503, json.dumps(doc).encode() + b"\n", "application/json"
         )
+
+    async def _spool_writable(self) -> str | None:
+        assert self.spool_dir is not None
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(probe_writable, self.spool_dir), PROBE_TIMEOUT
+            )
+        except TimeoutError:
+            return f"spool folder not writable: no new file within {PROBE_TIMEOUT:g} s"
 
     async def metrics_text(self) -> bytes:
         m = self.metrics

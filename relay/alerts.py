@@ -36,7 +36,7 @@ import httpx
 
 from relay import shell
 from relay.config import Alerts as AlertsConf
-from relay.logs import log_event, mask_address
+from relay.logs import log_event, mask_address, redact_text, redact_webhook_url
 from relay.spool import ops
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,11 @@ async def post_webhook(
     try:
         r = await client.post(url, content=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as e:
-        return f"webhook: {type(e).__name__}: {e}" if str(e) else f"webhook: {type(e).__name__}"
+        if not str(e):
+            return f"webhook: {type(e).__name__}"
+        # the error is stored, logged and shown by /health: never with the URL (a secret)
+        text = str(e).replace(url, redact_webhook_url(url))
+        return f"webhook: {type(e).__name__}: {redact_text(text)}"
     if not 200 <= r.status_code < 300:
         return f"webhook answered HTTP {r.status_code}"
     return None

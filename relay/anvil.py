@@ -25,6 +25,11 @@ Rules:
   whole /64 (RFC 4291 §2.5.1, 64-bit interface identifiers), so counting single IPv6
   addresses would let it sidestep every per-IP limit. IPv4-mapped IPv6 counts as IPv4.
 - Memory is bounded: IPs with nothing open, no failure in the window and no ban are forgotten.
+- Message rates (`MessageRate`, e.g. mail to the feedback and unsubscribe addresses): at most
+  `limit` events per client in any sliding `window`; the one past it is refused and not
+  counted (a client that keeps trying is not locked out for longer). Memory is bounded by
+  `MAX_TRACKED` clients of at most `limit` timestamps each: past that, clients with nothing
+  in the window are forgotten, then the longest-known ones.
 """
 
 from __future__ import annotations
@@ -185,3 +190,37 @@ class LogOnce:
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval}
         self._last[key] = (now, 0)
         return last[1] if last is not None else 0
+
+
+class MessageRate:
+    """At most `limit` events per key in any sliding `window` of seconds (see the rules)."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, deque[float]] = {}
+
+    def allow(self, key: str, now: float, limit: int, window: float) -> bool:
+        """Count one event for `key` and say whether it is within the limit (0: no limit)."""
+        if limit <= 0:
+            return True
+        times = self._times.get(key)
+        if times is None:
+            if len(self._times) >= MAX_TRACKED:
+                self.sweep(now, window)
+            times = self._times[key] = deque()
+        while times and times[0] <= now - window:
+            times.popleft()
+        if len(times) >= limit:
+            return False
+        times.append(now)
+        return True
+
+    def sweep(self, now: float, window: float) -> None:
+        """Forget keys with nothing in the window; if as many are left, the older half."""
+        cutoff = now - window
+        self._times = {k: t for k, t in self._times.items() if t and t[-1] > cutoff}
+        if len(self._times) >= MAX_TRACKED:
+            keep = list(self._times.items())[len(self._times) // 2 :]
+            self._times = dict(keep)
+
+    def tracked(self) -> int:
+        return len(self._times)

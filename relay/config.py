@@ -24,12 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
+from relay import credentials
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
+from relay.logs import redact_url, redact_webhook_url
 from relay.shaping import ShapingRule
 from relay.unsubscribe import UnsubscribeConf
 
@@ -45,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
         "retention": "7d",
         "backend": "sqlite",
         "maildrop": None,  # None: <spool.path>/maildrop (relay/maildrop.py)
+        "reserve": "64MiB",
     },
     "dedup": {"window": "7d"},
     "limits": {
@@ -53,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
         "session_timeout": "300s",
         "max_line_length": 65536,  # accepted; over 998 octets re-encoded (relay/longlines.py)
         "max_command_length": 512,
+        "max_header_size": "1MiB",
         "max_connections": 500,
         "max_connections_per_ip": 50,
         "max_connections_per_ip_allowed": 500,
@@ -122,11 +127,13 @@ DEFAULTS: dict[str, Any] = {
         "queue_age_warning": "30m",
         "queue_age_critical": "4h",
         "stall_after": "10m",
+        "failing_after": "5m",
         "dead_letters_warning": 50,
     },
     "dsn": {"enabled": False, "from": None},
     "local": {"domain": None, "aliases": {}},
-    "admin": {"listen": "127.0.0.1:9025"},
+    # each HTTP listener's connection bounds (relay/ops/http.py)
+    "admin": {"listen": "127.0.0.1:9025", "max_connections": 256, "max_connections_per_ip": 32},
     "dkim": {},
     "feedback": {
         "listen": None,
@@ -134,6 +141,12 @@ DEFAULTS: dict[str, Any] = {
         "verp": False,
         "verp_secret_file": None,
         "max_body": "1MiB",
+        "mail_max_stored": "256KiB",
+        "mail_budget": "64MiB",
+        "rate_per_ip": 20,
+        "rate_window": "1m",
+        "max_connections": 256,
+        "max_connections_per_ip": 32,
         "providers": {},
     },
     "log": {"level": "info", "format": "json", "unmask": False},
@@ -239,7 +252,9 @@ def _webhook(item: object, base: Path) -> Webhook | None:
     r = _Reader(item, "alerts.webhook")
     url = r.string("url")
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"alerts.webhook.url: {url!r} is not an http:// or https:// URL")
+        raise ConfigError(
+            f"alerts.webhook.url: {redact_webhook_url(url)!r} is not an http:// or https:// URL"
+        )
     secret_file = r.path_("secret_file", base)
     secret = None
     if secret_file is not None:
@@ -312,6 +327,10 @@ class _Reader:
         self.used: set[str] = set()
 
     def key(self, name: str) -> str:
+        # a key from the file is shown escaped: a control character in an unknown key must
+        # not break the one-error-a-line message (str.splitlines splits on \x1c-\x1e too)
+        if not name.isprintable():
+            name = name.encode("unicode_escape").decode("ascii")
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
@@ -368,7 +387,16 @@ class _Reader:
 
     def path_(self, name: str, base: Path) -> Path | None:
         v = self.opt_str(name)
-        return None if v is None else (base / v).resolve() if not os.path.isabs(v) else Path(v)
+        if v is None:
+            return None
+        try:  # systemd's LoadCredential= folder (relay/credentials.py)
+            v = credentials.expand(v, self.key(name))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # ENAMETOOLONG is an OSError that Path.is_file() raises instead of answering False
+        if len(os.fsencode(v)) >= 4096 or any(len(os.fsencode(c)) > 255 for c in v.split("/")):
+            raise ConfigError(f"{self.key(name)}: file name too long")
+        return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
     def _misspelt(self, name: str) -> None:
         """A required key is missing: if an unknown key looks like it, say so (the
@@ -463,6 +491,12 @@ class Listener:
     auth: ListenerAuth | None = None
 
 
+# limits.max_header_size: at most what the spool keeps in memory as a message's header block
+# (relay/spool/incoming.py HEAD_MAX); at least a few ordinary headers' worth
+MAX_HEADER_SIZE = 1 << 20
+MIN_HEADER_SIZE = 1 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_message_size: int
@@ -470,6 +504,8 @@ class Limits:
     session_timeout: float
     max_line_length: int
     max_command_length: int
+    # the header block (up to the first empty line) of any message over SMTP; more: 552 5.3.4
+    max_header_size: int = MAX_HEADER_SIZE
     max_connections: int = 500  # open SMTP connections at once, all clients together
     max_connections_per_ip: int = 50  # per client IP outside every `allow` network
     max_connections_per_ip_allowed: int = 500  # per IP in an `allow` network or loopback
@@ -590,8 +626,8 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class Webhook:
-    url: str
-    secret: bytes | None  # read from secret_file at load; signs X-Relay-Signature
+    url: str = field(repr=False)  # Slack, Teams, Google Chat: the URL is the secret
+    secret: bytes | None = field(repr=False)  # read from secret_file; signs X-Relay-Signature
     secret_file: Path | None
     timeout: float
 
@@ -611,6 +647,8 @@ class Health:
     queue_age_warning: float = 1800.0
     queue_age_critical: float = 4 * 3600.0
     stall_after: float = 600.0
+    # an upstream whose every attempt failed this long, no answer since: a warning
+    failing_after: float = 300.0
     dead_letters_warning: int = 50  # dead letters in the last hour
 
 
@@ -710,6 +748,15 @@ class FeedbackProvider:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpBounds:
+    """An HTTP listener's connection bounds (admin.*, feedback.*): past them a new connection
+    gets 503 and is closed (relay/ops/http.py)."""
+
+    max_connections: int = 256  # open at once, all clients together
+    max_connections_per_ip: int = 32  # from one client IP (IPv6: one /64)
+
+
+@dataclass(frozen=True, slots=True)
 class FeedbackConf:
     listen: tuple[str, int] | None = None  # its own HTTP listener; None: admin.listen
     address: str | None = None  # bounces@relay.example.com: mail to it is feedback
@@ -717,6 +764,15 @@ class FeedbackConf:
     verp_secret: bytes | None = field(default=None, repr=False)  # None: a key in the spool
     max_body: int = 1024 * 1024
     providers: Mapping[str, FeedbackProvider] = field(default_factory=dict)
+    # storage bounds (relay/feedback/storage.py): octets kept of one feedback mail (the rest
+    # cut off, noted on the row), and of all of them (oldest dropped first)
+    mail_max_stored: int = 256 * 1024
+    mail_budget: int = 64 * 1024 * 1024
+    # mail to the feedback and unsubscribe addresses per client (IPv4, IPv6 /64) and window,
+    # from clients outside every `allow` network (relay/anvil.py); 0 = no limit
+    rate_per_ip: int = 20
+    rate_window: float = 60.0
+    http: HttpBounds = field(default_factory=HttpBounds)  # its own listener's, when it has one
 
     @property
     def local(self) -> str:
@@ -810,6 +866,20 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
     if secret_path is not None:
         verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
     max_body = parse_size(r.get("max_body"), "feedback.max_body")
+    mail_max_stored = parse_size(r.get("mail_max_stored"), "feedback.mail_max_stored")
+    if mail_max_stored < 1024:
+        raise ConfigError("feedback.mail_max_stored: at least 1KiB (the headers of a report)")
+    mail_budget = parse_size(r.get("mail_budget"), "feedback.mail_budget")
+    if mail_budget < mail_max_stored:
+        raise ConfigError(
+            f"feedback.mail_budget: {mail_budget} bytes is below feedback.mail_max_stored"
+            f" ({mail_max_stored}): one stored mail must fit"
+        )
+    rate_per_ip = r.integer("rate_per_ip", 0)
+    rate_window = r.duration("rate_window")
+    if rate_window <= 0:
+        raise ConfigError("feedback.rate_window: must be more than 0s")
+    http = _http_bounds(r)
     raw = r.get("providers") or {}
     if not isinstance(raw, Mapping):
         raise ConfigError("feedback.providers: expected a mapping of provider names")
@@ -846,7 +916,26 @@ def _feedback(item: object, base: Path) -> FeedbackConf:
             str(name), token, signing, public, verify, cert_hosts, ca_file
         )
     r.finish()
-    return FeedbackConf(listen, address, verp, verp_secret, max_body, providers)
+    return FeedbackConf(
+        listen,
+        address,
+        verp,
+        verp_secret,
+        max_body,
+        providers,
+        mail_max_stored=mail_max_stored,
+        mail_budget=mail_budget,
+        rate_per_ip=rate_per_ip,
+        rate_window=rate_window,
+        http=http,
+    )
+
+
+def _http_bounds(r: _Reader) -> HttpBounds:
+    return HttpBounds(
+        max_connections=r.integer("max_connections", 1),
+        max_connections_per_ip=r.integer("max_connections_per_ip", 1),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -913,6 +1002,9 @@ class Config:
     auth: AuthLimits = field(default_factory=AuthLimits)
     local: Local = field(default_factory=lambda: Local(socket.getfqdn()))
     retention: float = 7 * 86400.0  # spool.retention: finished messages and their bodies
+    # spool.reserve: free octets kept on the spool's filesystem; below it new mail gets
+    # 452 4.3.1, so what is queued can still be claimed and delivered (relay/spool/reserve.py)
+    spool_reserve: int = 64 * 1024 * 1024
     health: Health = field(default_factory=Health)
     routing: routing.Routing = field(default_factory=lambda: routing.Routing({}, ()))
     inbound_processes: int = 0  # inbound.processes: extra SMTP processes (inbound_proc.py)
@@ -923,6 +1015,8 @@ class Config:
     fleet: FleetConf = field(default_factory=lambda: FleetConf())
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
     maildrop_path: Path | None = None  # spool.maildrop; None: <spool_path>/maildrop
+    admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
+    hostname_set: bool = True  # False: `hostname` unset, the system's name (getfqdn) used
 
     def maildrop_dir(self) -> Path:
         """Where relay-sendmail leaves mail the daemon did not take (relay/maildrop.py)."""
@@ -932,6 +1026,15 @@ class Config:
         """Settings that work but are probably not what the operator wants (check-config
         prints them; the daemon logs them at start)."""
         out = []
+        problem = hostname_problem(self.hostname)
+        if problem is not None:
+            where = "hostname" if self.hostname_set else "hostname (unset: the system's name)"
+            out.append(
+                f"{where}: {self.hostname!r} {problem}, not this host's fully-qualified domain"
+                " name: set `hostname` in the config; it names the relay in Received headers and"
+                " Message-IDs, in EHLO (upstream.helo), and qualifies bare senders and"
+                " recipients (root -> root@<local.domain, else hostname>)"
+            )
         if self.dedup_window < self.retry.max_age:
             out.append(
                 f"dedup.window ({self.dedup_window:g}s) is shorter than retry.max_age"
@@ -973,7 +1076,10 @@ class Config:
         return {n: i.unsubscribe for n, i in self.identities.items() if i.unsubscribe}
 
     def redacted(self) -> dict[str, Any]:
-        """The effective config as a plain mapping, secrets replaced (for check-config)."""
+        """The effective config as a plain mapping, secrets replaced (for check-config):
+        secrets are only ever named by file, and every URL goes through the printing rules
+        (README "Secrets"): a webhook URL shows its scheme and host only, any other URL loses
+        its userinfo password and query values; a DSN its password."""
         out = copy.deepcopy(dict(self.raw))
         sh = out.get("upstream", {}).get("smarthost", {})
         if sh.get("password_file"):
@@ -983,7 +1089,80 @@ class Config:
             from relay.spool.pg import redact
 
             sp["dsn"] = redact(sp["dsn"])
+        wh = out.get("alerts", {}).get("webhook")
+        if isinstance(wh, dict) and isinstance(wh.get("url"), str):
+            wh["url"] = redact_webhook_url(wh["url"])
+        redacted: dict[str, Any] = _redact_urls(out)
+        return redacted
+
+    def secrets(self) -> dict[str, str]:
+        """Every secret value this config holds -> what prints in its place; the log
+        formatter replaces them in every line (relay.logs.set_secrets), a second guard
+        behind never logging them."""
+        out: dict[str, str] = {}
+        values: list[str | bytes | None] = [self.upstream.smarthost.password]
+        for up in self.routing.upstreams.values():
+            values.append(up.password)
+            if up.oauth is not None:
+                values += [up.oauth.client_secret, up.oauth.refresh_token]
+        wh = self.alerts.webhook
+        if wh is not None:
+            values.append(wh.secret)
+            shown = redact_webhook_url(wh.url)
+            out[wh.url] = shown
+            rest = wh.url.partition("://")[2]
+            slash, tail = rest.partition("/")[1:]
+            if slash and tail:  # the path alone, as a library might print it
+                out["/" + tail] = "/***"
+            for item in urlsplit(wh.url).query.split("&"):  # a token's value alone
+                out[item.partition("=")[2]] = "***"
+        values.append(self.feedback.verp_secret)
+        for p in self.feedback.providers.values():
+            values += [p.token, p.signing_key]
+        for ident in self.identities.values():
+            if ident.unsubscribe is not None:
+                values.append(ident.unsubscribe.secret)
+        if self.spool_pg is not None:
+            from relay.spool.pg import dsn_passwords
+
+            values += dsn_passwords(self.spool_pg.dsn)
+            if self.spool_pg.password_file is not None:  # read at connect, by pg.py
+                try:
+                    values.append(self.spool_pg.password_file.read_text().rstrip("\r\n"))
+                except OSError:
+                    pass
+        for v in values:
+            if isinstance(v, bytes):
+                v = v.decode("utf-8", "replace")
+            if v:
+                out[v] = "***"
         return out
+
+
+def _redact_urls(node: Any) -> Any:
+    """Every string in the tree that holds a URL, through relay.logs.redact_text."""
+    from relay.logs import redact_text
+
+    if isinstance(node, dict):
+        return {k: _redact_urls(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redact_urls(v) for v in node]
+    if isinstance(node, str) and "://" in node:
+        return redact_text(node)
+    return node
+
+
+def hostname_problem(name: str) -> str | None:
+    """Why `name` is no name for this host on the Internet, or None. Other servers see it
+    in EHLO (RFC 5321 §4.1.1.1 asks for the fully-qualified domain name), in Received
+    headers and Message-IDs (RFC 5322 §3.6.4: a domain unique to this host); `localhost`
+    (what getfqdn() gives when /etc/hosts names nothing better) or a bare label is neither."""
+    n = name.strip().rstrip(".").lower()
+    if n == "localhost" or n.startswith("localhost.") or n.endswith(".localhost"):
+        return "is localhost"
+    if "." not in n:
+        return "has no dot"
+    return None
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -1015,6 +1194,10 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     """The config tree, or one ConfigError listing every error of the file (one a line):
     after an error the offending key is set aside (its default applies) and the file is
     read again, so errors in other places are found in the same run."""
+    # a NUL reaches no file name, host or header: os and socket calls raise ValueError on it
+    nul = [f"{k}: a NUL character is not allowed in a config value" for k in _nul_keys(data)]
+    if nul:
+        raise ConfigError("\n".join(nul))
     errors: list[str] = []
     current = copy.deepcopy(data)
     for _ in range(50):
@@ -1030,6 +1213,21 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
             break
         return config
     raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def _nul_keys(node: object, key: str = "") -> list[str]:
+    """The keys whose value (or name) holds a NUL character."""
+    if isinstance(node, str):
+        return [key or "config"] if "\x00" in node else []
+    out: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            out += _nul_keys(k, sub) + _nul_keys(v, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _nul_keys(v, f"{key}[{i}]")
+    return out
 
 
 def _set_aside(data: dict[str, Any], msg: str) -> bool:
@@ -1063,6 +1261,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     top = _Reader(merged, "")
 
     hostname = top.opt_str("hostname") or socket.getfqdn()
+    hostname_set = bool(top.opt_str("hostname"))
 
     listen_raw = top.get("listen")
     if not isinstance(listen_raw, list) or not listen_raw:
@@ -1077,6 +1276,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError("spool.path: required")
     inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
     retention = spool.duration("retention")
+    spool_reserve = parse_size(spool.get("reserve"), "spool.reserve")
     spool_pg = _spool_backend(spool, base_dir)
     maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
     fl = _Reader(top.get("fleet"), "fleet")
@@ -1109,6 +1309,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         session_timeout=lim.duration("session_timeout"),
         max_line_length=lim.integer("max_line_length", 78),
         max_command_length=lim.integer("max_command_length", 512),
+        max_header_size=parse_size(lim.get("max_header_size"), "limits.max_header_size"),
         max_connections=lim.integer("max_connections", 1),
         max_connections_per_ip=lim.integer("max_connections_per_ip", 1),
         max_connections_per_ip_allowed=lim.integer("max_connections_per_ip_allowed", 1),
@@ -1122,6 +1323,11 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         raise ConfigError(
             f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
             f" limits.max_connections ({limits.max_connections})"
+        )
+    if not MIN_HEADER_SIZE <= limits.max_header_size <= MAX_HEADER_SIZE:
+        raise ConfigError(
+            f"limits.max_header_size: {limits.max_header_size} must be between"
+            f" {MIN_HEADER_SIZE} (1KiB) and {MAX_HEADER_SIZE} (1MiB)"
         )
     if limits.command_timeout <= 0:
         raise ConfigError("limits.command_timeout: must be more than 0")
@@ -1272,6 +1478,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         queue_age_warning=he.duration("queue_age_warning"),
         queue_age_critical=he.duration("queue_age_critical"),
         stall_after=he.duration("stall_after"),
+        failing_after=he.duration("failing_after"),
         dead_letters_warning=he.integer("dead_letters_warning", 1),
     )
     if health.disk_free_critical > health.disk_free_warning:
@@ -1313,6 +1520,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     ad = _Reader(top.get("admin"), "admin")
     admin_addr = ad.opt_str("listen")
     admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
+    admin_http = _http_bounds(ad)
     ad.finish()
 
     feedback = _feedback(top.get("feedback"), base_dir)
@@ -1337,6 +1545,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     return Config(
         path=path,
         hostname=hostname,
+        hostname_set=hostname_set,
         listen=listeners,
         spool_path=spool_path,
         # on PostgreSQL every body lives in its row: the nodes of a fleet share no disk
@@ -1354,12 +1563,14 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         alerts=alerts,
         dsn=dsn,
         admin_listen=admin_listen,
+        admin_http=admin_http,
         log=log,
         shutdown_timeout=shutdown_timeout,
         raw=merged,
         auth=auth_limits,
         local=local,
         retention=retention,
+        spool_reserve=spool_reserve,
         health=health,
         routing=route_table,
         feedback=feedback,
@@ -1384,9 +1595,33 @@ def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
         raise ConfigError("spool.dsn: required with spool.backend: postgresql")
     if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
         raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
+    _check_dsn_port(dsn)
     if password_file is not None and not password_file.is_file():
         raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
     return PgSpool(dsn, password_file)
+
+
+def _check_dsn_port(dsn: str) -> None:
+    """A DSN whose URL or port libpq could never use is a config error now, not a crash
+    of whatever reads it first (the message never shows the DSN: it may hold a password)."""
+    from urllib.parse import urlsplit
+
+    ports: list[str] = []
+    if dsn.startswith(("postgresql://", "postgres://")):
+        try:
+            netloc = urlsplit(dsn).netloc
+        except ValueError as e:
+            raise ConfigError(f"spool.dsn: not a valid URL ({e})") from None
+        # libpq's multi-host form: host1:5432,[::1]:5433
+        for hostport in netloc.rpartition("@")[2].split(","):
+            tail = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+            ports.append(tail.partition(":")[2])
+    else:
+        m = re.search(r"(?:^|\s)port\s*=\s*'?([^'\s]*)", dsn)
+        ports = m.group(1).split(",") if m else []
+    for p in ports:
+        if p and not (p.isascii() and p.isdigit() and 0 < int(p) < 65536):
+            raise ConfigError(f"spool.dsn: port {p!r} is not a number from 1 to 65535")
 
 
 def _listener(item: object, key: str, base: Path) -> Listener:
@@ -1639,10 +1874,11 @@ def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
     url = r.opt_str("url")
     if url is not None:
         if not url.lower().startswith(("https://", "http://")):
-            raise ConfigError(f"{key}.url: {url!r} is not an https:// URL")
+            raise ConfigError(f"{key}.url: {redact_url(url)!r} is not an https:// URL")
         if not url.rstrip("/").endswith("/u"):
             raise ConfigError(
-                f"{key}.url: {url!r} must end in /u (the relay serves POST/GET /u/<token>)"
+                f"{key}.url: {redact_url(url)!r} must end in /u (the relay serves POST/GET"
+                " /u/<token>)"
             )
     mailto = r.opt_str("mailto")
     if mailto is not None:

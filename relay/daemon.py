@@ -48,16 +48,16 @@ from typing import Any
 from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
-from relay.delivery import smtpclient_adapter
+from relay.delivery import smtpclient_adapter, views
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
-from relay.httpd import HttpServer, Request, Response
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
-from relay.logs import log_event, reconfigure, setup_logging
+from relay.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
 from relay.metrics import Metrics
+from relay.ops.http import HttpLimits, HttpServer
 from relay.outbox import Outbox
 from relay.sdnotify import Notifier, watchdog_loop
 from relay.sendmail import Target
@@ -72,6 +72,7 @@ HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
+FAILING_SINCE = "failing_since"  # runtime row: upstream -> first failure since its answer
 DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
 PRUNE_EVERY = 600.0
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
@@ -79,6 +80,39 @@ SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watc
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
 INBOUND_START_TIMEOUT = 30.0  # seconds for inbound processes to listen at start
+
+
+def _http_limits(max_connections: int, per_ip: int, max_body: int) -> HttpLimits:
+    return HttpLimits(
+        max_connections=max_connections, max_connections_per_ip=per_ip, max_body=max_body
+    )
+
+
+def spool_gone_advice(path: os.PathLike[str], how: str, waiting: int, held: int) -> str:
+    """The `spool` check's detail once the database file was deleted or replaced under the
+    running daemon. The daemon keeps the old file open and keeps delivering from it, so a
+    restart now would discard what it still holds: drain first, then restart (`waiting`
+    -1: the count could not be read)."""
+    head = (
+        f"the spool database {path} was {how} under the running daemon: new mail is refused"
+        " (451 4.3.0)"
+    )
+    if waiting == 0:
+        return f"{head}; every recipient in the old file is finished: restart relay now"
+    count = "an unknown number of" if waiting < 0 else str(waiting)
+    stuck = (
+        f" ({held} of them held: they never leave on their own, and `relay queue release`"
+        f" cannot reach the old file; a restart discards them)"
+        if held > 0
+        else ""
+    )
+    return (
+        f"{head}; {count} recipients are still queued in the old file{stuck}. Do not"
+        " restart relay yet (a restart discards them): the daemon keeps delivering from the"
+        " open file; wait until `relay status` (or GET /health) shows this check with 0"
+        " recipients queued (`relay queue list` cannot see the old file), then restart"
+        " relay to start a new spool"
+    )
 
 
 class Daemon:
@@ -102,6 +136,7 @@ class Daemon:
         self.started_at = time.time()
         self.health = health.Model()
         self.refusal: str | None = None  # what inbound answers while the spool/disk is bad
+        self._health_write_failed = False  # health.json could not be written (disk full)
         self.alerts = alerts.Dispatcher(
             self.writer, lambda: self.config.alerts, lambda: self.config.hostname, faults.now
         )
@@ -189,6 +224,10 @@ class Daemon:
             clock=faults.now,
         )
         self.engine.verp_sender = self.feedback.verp_sender
+        if self.config.spool_pg is None:  # the failing time of each upstream, as left
+            left = await self.writer.run(lambda c: ops.get_runtime(c, FAILING_SINCE))
+            if left is not None and isinstance(left[0], dict):
+                views.seed_failing_since(self.engine, left[0])
         # with inbound processes, they hold the listeners and this process delivers
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
@@ -208,23 +247,32 @@ class Daemon:
             srv = await listen(loop, h, self.config, LISTEN_BACKLOG, reuse_port=pg)
             self.handlers.append(h)
             self.servers.append(srv)
+        fb = self.config.feedback
         if self.config.admin_listen is not None:
-            # the feedback endpoints share the admin listener unless they have their own
-            shared = self.public_http if self.config.feedback.listen is None else None
             self.admin = AdminServer(
                 self.metrics,
                 self.writer,
                 self.readiness_problems,
                 self.health_doc,
-                shared,
-                self.config.feedback.max_body,
+                self.config.spool_path,
+                _http_limits(
+                    self.config.admin_http.max_connections,
+                    self.config.admin_http.max_connections_per_ip,
+                    fb.max_body,
+                ),
             )
+            # the feedback endpoints share the admin listener unless they have their own
+            if fb.listen is None:
+                self._public_routes(self.admin.http)
             await self.admin.start(*self.config.admin_listen)
-        if self.config.feedback.listen is not None:
+        if fb.listen is not None:
             self.feedback_http = HttpServer(
-                self.public_http, self.config.feedback.max_body, name="feedback"
+                "feedback",
+                _http_limits(fb.http.max_connections, fb.http.max_connections_per_ip, fb.max_body),
+                self.metrics,
             )
-            await self.feedback_http.start(*self.config.feedback.listen)
+            self._public_routes(self.feedback_http)
+            await self.feedback_http.start(*fb.listen)
         for sig, fn in (
             (signal.SIGTERM, self._stop.set),
             (signal.SIGINT, self._stop.set),
@@ -291,6 +339,9 @@ class Daemon:
             await asyncio.gather(self._pickup_task, return_exceptions=True)
         for h in self.handlers:
             h.closing = True
+        # no password check from now on (AUTH gets 454 4.7.0, try later): the CPU is for
+        # the drain, and no check may outlive the loop in a thread pool
+        self.guard.close()
         deadline = time.monotonic() + self.config.shutdown_timeout
         await self._stop_inbound(deadline)
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
@@ -320,8 +371,8 @@ class Daemon:
             await self.admin.stop()
         if self.feedback_http is not None:
             await self.feedback_http.stop()
+        await self.feedback.close()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
@@ -384,12 +435,11 @@ class Daemon:
                 exit_code=checkdns.exit_code(checks),
             )
 
-    async def public_http(self, req: Request) -> Response:
+    def _public_routes(self, server: HttpServer) -> None:
         """What may face the providers and the recipients: the feedback webhooks and the
         one-click unsubscribe pages (on `feedback.listen`, else on the admin listener)."""
-        if req.path.startswith("/u/"):
-            return await self.unsubscribe.http(req)
-        return await self.feedback.http(req)
+        server.route("/feedback/", self.feedback.http, prefix=True)
+        server.route("/u/", self.unsubscribe.http, prefix=True)
 
     # --- background work ----------------------------------------------------------------
 
@@ -430,11 +480,15 @@ class Daemon:
         now = time.time()
         node = self.engine.node
 
+        failing = views.failing_since(self.engine)
+
         def put(c: Any) -> None:
             # a fleet: the last node's view as `daemon`, and each node's own view
             ops.put_runtime(c, "daemon", snap, now)
             if self.config.spool_pg is not None:
                 ops.put_runtime(c, f"node:{node}", snap, now)
+            else:  # for the next start (relay/delivery/views.py failing_since)
+                ops.put_runtime(c, FAILING_SINCE, failing, now)
 
         await self.writer.run(put)
 
@@ -514,6 +568,7 @@ class Daemon:
             )
             self.notifier.ready()
             return False
+        set_secrets({**self.config.secrets(), **new.secrets()})  # old ones may be in flight
         self.config = new
         self.guard.reconfigure(new)
         by_name = {lst.name: lst for lst in new.listen}
@@ -653,23 +708,38 @@ class Daemon:
         try:
             v = await asyncio.to_thread(os.statvfs, cfg.spool_path)
             free = 100.0 * v.f_bavail / v.f_blocks if v.f_blocks else 100.0
-            results.append(
-                ("disk", *health.disk(free, hc.disk_free_warning, hc.disk_free_critical))
+            judged = health.disk(
+                free,
+                hc.disk_free_warning,
+                hc.disk_free_critical,
+                v.f_bavail * v.f_frsize,  # below spool.reserve: critical, new mail gets 452
+                cfg.spool_reserve,
             )
+            results.append(("disk", *judged))
         except OSError as e:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
             mx = cfg.upstream.mode == "mx"
-            for name, circuit, failures, err, reopen in self.engine.health():
-                if mx and err is None and f"destination:{name}" not in self.health.checks:
-                    # in MX mode a destination is a recipient domain: one whose MX is down
-                    # is that domain's problem (its circuit_* lines are logged), not the
-                    # relay's; only a configuration error there is the operator's
+            checks = self.health.checks
+            for d in self.engine.health():
+                shown = f"destination:{d.name}" in checks
+                if not health.judged(mx, d.upstream, d.config_error, shown):
                     continue
                 results.append(
                     (
-                        f"destination:{name}",
-                        *health.destination(name, circuit, failures, err, reopen),
+                        f"destination:{d.name}",
+                        *health.destination(
+                            d.name,
+                            d.circuit,
+                            d.failures,
+                            d.config_error,
+                            d.reopen_at,
+                            # a recipient domain (MX) that does not answer is that
+                            # domain's problem; an upstream's is ours
+                            failing_for=d.failing_for if d.upstream else None,
+                            answered=d.answered,
+                            failing_after=hc.failing_after,
+                        ),
                     )
                 )
             results.append(
@@ -708,9 +778,24 @@ class Daemon:
             self.refusal = None
         doc = self.health_doc()
         doc.update(pid=os.getpid(), updated_at=ops.iso_utc(now), updated_ts=now)
-        await asyncio.to_thread(
-            _write_atomic, cfg.spool_path / HEALTH_FILE, json.dumps(doc, sort_keys=True).encode()
-        )
+        try:
+            await asyncio.to_thread(
+                _write_atomic,
+                cfg.spool_path / HEALTH_FILE,
+                json.dumps(doc, sort_keys=True).encode(),
+            )
+        except OSError as e:
+            # a full disk: the health pass (and its 452 gate) goes on; logged once, not
+            # every second, and once more when the file can be written again
+            if not self._health_write_failed:
+                log_event(
+                    log, logging.ERROR, "health_write_failed", "health file not written", exc=e
+                )
+            self._health_write_failed = True
+        else:
+            if self._health_write_failed:
+                log_event(log, logging.INFO, "health_write_ok", "health file written again")
+            self._health_write_failed = False
 
     def health_doc(self) -> dict[str, Any]:
         doc = self.health.as_dict(ops.iso_utc)
@@ -769,20 +854,20 @@ class Daemon:
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was deleted under the running"
-                " daemon: new mail is refused (451 4.3.0); restore it, or"
-                " restart relay to start a new spool"
-            )
+            return "critical", await self._spool_gone_detail(path, "deleted")
         except OSError as e:
             return "critical", f"cannot stat the spool database {path}: {e}"
         if (st.st_dev, st.st_ino) != self._spool_id:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was replaced under the running"
-                " daemon: new mail is refused (451 4.3.0); restart relay"
-            )
+            return "critical", await self._spool_gone_detail(path, "replaced")
         return None
+
+    async def _spool_gone_detail(self, path: os.PathLike[str], how: str) -> str:
+        try:  # the open handle still reads the old file
+            waiting, held = await asyncio.wait_for(self.writer.run(ops.unfinished_counts), 2.0)
+        except Exception:
+            waiting = held = -1
+        return spool_gone_advice(path, how, waiting, held)
 
     async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
         hc = self.config.health
@@ -858,8 +943,13 @@ class Daemon:
 
 def _write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a partial file on a full disk: not left to take more space
+        raise
     os.replace(tmp, path)
 
 
@@ -886,8 +976,9 @@ def serve(config_path: str | None) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as e:
-        print(f"relay: {e}", flush=True, file=sys.stderr)
+        print(f"relay: {redact_text(str(e))}", flush=True, file=sys.stderr)
         return 78
+    set_secrets(config.secrets())  # before anything logs: the formatter hides them
     fd_limit = fdlimit.raise_soft_limit()
     err = fdlimit.problem(config, fd_limit)
     if err is not None:

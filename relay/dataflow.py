@@ -17,6 +17,11 @@ Rules:
   `max_line` octets (with its CRLF and any transparency dot) is too long (500 5.5.2). Once
   over a limit the parser keeps only what it needs to find the end of the data: memory
   stays bounded whatever the client sends.
+- The header block (everything up to the first empty line, RFC 5322 §2.1; a message with none
+  is all header block, as relay/message.py's `split_message` reads it) is measured as it
+  goes out, on the normalised lines: over `max_header` octets (with its final CRLF) the
+  header is too large (552 5.3.4, RFC 5321 §4.5.3.1.7, RFC 3463 §3.4), so no later step
+  ever parses an unbounded header. Only a count is kept, nothing more is buffered.
 - What comes after the end of the data in the last block (a pipelined QUIT or MAIL) is
   handed back as `rest`, to be read as commands.
 """
@@ -35,6 +40,7 @@ class DataState(Enum):
     NOMINAL = "nominal"
     TOO_MUCH = "too_much"  # over the size limit
     TOO_LONG = "too_long"  # a line over the line limit
+    HEADER_TOO_BIG = "header_too_big"  # a header block over the header limit
 
 
 @dataclass(slots=True)
@@ -48,9 +54,12 @@ class Feed:
 
 
 class DataParser:
-    def __init__(self, max_size: int, max_line: int) -> None:
+    def __init__(self, max_size: int, max_line: int, max_header: int = 0) -> None:
         self.max_size = max_size  # 0: no limit
         self.max_line = max_line
+        self.max_header = max_header  # 0: no limit
+        self.header_size = 0  # octets of the header block so far (with its final CRLF)
+        self._in_head = True  # the empty line that ends the header block is still to come
         self.state = DataState.NOMINAL
         self.raw_size = 0  # octets received, with transparency dots, before the end line
         self.nul_count = 0
@@ -105,7 +114,33 @@ class DataParser:
             self.state = state
 
     def _lines(self, lines: bytes) -> bytes:
-        """Complete CRLF lines (each starting at a line start) to normalised message bytes."""
+        """Complete CRLF lines (each starting at a line start) to normalised message bytes,
+        the header block measured on the way."""
+        out = self._normalised(lines)
+        if self._in_head and out:
+            self._measure_head(out)
+            if self.state is not DataState.NOMINAL:
+                return b""
+        return out
+
+    def _measure_head(self, out: bytes) -> None:
+        """`out` is whole CRLF lines, and what went out before it ended with a CRLF: an empty
+        line is `out`'s start or a CRLF CRLF inside it (`bytes.find`, in C)."""
+        if out.startswith(b"\r\n"):
+            end = 0
+        else:
+            i = out.find(b"\r\n\r\n")
+            end = -1 if i < 0 else i + 2
+        if end >= 0:
+            self._in_head = False
+            self.header_size += end
+        else:
+            self.header_size += len(out)
+        if self.max_header and self.header_size > self.max_header:
+            self._over(DataState.HEADER_TOO_BIG)
+
+    def _normalised(self, lines: bytes) -> bytes:
+        """`_lines` without the header measure."""
         self.raw_size += len(lines)
         if self.max_size and self.raw_size > self.max_size:
             self._over(DataState.TOO_MUCH)

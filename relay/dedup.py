@@ -10,16 +10,25 @@ Rules:
   in case, and a false "new" would send a duplicate.
 - An `Idempotency-Key` header, when present, takes the Message-ID's place in the key (an app
   whose mail library makes a new Message-ID per retry keeps one key); a second message with
-  the same key but other content is refused, never dropped (relay/inbound.py).
+  the same key but other content is refused, never dropped (relay/inbound/handler.py).
 - A message without a Message-ID gets one derived from a hash of its content (headers minus
   trace headers, plus the body), so a byte-identical resubmission gets the same key.
+- A Message-ID key is stored with the message's content fingerprint (`BodyFingerprint`): the
+  Subject (unfolded, white space runs as one space) and the body after the header block,
+  its line endings made CRLF and the empty lines at its end dropped (as RFC 6376 §3.4.3's
+  simple body canonicalization). Date, Received, Message-ID and every other header are left
+  out: an app that regenerates them on a resubmission is still recognised. A key hit whose
+  fingerprint differs is another message reusing the Message-ID: it is queued under the
+  key's `variant_key` (so a resubmission of that second message is a duplicate in turn),
+  never dropped. A key stored without a fingerprint (before there were any) stays a plain
+  duplicate. An Idempotency-Key keeps its stricter rule above (the content hash).
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from relay.message import TRACE_HEADERS, parse_headers
+from relay.message import TRACE_HEADERS, header, parse_headers, split_message
 
 
 def normalize_message_id(value: str) -> str:
@@ -59,6 +68,71 @@ IDEMPOTENCY_KEY_MAX = 200
 def valid_idempotency_key(value: str) -> bool:
     """1 to 200 printable ASCII characters (space allowed inside)."""
     return 0 < len(value) <= IDEMPOTENCY_KEY_MAX and all(" " <= ch <= "~" for ch in value)
+
+
+FINGERPRINT_HEX = 40  # 160 bits of SHA-256: as the dedup keys themselves
+
+
+class BodyFingerprint:
+    """The content fingerprint of a message (see the rules), fed the body in blocks of any
+    size as it arrives: the same digest for any split of the same octets, and the same as
+    `fingerprint` of the whole. Only a held-back CR and a count of pending empty lines are
+    kept between blocks; each block costs a few passes in C (`bytes.replace`), never one
+    Python step per line, so even a 25 MiB body never holds the event loop for long."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._cr = False  # the last block ended in CR: its LF may open the next one
+        self._empty = 0  # line ends seen since the last text, not yet hashed
+        self._text = False  # any text hashed yet
+
+    def update(self, block: bytes) -> None:
+        if not block:
+            return
+        if self._cr:
+            block = b"\r" + block
+        self._cr = block.endswith(b"\r")
+        if self._cr:
+            block = block[:-1]
+        # every line end (CRLF, bare LF, bare CR) as LF, then as CRLF (RFC 5322 §2.3)
+        lf = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        text = lf.rstrip(b"\n")
+        if not text:
+            self._empty += len(lf)
+            return
+        self._h.update(b"\r\n" * self._empty + text.replace(b"\n", b"\r\n"))
+        self._text = True
+        self._empty = len(lf) - len(text)
+
+    def hexdigest(self, subject: str | None) -> str:
+        """The fingerprint: the Subject, then the body ended by one CRLF (none if empty)."""
+        body = self._h.copy()
+        if self._text:
+            body.update(b"\r\n")
+        h = hashlib.sha256(b"subject:")
+        if subject is not None:
+            h.update(" ".join(subject.split()).encode("utf-8", errors="surrogateescape"))
+        h.update(b"\r\n")
+        h.update(body.digest())
+        return h.hexdigest()[:FINGERPRINT_HEX]
+
+
+def fingerprint(subject: str | None, body: bytes) -> str:
+    """`BodyFingerprint` of a whole body at once."""
+    fp = BodyFingerprint()
+    fp.update(body)
+    return fp.hexdigest(subject)
+
+
+def message_fingerprint(data: bytes) -> str:
+    """The fingerprint of a whole message (header block, empty line, body)."""
+    head, body = split_message(data)
+    return fingerprint(header(parse_headers(head), "Subject"), body)
+
+
+def variant_key(key: str, fp: str) -> str:
+    """The dedup key of another message that reused `key`'s Message-ID (fingerprint `fp`)."""
+    return hashlib.sha256(f"variant\x00{key}\x00{fp}".encode()).hexdigest()[:40]
 
 
 def content_message_id(header_block: bytes, body: bytes, hostname: str) -> str:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from relay.spool.reserve import low as reserve_low
+
 Status = Literal["ok", "warning", "critical"]
 RANK: dict[str, int] = {"ok": 0, "warning": 1, "critical": 2}
 EXIT = {"ok": 0, "warning": 1, "critical": 2}
@@ -94,8 +96,21 @@ def worst(statuses: Any) -> Status:
 # --- judgements ------------------------------------------------------------------------------
 
 
-def disk(free_pct: float, warning: float, critical: float) -> tuple[Status, str]:
+def disk(
+    free_pct: float,
+    warning: float,
+    critical: float,
+    free_bytes: int | None = None,
+    reserve: int = 0,
+) -> tuple[Status, str]:
     detail = f"{free_pct:.1f}% free where the spool lives"
+    if free_bytes is not None and reserve_low(free_bytes, reserve):
+        # relay/spool/reserve.py: the last `spool.reserve` octets are for what is queued
+        return "critical", (
+            f"{detail}, {human_bytes(free_bytes)}, below spool.reserve"
+            f" ({human_bytes(reserve)}): new mail is refused with 452 4.3.1 until space"
+            " is freed; queued mail is still delivered"
+        )
     if free_pct <= critical:
         return "critical", (
             f"{detail} (critical at {critical:g}%): new mail is refused with"
@@ -104,6 +119,10 @@ def disk(free_pct: float, warning: float, critical: float) -> tuple[Status, str]
     if free_pct <= warning:
         return "warning", f"{detail} (warning at {warning:g}%)"
     return "ok", detail
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
 def queue_age(age: float | None, warning: float, critical: float) -> tuple[Status, str]:
@@ -138,13 +157,50 @@ def dead_letters(count: int, warning: int) -> tuple[Status, str]:
     return "ok", detail
 
 
+def judged(mx_mode: bool, upstream: bool, config_error: str | None, shown: bool) -> bool:
+    """Does a destination get a `destination:NAME` check? In MX mode a recipient domain
+    whose MX is down is that domain's problem (its circuit_* lines are logged), not the
+    relay's: only a configuration error there is the operator's (and a check once shown
+    stays, so it can turn ok). An upstream (the smarthost, a route's, in MX mode too) is
+    always ours."""
+    return upstream or not mx_mode or config_error is not None or shown
+
+
 def destination(
-    name: str, circuit: str, failures: int, config_error: str | None, reopen_at: str | None
+    name: str,
+    circuit: str,
+    failures: int,
+    config_error: str | None,
+    reopen_at: str | None,
+    *,
+    failing_for: float | None = None,
+    answered: bool = True,
+    failing_after: float = 300.0,
 ) -> tuple[Status, str]:
+    """One destination (an upstream; in MX mode a recipient domain).
+
+    `failing_for`: seconds since the first failure after its last success (None: its last
+    attempt worked, or none yet); `answered`: it answered at least once since the daemon
+    started. Measured by the breaker (relay/shaping.py `Breaker.failing_since`), so it
+    stays true while nothing is due: a dead upstream is a warning `failing_after` after
+    its first failure whether or not mail is waiting, and at once while it never answered
+    since start (a wrong host or port after a deploy is news now, not at the 30m retry).
+    The escalation to critical stays with `queue_age` (health.queue_age_critical)."""
     if config_error:
         return "critical", (
             f"{name}: upstream refused our configuration: {config_error};"
             " mail is kept; fix the config and reload"
+        )
+    if failing_for is not None and failing_for >= failing_after:
+        return "warning", (
+            f"{name}: every attempt has failed for {human(failing_for)}, no answer since"
+            f" (warning at {human(failing_after)}; circuit {circuit},"
+            f" {failures} consecutive failures); mail is kept and retried"
+        )
+    if failing_for is not None and not answered:
+        return "warning", (
+            f"{name}: has not answered since start ({failures} consecutive failures,"
+            f" circuit {circuit}); mail is kept and retried"
         )
     if circuit == "open":
         return "warning", (

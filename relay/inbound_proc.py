@@ -37,6 +37,7 @@ from relay.guard import InboundGuard
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.logs import log_event, reconfigure
 from relay.metrics import Metrics
+from relay.spool.reserve import ReserveGate
 from relay.spool.writer import SpoolWriter
 from relay.tls_listener import implicit_context
 
@@ -61,6 +62,8 @@ class InboundProcess:
         self.servers: list[asyncio.Server] = []
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
+        # spool.reserve: this process has no health pass; 452 4.3.1 below it, as the daemon
+        self.reserve = ReserveGate(lambda: (self.config.spool_path, self.config.spool_reserve))
 
     def _queued(self) -> None:
         if self.notify_fd is None:
@@ -91,7 +94,7 @@ class InboundProcess:
                 on_queued=self._queued,
                 stats=self.stats,
                 guard=self.guard,
-                gate=lambda: None,
+                gate=self.reserve.refusal,
                 feedback=feedback,
             )
             # reuse_port: several inbound processes on one port
@@ -105,6 +108,7 @@ class InboundProcess:
         ):
             loop.add_signal_handler(sig, fn)
         tasks = [
+            loop.create_task(self.reserve.watch(), name="disk-reserve"),
             loop.create_task(self._refresh(), name="suppressions"),
             loop.create_task(self._reloader(), name="reloader"),
         ]
@@ -117,6 +121,7 @@ class InboundProcess:
         await self._stop.wait()
         for h in self.handlers:
             h.closing = True  # new commands get 421 4.3.2
+        self.guard.close()  # AUTH gets 454 4.7.0; no check outlives the loop (relay/guard.py)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
@@ -125,8 +130,8 @@ class InboundProcess:
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in self.servers:
             s.close()
+        await feedback.close()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         return 0
 
     async def _refresh(self) -> None:

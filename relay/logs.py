@@ -54,10 +54,14 @@ Standard event names (use the constants, not string literals):
 ``shutdown``        the daemon is stopping
 ``ambiguous``       outcome unknown (e.g. connection lost after DATA was sent)
 =================== ===========================================================
+
+``message_id_reused``: a Message-ID seen within ``dedup.window`` came with other content; the
+message was queued as a new one (WARNING, with ``queue_id`` and ``first_queue_id``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import enum
 import json
@@ -81,6 +85,10 @@ __all__ = [
     "mask_address",
     "parse_level",
     "reconfigure",
+    "redact_text",
+    "redact_url",
+    "redact_webhook_url",
+    "set_secrets",
     "setup_logging",
 ]
 
@@ -89,6 +97,7 @@ EVENTS: Final[frozenset[str]] = frozenset(
     {
         "accepted",
         "deduplicated",
+        "message_id_reused",
         "rejected",
         "attempt",
         "delivered",
@@ -154,10 +163,124 @@ _FORMATS: Final = frozenset({"json", "text", "logfmt"})
 
 # aiosmtpd logs every SMTP command line (addresses) at INFO and DATA lines (bodies) at DEBUG.
 _AIOSMTPD_LOGGER: Final = "mail.log"
+# Libraries that log each request with its full URL at INFO (httpx: "HTTP Request: POST
+# https://hooks.example/x?token=..."), or connection details at DEBUG: held at WARNING so a
+# webhook URL (itself a secret for Slack, Teams, Google Chat) never reaches the log.
+_CHATTY_LOGGERS: Final = ("httpx", "httpcore", "hpack", "urllib3", "psycopg")
 
 _setup_lock: Final = threading.Lock()
 
 _ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None]
+
+
+# --------------------------------------------------------------------------- secrets
+
+MASK: Final = "***"
+
+# A URL inside free text: a scheme, "://", then everything up to white space or a quote or
+# bracket. The lookbehind starts a match only at the beginning of a run of scheme characters,
+# so a long run without "://" is scanned once (linear time).
+_URL_RE: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
+
+# Literal secrets read from the config (passwords, tokens, webhook URLs and their paths), with
+# what replaces each one; longest first so a secret that contains another goes whole.
+_secrets: tuple[tuple[str, str], ...] = ()
+_MIN_SECRET: Final = 6  # shorter values would blank out ordinary words in log lines
+# Fields whose URL is printed whole, for the operator to open: Amazon SNS's SubscribeURL
+# (relay/feedback/service.py), whose token confirms that one subscription and nothing else.
+_WHOLE_URL_KEYS: Final = frozenset({"subscribe_url"})
+
+
+def _userinfo_host(netloc: str, keep_user: bool) -> tuple[str, str]:
+    """(redacted userinfo with its "@", host[:port]) of a URL's netloc."""
+    userinfo, at, host = netloc.rpartition("@")
+    if not at:
+        return "", netloc
+    user, colon, _password = userinfo.partition(":")
+    if not keep_user:
+        return f"{MASK}@", host
+    return (f"{user}:{MASK}@" if colon else f"{user}@"), host
+
+
+def redact_url(url: str) -> str:
+    """A URL fit to print: the password of its userinfo (``user:***@``), every query value
+    (``?token=***``) and the fragment replaced; scheme, host, port and path kept. The
+    general rule for URLs in logs and error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = len(rest)
+    for c in "/?#":
+        i = rest.find(c)
+        if i != -1:
+            end = min(end, i)
+    userinfo, host = _userinfo_host(rest[:end], keep_user=True)
+    tail = rest[end:]
+    path, q, query = tail.partition("?")
+    frag = ""
+    if not q:
+        path, h, _f = path.partition("#")
+        frag = f"#{MASK}" if h else ""
+    else:
+        query, h, _f = query.partition("#")
+        frag = f"#{MASK}" if h else ""
+        items = []
+        for item in query.split("&"):
+            name, eq, _v = item.partition("=")
+            items.append(f"{name}={MASK}" if eq else (MASK if item else ""))
+        path += "?" + "&".join(items)
+    return f"{scheme}://{userinfo}{host}{path}{frag}"
+
+
+def redact_webhook_url(url: str) -> str:
+    """A webhook URL fit to print: scheme and host[:port] only, anything after it ``/***``.
+    Slack, Teams and Google Chat put the secret in the path itself
+    (hooks.slack.com/services/T/B/XXX), so no part of the path or query is shown."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return MASK
+    end = len(rest)
+    for c in "/?#":
+        i = rest.find(c)
+        if i != -1:
+            end = min(end, i)
+    userinfo, host = _userinfo_host(rest[:end], keep_user=False)
+    return f"{scheme}://{userinfo}{host}" + (f"/{MASK}" if rest[end:].strip("/") else "")
+
+
+def set_secrets(secrets: Mapping[str, str]) -> None:
+    """Register the config's secret values (value -> what prints instead); every log line
+    the formatter renders has them replaced, even with ``unmask``. Called at start and at
+    each reload; replaces the previous set."""
+    global _secrets
+    pairs = {k: v for k, v in secrets.items() if len(k) >= _MIN_SECRET}
+    _secrets = tuple(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
+
+
+def _replace_secrets(text: str) -> str:
+    for secret, shown in _secrets:
+        if secret in text:
+            text = text.replace(secret, shown)
+    return text
+
+
+def redact_text(text: str) -> str:
+    """Free text fit to print: registered secrets replaced, then every URL in it through
+    :func:`redact_url`. For log lines, error messages and alert texts."""
+    text = _replace_secrets(text)
+    if "://" not in text:
+        return text
+    return _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
+
+
+def _redact_tree(value: object) -> object:
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list):
+        return [_redact_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _redact_tree(v) for k, v in value.items()}
+    return value
 
 
 # --------------------------------------------------------------------------- masking
@@ -324,7 +447,13 @@ class _StructuredFormatter(logging.Formatter):
                 out["traceback"] = self._text(tb)
         if record.stack_info and self.include_traceback:
             out["stack"] = self._text(record.stack_info)
-        return out
+        # secrets and URLs' passwords and query values, in every field, even unmasked
+        return {
+            k: _replace_secrets(v)
+            if k in _WHOLE_URL_KEYS and isinstance(v, str)
+            else _redact_tree(v)
+            for k, v in out.items()
+        }
 
 
 def _json_default(value: object) -> object:
@@ -458,12 +587,15 @@ def setup_logging(
         for h in list(root.handlers):
             if isinstance(h, _RelayHandler) and h is not handler:
                 root.removeHandler(h)
-                h.flush()
+                with contextlib.suppress(ValueError, OSError):
+                    h.flush()  # its stream may be closed already (a CLI run under a test)
                 h.close()  # does not close the underlying stream
         root.setLevel(lvl)
         # aiosmtpd logs SMTP command lines (addresses) at INFO and DATA (bodies) at DEBUG.
         aiosmtpd_level = max(lvl, logging.INFO) if unmask else max(lvl, logging.WARNING)
         logging.getLogger(_AIOSMTPD_LOGGER).setLevel(aiosmtpd_level)
+        for name in _CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(max(lvl, logging.WARNING))
 
 
 def reconfigure(level: str | int = "info", fmt: str = "json", unmask: bool = False) -> None:

@@ -216,7 +216,16 @@ def ensure_folder(folder: Path) -> list[str]:
             os.chown(folder, -1, gid)
         except PermissionError:
             warnings.append(f"maildrop {folder}: cannot give it to group {GROUP!r}")
-    os.chmod(folder, FOLDER_MODE)  # mkdir's mode is masked by the umask, and never setgid
+    try:
+        os.chmod(folder, FOLDER_MODE)  # mkdir's mode is masked by the umask, and never setgid
+    except PermissionError:
+        # systemd's RestrictSUIDSGID= forbids the setgid bit: the unit's ExecStartPre makes
+        # the folder as root instead (systemd/relay.service); without it, sticky alone
+        os.chmod(folder, FOLDER_MODE & ~stat.S_ISGID)
+        warnings.append(
+            f"maildrop {folder}: the setgid bit may not be set here (RestrictSUIDSGID?);"
+            f" files dropped in it keep their apps' groups (README: relay-sendmail)"
+        )
     return warnings
 
 

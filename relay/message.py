@@ -10,12 +10,13 @@ Rules:
 
 from __future__ import annotations
 
-import email.utils
 import hashlib
 import re
 import time
 from datetime import UTC, datetime
 from email.utils import format_datetime
+
+from relay import addrlist
 
 _BARE = re.compile(rb"\r\n|\r|\n")
 _HEADER_END = b"\r\n\r\n"
@@ -41,19 +42,28 @@ def split_message(data: bytes) -> tuple[bytes, bytes]:
 
 
 def parse_headers(block: bytes) -> list[tuple[str, str]]:
-    """Unfolded (name, value) pairs; undecodable bytes survive as surrogates."""
+    """Unfolded (name, value) pairs; undecodable bytes survive as surrogates. A field's
+    lines are collected and joined once: linear time, whatever the folding (a value grown
+    line by line copied it again for each line, quadratic in a 1 MiB folded field)."""
     out: list[tuple[str, str]] = []
+    name: str | None = None
+    parts: list[str] = []
     text = block.decode("utf-8", errors="surrogateescape")
     for line in text.split("\r\n"):
         if not line:
             continue
-        if line[0] in " \t" and out:
-            name, value = out[-1]
-            out[-1] = (name, value + " " + line.strip())
+        if line[0] in " \t" and name is not None:
+            parts.append(line.strip())
             continue
-        name, sep, value = line.partition(":")
-        if sep and name and " " not in name.strip():
-            out.append((name.strip(), value.strip()))
+        field, sep, value = line.partition(":")
+        if sep and field and " " not in field.strip():
+            if name is not None:
+                out.append((name, " ".join(parts)))
+            name, parts = field.strip(), [value.strip()]
+        # any other line is skipped; a continuation after it still belongs to the field
+        # before it, as it always did (content Message-IDs hash these values)
+    if name is not None:
+        out.append((name, " ".join(parts)))
     return out
 
 
@@ -113,26 +123,28 @@ _ADDRESS_FIELDS = frozenset({b"from", b"to", b"cc", b"reply-to", b"sender"})
 def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
     """`From: root (Cron Daemon)` -> `From: root@<domain> (Cron Daemon)`: bare local parts
     in the address fields get the local domain, as nullmailer and Postfix's myorigin do.
-    Only whole words that `email.utils.getaddresses` reads as an address without "@".
-    Lines without CRLF (header lines, as split)."""
+    `headers` are the header lines as split (without CRLF). Each field is read whole, folds
+    included, as an RFC 5322 address list (relay/addrlist.py): only an addr-spec without "@"
+    (`root`, `<root>`, `Root <root>`) changes, by an insertion in place; display names,
+    comments, quoted strings, groups, encoded words and the folding stay byte for byte,
+    and a field that cannot be read with certainty is left exactly as it came."""
     out: list[bytes] = []
-    current = False
-    for line in headers:
-        if line[:1] not in (b" ", b"\t"):
-            current = line.split(b":", 1)[0].strip().lower() in _ADDRESS_FIELDS
-        if current:
-            text = line.decode("utf-8", errors="surrogateescape")
-            value = text.split(":", 1)[1] if line[:1] not in (b" ", b"\t") else text
-            for _name, addr in email.utils.getaddresses([value]):
-                if addr and "@" not in addr and re.fullmatch(r"[\w.!#$%&'*+/=?^`{|}~-]+", addr):
-                    text = re.sub(
-                        rf"(?<![\w.@-]){re.escape(addr)}(?![\w.@-])",
-                        f"{addr}@{domain}",
-                        text,
-                        count=1,
-                    )
-            line = text.encode("utf-8", errors="surrogateescape")
-        out.append(line)
+    i = 0
+    n = len(headers)
+    while i < n:
+        j = i + 1
+        while j < n and headers[j][:1] in (b" ", b"\t"):
+            j += 1
+        first = headers[i]
+        name, colon, _ = first.partition(b":")
+        if colon and first[:1] not in (b" ", b"\t") and name.strip().lower() in _ADDRESS_FIELDS:
+            new = addrlist.qualify_field(b"\r\n".join(headers[i:j]), domain)
+            if new is not None:
+                out += new.split(b"\r\n")
+                i = j
+                continue
+        out += headers[i:j]
+        i = j
     return out
 
 

@@ -18,6 +18,24 @@ class Metrics:
             ["provider", "type"],
             registry=r,
         )
+        self.feedback_not_applied = Counter(
+            "relay_feedback_not_applied",
+            "Feedback that suppressed nothing: events not tied to our sending (unverified:"
+            " an address alone), for no recipient of ours (unmatched), and feedback mail kept"
+            " unread (unreadable, past_bound)",
+            ["provider", "reason"],
+            registry=r,
+        )
+        self.feedback_mail_truncated = Counter(
+            "relay_feedback_mail_truncated",
+            "Feedback mail stored truncated at feedback.mail_max_stored",
+            registry=r,
+        )
+        self.feedback_mail_dropped = Counter(
+            "relay_feedback_mail_dropped",
+            "Stored feedback mail dropped, oldest first, to stay within feedback.mail_budget",
+            registry=r,
+        )
         self.mta_sts_failures = Counter(
             "relay_mta_sts_failures",
             "MTA-STS failures per policy domain: policy lookups/fetches that failed, MX hosts"
@@ -28,6 +46,12 @@ class Metrics:
         self.deduplicated = Counter(
             "relay_deduplicated_messages",
             "Resubmissions answered 250 and not queued again",
+            registry=r,
+        )
+        self.message_id_reused = Counter(
+            "relay_message_id_reused",
+            "Messages queued although their Message-ID was seen within dedup.window: the"
+            " content differed (a reused Message-ID, not a resubmission)",
             registry=r,
         )
         self.rejected = Counter(
@@ -135,4 +159,24 @@ class Metrics:
         )
         self.auth_bans = Counter(
             "relay_auth_bans", "Client IPs banned for AUTH failures", registry=r
+        )
+        # the HTTP listeners (admin, feedback): relay/ops/http.py
+        self.http_connections_open = Gauge(
+            "relay_http_connections_open",
+            "HTTP connections open now, per listener",
+            ["listener"],
+            registry=r,
+        )
+        self.http_connections_refused = Counter(
+            "relay_http_connections_refused",
+            "HTTP connections refused with 503 (total, per_ip)",
+            ["listener", "reason"],
+            registry=r,
+        )
+        self.http_bad_requests = Counter(
+            "relay_http_bad_requests",
+            "HTTP requests refused before a route (malformed, ambiguous framing, too big,"
+            " too slow)",
+            ["listener"],
+            registry=r,
         )

@@ -56,9 +56,9 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from relay.httpd import Request, Response
 from relay.logs import log_event, mask_address
 from relay.message import header, parse_headers, split_message
+from relay.ops.http import Request, Response
 from relay.spool.writer import SpoolError
 
 log = logging.getLogger(__name__)
@@ -367,6 +367,7 @@ class UnsubscribeHandler:
                 '<input type="hidden" name="List-Unsubscribe" value="One-Click">\n'
                 '<button type="submit">Unsubscribe</button>\n</form>',
             )
+        await req.read()  # only for a valid token's POST
         if not one_click(req.body, req.headers.get("content-type", "")):
             self._refused(req, token, "POST without List-Unsubscribe=One-Click")
             return _page(

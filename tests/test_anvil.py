@@ -210,13 +210,23 @@ def conf(tmp_path: Path, **top: Any) -> Any:
 
 def test_fd_budget(tmp_path: Path) -> None:
     c = conf(tmp_path, limits={"max_connections": 500})
-    need = 500 + 50 + 1 + fdlimit.HEADROOM
+    need = 500 + 50 + 1 + 256 + fdlimit.HEADROOM  # 256: admin.max_connections
     assert fdlimit.needed(c) == need
     assert fdlimit.problem(c, need) is None
-    msg = fdlimit.problem(c, 400)
+    msg = fdlimit.problem(c, 600)
     assert msg is not None and msg.startswith("limits.max_connections: 500 connections")
-    assert "at most 249" in msg  # 400 - (50 + 1 + 100)
+    assert "at most 193" in msg  # 600 - (50 + 1 + 256 + 100)
     assert fdlimit.problem(c, 65536) is None  # the systemd unit's LimitNOFILE
+    # each HTTP listener's connection bound counts: the feedback one only when it has its own
+    c = conf(
+        tmp_path,
+        limits={"max_connections": 500},
+        admin={"max_connections": 10},
+        feedback={"listen": "127.0.0.1:9026", "max_connections": 20},
+    )
+    assert fdlimit.needed(c) == 500 + 50 + 1 + 10 + 20 + fdlimit.HEADROOM
+    c = conf(tmp_path, admin={"listen": None}, feedback={"max_connections": 20})
+    assert fdlimit.needed(c) == 500 + 50 + 1 + fdlimit.HEADROOM
 
 
 def test_config_defaults(tmp_path: Path) -> None:

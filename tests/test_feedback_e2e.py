@@ -251,7 +251,9 @@ def sendgrid_headers(body: bytes, key: ec.EllipticCurvePrivateKey = SG_KEY) -> d
     }
 
 
-def mailgun_failed(rcpt: str, key: bytes = MAILGUN_KEY) -> bytes:
+def mailgun_failed(
+    rcpt: str, key: bytes = MAILGUN_KEY, message_id: str = "20261203100000.1.abc@mg.example.com"
+) -> bytes:
     ts = str(int(time.time()))
     token = uuid.uuid4().hex + uuid.uuid4().hex[:18]
     sig = hmac.new(key, (ts + token).encode(), hashlib.sha256).hexdigest()
@@ -266,7 +268,7 @@ def mailgun_failed(rcpt: str, key: bytes = MAILGUN_KEY) -> bytes:
                 "id": uuid.uuid4().hex[:22],
                 "timestamp": time.time(),
                 "log-level": "error",
-                "message": {"headers": {"message-id": "20261203100000.1.abc@mg.example.com"}},
+                "message": {"headers": {"message-id": message_id}},
                 "delivery-status": {
                     "code": 550,
                     "message": "5.1.1 The email account that you tried to reach does not exist",
@@ -391,13 +393,19 @@ def test_sendgrid_signed_events_are_checked(world: World) -> None:
     assert suppression(r, rcpt)[0]["scope"] == "global"
 
 
-def test_mailgun_hmac_is_checked_and_address_matches(world: World) -> None:
+def test_mailgun_hmac_is_checked_and_its_message_id_matches(world: World) -> None:
+    """Mailgun's message-id is the id its 250 gave (our upstream id). An event naming only
+    the address (another message-id) is no longer enough: it is `unverified` and suppresses
+    nothing (issue 27: anyone who can post could name any address we delivered to)."""
     r = world.relay
     rcpt = world.unique("mg")
-    world.deliver(rcpt)
+    uid = world.deliver(rcpt)
     assert world.post("mailgun", mailgun_failed(rcpt, key=b"not-the-key"))[0] == 401
     assert suppression(r, rcpt) == []
-    status, resp = world.post("mailgun", mailgun_failed(rcpt))
+    status, resp = world.post("mailgun", mailgun_failed(rcpt))  # an id that is not ours
+    assert status == 202 and json.loads(resp)["unverified"] == 1, resp
+    assert suppression(r, rcpt) == [] and state(r, rcpt) == "delivered"
+    status, resp = world.post("mailgun", mailgun_failed(rcpt, message_id=f"<{uid}>"))
     assert status == 200, resp
     assert state(r, rcpt) == "bounced"
 
@@ -409,7 +417,7 @@ def test_generic_bad_input_and_unknown_recipients(world: World) -> None:
         world.post("generic", json.dumps({"type": "explode", "recipient": "x@y.z"}).encode())[0]
         == 400
     )
-    assert world.post("generic", b"[" + b" " * 70000 + b"]")[0] == 400  # over max_body
+    assert world.post("generic", b"[" + b" " * 70000 + b"]")[0] == 413  # over max_body
     stranger = world.unique("stranger")
     status, resp = world.post(
         "generic", json.dumps({"type": "bounce", "recipient": stranger}).encode()
@@ -499,6 +507,11 @@ def test_dsn_and_arf_to_the_plain_feedback_address(world: World) -> None:
     world.deliver(rcpt)
     qid = r.cli_json("queue", "find", "--recipient", rcpt)[0]["id"]
     mid = "<" + r.cli_json("queue", "show", qid)["message_id"] + ">"
+    # a forged DSN (no VERP token, a Message-ID that is not ours): nothing (the 250 comes
+    # after the report was applied)
+    assert send(r.port, "", ["bounces@relay.test"], dsn(rcpt, "<forged@elsewhere>")) == {}
+    assert state(r, rcpt) == "delivered" and suppression(r, rcpt) == []
+    assert any(e.get("event") == "feedback_unverified" for e in r.events())
     assert send(r.port, "", ["bounces@relay.test"], dsn(rcpt, mid)) == {}
     r.wait_until(lambda: state(r, rcpt) == "bounced", timeout=10, what="late bounce by DSN")
 

@@ -405,6 +405,7 @@ def test_standard_event_names_are_constants_and_documented() -> None:
         "startup",
         "shutdown",
         "ambiguous",
+        "message_id_reused",
     }
     assert expected == EVENTS
     doc = logs.__doc__ or ""

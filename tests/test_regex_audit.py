@@ -19,6 +19,7 @@ from relay.shaping import parse_rule
 PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "logs._ADDRESS_RE (masking of free text)": logs._ADDRESS_RE,
     "logs._LOGFMT_KEY_RE": logs._LOGFMT_KEY_RE,
+    "logs._URL_RE (redaction of URLs in free text)": logs._URL_RE,
     "replies._ENHANCED_RE": replies._ENHANCED_RE,
     "replies._LEADING_ENHANCED_RE": replies._LEADING_ENHANCED_RE,
     "replies._FROM_STR_RE": replies._FROM_STR_RE,
@@ -30,6 +31,9 @@ PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "inbound._HAS_ENHANCED": inbound._HAS_ENHANCED,
     # feedback from outside: bounce texts, upstream replies, unsubscribe subjects
     **{f"feedback.bounces.{k}": v for k, v in bounces.PATTERNS.items()},
+    "feedback.bounces._BOUNDARY_PARAM": bounces._BOUNDARY_PARAM,
+    "feedback.bounces._DASH_LINE": bounces._DASH_LINE,
+    "feedback.bounces._BOUNDARY_2231": bounces._BOUNDARY_2231,
     **{f"upstream_ids.{name}": pat for name, pat, _ in upstream_ids.PATTERNS},
     "unsubscribe._SUBJECT": unsubscribe._SUBJECT,
     "providers._STATUS_IN_TEXT": providers._STATUS_IN_TEXT,
@@ -52,6 +56,8 @@ HOSTILE = [
     "too many " * (N // 9),
     "x@[" + "1" * N,
     "-" * N + "@x",
+    "a:/" * (N // 3),
+    "a://" + "b" * N,
 ]
 
 

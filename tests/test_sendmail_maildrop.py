@@ -114,6 +114,25 @@ def test_write_is_atomic_with_mode_0640_whatever_the_umask(tmp_path: Path) -> No
     assert "0o755" in warning and "0o3730" in warning
 
 
+def test_a_folder_made_where_setgid_is_forbidden_is_sticky_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd's RestrictSUIDSGID= makes chmod with the setgid bit fail with EPERM: the
+    daemon still starts, with the folder sticky and a warning, instead of crashing."""
+    real = os.chmod
+
+    def chmod(path: Any, mode: int, *a: Any, **kw: Any) -> None:
+        if mode & stat.S_ISGID:
+            raise PermissionError(1, "Operation not permitted")
+        real(path, mode, *a, **kw)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    folder = tmp_path / "maildrop"
+    (warning,) = maildrop.ensure_folder(folder)
+    assert "setgid" in warning
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o1730
+
+
 def test_write_into_a_missing_folder_raises_and_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         maildrop.write(tmp_path / "absent", _drop())

@@ -698,13 +698,13 @@ def test_feedback_readers(conn: sqlite3.Connection) -> None:
     )
     assert ops.feedback_mail(conn, 10, unread=True) == [
         {"id": 2, "at": 2, "peer": "p2", "sender": "s2", "rcpt": "r2", "size": 4, "events": 0,
-         "error": "unreadable"}
+         "error": "unreadable", "stored": 0, "truncated": False}
     ]  # fmt: skip
     assert [m["id"] for m in ops.feedback_mail(conn, 10, unread=False)] == [3, 2, 1]
     assert [m["id"] for m in ops.feedback_mail(conn, 2, unread=False)] == [3, 2]
     assert ops.feedback_mail(conn, 10, unread=False)[2] == {
         "id": 1, "at": 1, "peer": "p1", "sender": "s1", "rcpt": "r1", "size": 3, "events": 1,
-        "error": None,
+        "error": None, "stored": 0, "truncated": False,
     }  # fmt: skip
     assert ops.feedback_mail_body(conn, 2) == b"defg"
     assert ops.feedback_mail_body(conn, 9) is None

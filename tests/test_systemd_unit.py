@@ -52,13 +52,16 @@ def _one(unit: Unit, section: str, key: str) -> str:
     ("key", "expected"),
     [
         ("Type", "notify"),
-        ("ExecStart", "/opt/relay/.venv/bin/relay serve -c /etc/relay/relay.yaml"),
+        ("ExecStart", "/opt/relay/bin/relay serve -c /etc/relay/relay.yaml"),
         ("ExecReload", "/bin/kill -HUP $MAINPID"),
         ("Restart", "on-failure"),
         ("RestartSec", "2s"),
         ("WatchdogSec", "30s"),
-        ("DynamicUser", "yes"),
+        ("User", "relay"),
+        ("Group", "relay"),
         ("StateDirectory", "relay"),
+        ("StateDirectoryMode", "0710"),
+        ("LoadCredential", "relay:/etc/relay/credentials"),
         ("ConfigurationDirectory", "relay"),
         ("NoNewPrivileges", "yes"),
         ("ProtectSystem", "strict"),
@@ -100,6 +103,17 @@ def test_nofile_limit_fits_the_default_connections(unit: Unit) -> None:
     default = load_config(Path(__file__).resolve().parent.parent / "conf" / "relay.yaml")
     assert int(_one(unit, "Service", "LimitNOFILE")) >= fdlimit.needed(default)
     assert fdlimit.problem(default, int(_one(unit, "Service", "LimitNOFILE"))) is None
+
+
+def test_static_user_and_the_maildrop(unit: Unit) -> None:
+    """Not DynamicUser=: its state would live under /var/lib/private (0700), where apps in
+    group relay could not reach the maildrop. The maildrop and the spool are made before each
+    start as root ("+": RestrictSUIDSGID= forbids the daemon the setgid bit)."""
+    assert "DynamicUser" not in unit["Service"]
+    assert unit["Service"]["ExecStartPre"] == [
+        "+/usr/bin/install -d -m 0710 -o relay -g relay /var/lib/relay/spool",
+        "+/usr/bin/install -d -m 3730 -o relay -g relay /var/lib/relay/spool/maildrop",
+    ]
 
 
 def test_install_section(unit: Unit) -> None:
@@ -162,9 +176,14 @@ def test_the_fleet_template_is_the_unit_with_the_instance_name() -> None:
     assert differs == {
         ("Unit", "Description"),
         ("Service", "ExecStart"),
+        ("Service", "ExecStartPre"),
         ("Service", "StateDirectory"),
         ("Service", "SyslogIdentifier"),
     }
+    assert template["Service"]["ExecStartPre"] == [
+        v.replace("/var/lib/relay/spool", "/var/lib/relay/%i")
+        for v in unit["Service"]["ExecStartPre"]
+    ]
     assert _one(template, "Service", "ExecStart").endswith("-c /etc/relay/%i.yaml")
     assert _one(template, "Service", "StateDirectory") == "relay/%i"
     assert _one(template, "Service", "SyslogIdentifier") == "relay@%i"

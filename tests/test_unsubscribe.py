@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.httpd import HttpServer, Request
 from relay.message import header, parse_headers, split_message
+from relay.ops.http import HttpServer, Request
 from relay.unsubscribe import (
     MAX_TOKEN,
     UnsubscribeConf,
@@ -364,7 +364,8 @@ async def env() -> AsyncIterator[Env]:
     confs = {"shop.example": CONF, "other.example": UnsubscribeConf(None, MAILTO, OTHER)}
     suppress = Suppressor()
     handler = UnsubscribeHandler(lambda: confs, suppress)
-    server = HttpServer(handler.http, name="unsubscribe")
+    server = HttpServer("unsubscribe")
+    server.route("/", handler.http, prefix=True)
     await server.start("127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
@@ -506,7 +507,8 @@ async def test_spool_error_is_503(env: Env) -> None:
         raise OSError("disk full")
 
     handler = UnsubscribeHandler(lambda: env.confs, broken)
-    server = HttpServer(handler.http)
+    server = HttpServer("unsubscribe")
+    server.route("/", handler.http, prefix=True)
     await server.start("127.0.0.1", 0)
     try:
         token = make_token(SECRET, "shop.example", "user@example.com")

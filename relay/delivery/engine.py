@@ -65,6 +65,7 @@ from relay.spool import ops
 from relay.spool.writer import SpoolWriter
 
 EXPIRY_PASS = 30.0  # seconds between claims of expired recipients that wait
+CLAIM_BACKOFF_MAX = 10.0  # seconds: the longest wait after failed claim passes (disk full)
 
 log = logging.getLogger(__name__)
 
@@ -301,13 +302,27 @@ class Engine:
             )
         self.ledger.load(day, counts)
         beat = asyncio.create_task(self._heartbeat_loop(), name="fleet-heartbeat")
+        failures = 0  # claim passes failed in a row (a full disk, a spool that is away)
         try:
             while not self.stopping:
                 try:
                     claimed = await self._claim_and_dispatch()
                 except Exception as e:
-                    log_event(log, logging.ERROR, "engine_error", "claim loop failed", exc=e)
-                    claimed = 0
+                    # logged once, then retried with backoff (never a tight loop of errors)
+                    if not failures:
+                        log_event(log, logging.ERROR, "engine_error", "claim loop failed", exc=e)
+                    failures += 1
+                    await self._backoff(failures)
+                    continue
+                if failures:
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "engine_recovered",
+                        "claim loop works again",
+                        failed_passes=failures,
+                    )
+                    failures = 0
                 if self.stopping:
                     break
                 if claimed and self._inflight < self._max_inflight():
@@ -318,6 +333,17 @@ class Engine:
         finally:
             beat.cancel()
             self._loop_exited.set()
+
+    async def _backoff(self, failures: int) -> None:
+        """After the n-th failed claim pass in a row: wait poll_interval * 2**(n-1), at
+        most CLAIM_BACKOFF_MAX seconds (a stop still ends the wait at once)."""
+        poll = self.config.delivery.poll_interval
+        wait = min(CLAIM_BACKOFF_MAX, poll * 2.0 ** min(failures - 1, 16))
+        deadline = time.monotonic() + wait
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     @property
     def lease(self) -> float:
@@ -605,7 +631,7 @@ class Engine:
     async def wait_token(self, st: DestState) -> None:
         await workers.wait_token(self, st)
 
-    def health(self) -> list[tuple[str, str, int, str | None, str | None]]:
+    def health(self) -> list[views.DestHealth]:
         return views.health(self)
 
     def dead_letters_last_hour(self) -> int:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay import credentials
 from relay.delivery.oauth import OAuthConf
+from relay.logs import redact_url
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 AUTH_MECHS = ("auto", "plain", "login", "xoauth2", "oauthbearer")
@@ -199,7 +201,9 @@ def _upstream(name: str, item: object, base: Path, read_secret: Any) -> Upstream
         raise RouteConfigError(f"{key}.username: expected a string")
     password = None
     if item.get("password_file") is not None:
-        password = read_secret(_path(item["password_file"], base), f"{key}.password_file")
+        password = read_secret(
+            _path(item["password_file"], base, f"{key}.password_file"), f"{key}.password_file"
+        )
     oauth = None
     if auth in ("xoauth2", "oauthbearer"):
         if not user:
@@ -216,7 +220,7 @@ def _upstream(name: str, item: object, base: Path, read_secret: Any) -> Upstream
         port=port,
         tls=tls,
         verify=verify,
-        ca_file=None if ca is None else _path(ca, base),
+        ca_file=None if ca is None else _path(ca, base, f"{key}.ca_file"),
         username=user,
         password=password,
         auth=auth,
@@ -246,12 +250,18 @@ def _oauth(key: str, item: object, base: Path, read_secret: Any) -> OAuthConf:
     if not cmd and not url:
         raise RouteConfigError(f"{k}: token_url or token_command is required")
     if url is not None and not str(url).startswith(("https://", "http://")):
-        raise RouteConfigError(f"{k}.token_url: {url!r} is not an http(s) URL")
+        raise RouteConfigError(f"{k}.token_url: {redact_url(str(url))!r} is not an http(s) URL")
     secret = refresh = None
     if item.get("client_secret_file") is not None:
-        secret = read_secret(_path(item["client_secret_file"], base), f"{k}.client_secret_file")
+        secret = read_secret(
+            _path(item["client_secret_file"], base, f"{k}.client_secret_file"),
+            f"{k}.client_secret_file",
+        )
     if item.get("refresh_token_file") is not None:
-        refresh = read_secret(_path(item["refresh_token_file"], base), f"{k}.refresh_token_file")
+        refresh = read_secret(
+            _path(item["refresh_token_file"], base, f"{k}.refresh_token_file"),
+            f"{k}.refresh_token_file",
+        )
     if url and not cmd and not item.get("client_id"):
         raise RouteConfigError(f"{k}.client_id: required with token_url")
     timeout = item.get("timeout", 10)
@@ -268,8 +278,11 @@ def _oauth(key: str, item: object, base: Path, read_secret: Any) -> OAuthConf:
     )
 
 
-def _path(v: object, base: Path) -> Path:
-    p = Path(str(v))
+def _path(v: object, base: Path, key: str) -> Path:
+    try:
+        p = Path(credentials.expand(str(v), key))
+    except ValueError as e:
+        raise RouteConfigError(str(e)) from None
     return p if p.is_absolute() else (base / p).resolve()
 
 

@@ -36,9 +36,13 @@ Rules:
   without a Message-ID, content_id("sha256:" + the raw bytes' sha256, recipient, type): the
   same report mailed twice is applied once (apply.py dedups).
 - Bounded work whatever the input: the first 4 MiB are parsed (the report parts and the
-  original's headers come first), 100 MIME parts are looked at (never inside an attached
-  message), 1 MiB of text is searched, 1000 recipients a report are read, header values are
-  capped (`regex_guard.bounded`), and every pattern here is linear (no unbounded
+  original's headers come first); a message of more than 100 MIME parts (attached
+  messages' parts included; counted on the bytes before parsing, `mime_bound`, and on the
+  tree after, `tree_bound`) or nested deeper than 10 is `PastBound` (kept unread, never
+  parsed further; the parse itself runs in relay/feedback/worker.py's child within a time
+  budget); the parts of an attached message are never searched; 1 MiB of text is
+  searched, 1000 recipients a report are read, header values are capped
+  (`regex_guard.bounded`), and every pattern here is linear (no unbounded
   repetition; tests/test_feedback_bounces.py runs `check_linear` and hostile text on each).
   Text declared in a charset whose decoder is not linear (idna, punycode) is read as UTF-8.
 - The stdlib `email` package reads the message with compat32 rules, except that header
@@ -79,6 +83,7 @@ MAX_RECIPIENTS = 1000  # recipient blocks read from one report
 MAX_REASON = 500
 MAX_BLOCK_LINES = 40  # lines after an address in a notice that can hold its code
 MAX_ID = 998  # a Message-ID longer than a header line is not one
+MAX_RECEIVED = 50  # Received lines of a returned original searched for our queue id
 
 VERP_MAC_CHARS = 10
 VERP_MAX_TOKEN = 16 + 1 + 19 + 1 + VERP_MAC_CHARS  # queue id, row id (< 2**63), mac
@@ -89,6 +94,11 @@ _MAX_ROW_ID = 2**63 - 1
 _ATEXT = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*/=?^_`{|}~-+"
 )
+
+
+class PastBound(FeedbackError):
+    """A message past one of the bounds on its structure (MAX_PARTS, MAX_DEPTH) or on the
+    time its parse may take: kept for the operator unread, never parsed further."""
 
 
 class UnreadableNotice(FeedbackError):
@@ -112,6 +122,17 @@ _ADDR_IN_TEXT = re.compile(
     r"(?<![A-Za-z0-9!#$%&'*+/=?^_`{|}~.-])[A-Za-z0-9!#$%&'*+/=?^_`{|}~.-]{1,64}"
     r"@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){1,10}"
 )
+# a multipart boundary parameter (RFC 2046 §5.1.1: 1 to 70 characters), quoted or a token;
+# folding (CRLF and space) around the "=" included
+_BOUNDARY_PARAM = re.compile(
+    rb'(?i)boundary\s{0,20}=\s{0,20}(?:"([^"\r\n]{1,200})"|([^\s;"]{1,200}))'
+)
+# the same in RFC 2231's extended or continued form: boundary*=utf-8''x, boundary*0=x
+_BOUNDARY_2231 = re.compile(rb"(?i)boundary\*")
+# a line that may be a boundary delimiter: "--" and at most 200 more characters of it
+_DASH_LINE = re.compile(rb"(?m)^--([^\r\n]{0,200})")
+# our own Received line in a returned original (relay/message.py received_header)
+_OUR_RECEIVED = re.compile(r"\(relay\) with [A-Za-z]{1,20} id ([0-9A-Fa-f]{16})(?![0-9A-Za-z])")
 # RFC 6533 embedded-unicode-char in a utf-8 address: \x{E9}
 _UNITEXT = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
 
@@ -121,6 +142,7 @@ PATTERNS: dict[str, re.Pattern[str]] = {
     "_ADDR": _ADDR,
     "_ADDR_IN_TEXT": _ADDR_IN_TEXT,
     "_UNITEXT": _UNITEXT,
+    "_OUR_RECEIVED": _OUR_RECEIVED,
 }
 
 # --- the wording of failure notices (lower case, matched as substrings) -------------------
@@ -207,6 +229,7 @@ _ORIGINAL_TYPES = (
     "message/global-headers",
     "message/rfc822-headers",
 )
+_ATTACHED_TYPES = ("message/rfc822", "message/global", "message/news")
 _SLOW_CODECS = frozenset({"idna", "punycode"})
 _ADDRESS_HEADERS = frozenset(
     f"{h}:"
@@ -256,11 +279,22 @@ def parse_feedback_mail(data: bytes) -> list[FeedbackEvent]:
 def _parse(data: bytes) -> list[FeedbackEvent]:
     if not data or not data.strip():
         raise FeedbackError("empty message")
-    msg = message_from_bytes(bytes(data[:MAX_PARSE]), policy=_POLICY)
+    head = bytes(data[:MAX_PARSE])
+    too_much = mime_bound(head)  # before the parser builds 100k parts, not after
+    if too_much is not None:
+        raise PastBound(too_much)
+    msg = message_from_bytes(head, policy=_POLICY)
+    too_much = tree_bound(msg)
+    if too_much is not None:
+        raise PastBound(too_much)
     report_mid = _message_id(_header(msg, "Message-ID"))
     digest = None if report_mid else "sha256:" + hashlib.sha256(data).hexdigest()
     ctx = _Ctx(report_mid=report_mid, digest=digest)
     parts = _parts(msg)
+    return _with_queue_id(_events(msg, parts, ctx), parts)
+
+
+def _events(msg: Message, parts: list[Message], ctx: _Ctx) -> list[FeedbackEvent]:
     for i, part in enumerate(parts):
         if part.get_content_type() == _ARF_TYPE:
             return _arf_events(part, _original(parts[i + 1 :]), ctx)
@@ -272,6 +306,81 @@ def _parse(data: bytes) -> list[FeedbackEvent]:
             # no recipient with an address: perhaps the notice's text names one
             return _notice_events(msg, parts, ctx, report=True)
     return _notice_events(msg, parts, ctx)
+
+
+def _with_queue_id(events: list[FeedbackEvent], parts: list[Message]) -> list[FeedbackEvent]:
+    """Our queue id, when the returned original's headers carry our Received line
+    (relay/message.py received_header: `by <host> (relay) with ESMTP id <queue id>`): with
+    the Message-ID, what ties a report to one of our messages (apply.py)."""
+    if not events:
+        return events
+    original = _original(parts)
+    if original is None:
+        return events
+    qid = None
+    for value in (original.get_all("Received") or [])[:MAX_RECEIVED]:
+        m = _OUR_RECEIVED.search(_clean(value)[:MAX_LINE])
+        if m is not None:
+            qid = m.group(1).upper()
+            break
+    if qid is None:
+        return events
+    return [e if e.queue_id else dataclasses.replace(e, queue_id=qid) for e in events]
+
+
+# --- bounds on the MIME structure --------------------------------------------------------------
+
+
+def mime_bound(head: bytes) -> str | None:
+    """Why `head` (the bytes the parser would be given) is past the MIME bounds, before the
+    parser sees it; None when it is not. Linear: one pass for the boundaries the message
+    declares (RFC 2046 §5.1.1 `boundary=` parameters), one over the lines that start with
+    "--", counting those that are a declared boundary's delimiter or close delimiter. Every
+    part but the top one begins at a delimiter line and each multipart adds one close
+    delimiter, so more than 2 x MAX_PARTS of them is more than MAX_PARTS parts. A boundary
+    in RFC 2231's form (`boundary*0=`, `boundary*=`: split or encoded, not read here) makes
+    every "--" line count. The parsed tree is counted again by `tree_bound`, and the worker's
+    time budget bounds the parse itself (relay/feedback/worker.py)."""
+    declared: set[bytes] = set()
+    for m in _BOUNDARY_PARAM.finditer(head):
+        declared.add(m.group(1) or m.group(2))
+        if len(declared) > MAX_PARTS:
+            return f"more than {MAX_PARTS} multipart boundaries declared"
+    extended = _BOUNDARY_2231.search(head) is not None
+    if not declared and not extended:
+        return None
+    delimiters = 0
+    for m in _DASH_LINE.finditer(head):
+        token = m.group(1).rstrip(b" \t\r")
+        if extended or token in declared or (token.endswith(b"--") and token[:-2] in declared):
+            delimiters += 1
+            if delimiters > 2 * MAX_PARTS:
+                return f"more than {MAX_PARTS} MIME parts"
+    return None
+
+
+def tree_bound(msg: Message) -> str | None:
+    """Why the parsed message is past the bounds (more than MAX_PARTS parts in all, the
+    parts of attached messages included, or nesting deeper than MAX_DEPTH); None when not."""
+    count = 0
+    stack: list[tuple[Message, int]] = [(msg, 0)]
+    while stack:
+        part, depth = stack.pop()
+        count += 1
+        if count > MAX_PARTS:
+            return f"more than {MAX_PARTS} MIME parts"
+        if depth > MAX_DEPTH:
+            return f"MIME parts nested deeper than {MAX_DEPTH}"
+        # a multipart's parts, an attached message; not the header blocks the parser
+        # makes of a delivery-status (one per recipient: MAX_RECIPIENTS bounds those)
+        payload = part.get_payload()
+        ctype = part.get_content_type()
+        if isinstance(payload, list) and (
+            part.get_content_maintype() == "multipart" or ctype in _ATTACHED_TYPES
+        ):
+            subs = payload[: MAX_PARTS + 1]
+            stack.extend((p, depth + 1) for p in subs if isinstance(p, Message))
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,15 +11,21 @@ Rules:
 - The reply says what happened: 200 with counts when at least one event matched (or was a
   duplicate), 202 when the payload held events but none matched one of our recipients
   (logged), 200 for a payload with nothing to act on (deliveries, opens, ...).
-- Feedback mail (to `feedback.address` or its VERP form) is parsed the same way; a message
-  that cannot be read is kept in `feedback_mail` with the reason and logged at WARNING,
-  never lost and never relayed.
+- Feedback mail (to `feedback.address` or its VERP form) is parsed in a child process
+  within a time budget (relay/feedback/worker.py: never on the event loop); a message
+  that cannot be read, or is past a bound (MIME parts, nesting, parse time), is kept in
+  `feedback_mail` with the reason and logged at WARNING, never lost and never relayed.
+- Events are applied at most `apply.EVENTS_PER_JOB` per writer job, one job after the
+  other: a report or webhook batch of any size never holds the spool writer for long.
+  Only events tied to our sending act (apply.py); an address-only one is `unverified`:
+  logged (`feedback_unverified`) and counted (`relay_feedback_not_applied`), nothing more.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hmac
 import json
 import logging
@@ -31,13 +37,14 @@ from typing import Any
 
 from relay import alerts, unsubscribe
 from relay.config import Config, FeedbackProvider
-from relay.feedback import bounces, providers, sns
-from relay.feedback.apply import Applied, apply_events
+from relay.feedback import bounces, providers, sns, storage
+from relay.feedback.apply import EVENTS_PER_JOB, Applied, acted_on, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
-from relay.httpd import Request, Response
+from relay.feedback.worker import ParserWorker
 from relay.logs import log_event
 from relay.message import header, parse_headers, split_message
 from relay.metrics import Metrics
+from relay.ops.http import Request, Response
 from relay.spool import ops
 from relay.spool.writer import SpoolError, SpoolWriter
 
@@ -70,6 +77,7 @@ class FeedbackService:
         self.on_suppressed = on_suppressed  # the inbound/engine in-memory list
         self.clock = clock
         self.verp_key = b""
+        self.parser = ParserWorker()  # feedback mail is parsed off the loop
         self._sns_certs: dict[Path | None, sns.CertCache] = {}  # by CA bundle (config reloads)
 
     async def start(self) -> None:
@@ -80,6 +88,10 @@ class FeedbackService:
             self.verp_key = conf.verp_secret
             return
         self.verp_key = await self.writer.run(_spool_verp_key)
+
+    async def close(self) -> None:
+        """Stop the parser process (it also exits by itself when idle or orphaned)."""
+        await self.parser.close()
 
     def verp_sender(self, queue_id: str, rcpt_id: int) -> str | None:
         """The VERP envelope sender for one recipient (None: `feedback.verp` is off)."""
@@ -132,6 +144,7 @@ class FeedbackService:
                 b"unauthorized\n",
                 headers={"WWW-Authenticate": f'Basic realm="relay feedback {name}"'},
             )
+        await req.read()  # only now, after the token: a stranger's body is never read
         now = self.clock()
         try:
             _verify(prov, req, now)
@@ -176,7 +189,7 @@ class FeedbackService:
             log_event(log, logging.ERROR, "feedback_failed", "spool error", provider=name, exc=e)
             return Response.text(503, "spool unavailable; try again later")
         doc = _summary(results)
-        status = 202 if events and doc["unmatched"] == len(events) else 200
+        status = 202 if events and doc["unmatched"] + doc["unverified"] == len(events) else 200
         return Response(status, json.dumps(doc).encode() + b"\n", "application/json")
 
     # --- mail -----------------------------------------------------------------------------
@@ -243,15 +256,24 @@ class FeedbackService:
         self.on_suppressed(recipient, reason, now, identity)
         return bool(new)
 
-    async def mail(self, data: bytes, *, peer: str, sender: str, rcpts: Sequence[str]) -> int:
+    async def mail(
+        self,
+        data: bytes,
+        *,
+        peer: str,
+        sender: str,
+        rcpts: Sequence[str],
+        size: int | None = None,
+    ) -> int:
         """Feedback mail: parse, apply, keep what cannot be read. Returns the events found."""
         conf = self.config().feedback
         now = self.clock()
-        error: str | None = None
-        try:
-            events = bounces.parse_feedback_mail(data)
-        except FeedbackError as e:
-            events, error = [], str(e) or "not a bounce or complaint report"
+        parsed = await self.parser.parse(data)
+        events, error = list(parsed.events), parsed.error
+        if error is not None:
+            self.metrics.feedback_not_applied.labels(
+                bounces.PROVIDER, "past_bound" if parsed.past_bound else "unreadable"
+            ).inc()
         verp: tuple[str, int] | None = None
         for r in rcpts:
             verp = verp or bounces.verp_decode(r, conf.local, conf.domain, self.verp_key)
@@ -262,14 +284,12 @@ class FeedbackService:
                 # a failure notice we cannot read, but the address says whose it is
                 error = f"{error} (VERP names {verp[0]}, recipient {verp[1]}: kept, not applied)"
 
-        def keep(c: sqlite3.Connection) -> None:
-            c.execute(
-                "INSERT INTO feedback_mail (at, peer, sender, rcpt, size, body, events, error)"
-                " VALUES (?,?,?,?,?,?,?,?)",
-                (now, peer, sender, ",".join(rcpts), len(data), data, len(events), error),
-            )
-
-        await self.writer.run(keep)
+        # bounded: cut at mail_max_stored, the oldest dropped past mail_budget (storage.py)
+        row = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error, size)
+        cap, budget = conf.mail_max_stored, conf.mail_budget
+        storage.report(
+            await self.writer.run(lambda c: storage.keep(c, row, cap, budget)), self.metrics, peer
+        )
         if error is not None:
             log_event(
                 log,
@@ -296,13 +316,46 @@ class FeedbackService:
             if ev is not None:
                 alerts.record(c, ev, now, coalesce, sinks)
 
-        results = await self.writer.run(lambda c: apply_events(c, events, now, alert))
+        results: list[Applied] = []
+        acted: set[int] = set()
+        for start in range(0, len(events), EVENTS_PER_JOB):
+            job = functools.partial(
+                _apply_chunk, events[start : start + EVENTS_PER_JOB], now, alert, frozenset(acted)
+            )
+            part = await self.writer.run(job)
+            acted |= acted_on(part)
+            results.extend(part)
         for a in results:
             self._report(a, now)
         return results
 
     def _report(self, a: Applied, now: float) -> None:
         ev = a.event
+        if a.outcome in ("unverified", "unmatched"):
+            self.metrics.feedback_not_applied.labels(ev.provider, a.outcome).inc()
+        if a.outcome == "unverified":
+            log_event(  # INFO, as feedback_unmatched: one forged report can name 1,000
+                log,
+                logging.INFO,
+                "feedback_unverified",
+                f"{ev.type} not tied to our sending (no VERP token, upstream id, Message-ID or"
+                " queue id of the message): nothing suppressed",
+                provider=ev.provider,
+                rcpt=ev.recipient,
+                event_id=ev.event_id,
+            )
+            return
+        if a.outcome == "repeat":
+            log_event(
+                log,
+                logging.INFO,
+                "feedback_repeat",
+                "recipient already acted on by this report",
+                provider=ev.provider,
+                queue_id=a.queue_id,
+                event_id=ev.event_id,
+            )
+            return
         if a.outcome == "duplicate":
             log_event(
                 log,
@@ -353,6 +406,17 @@ class FeedbackService:
             log_event(log, logging.INFO, "soft_bounce", "temporary failure reported", **fields)
 
 
+def _apply_chunk(
+    events: Sequence[FeedbackEvent],
+    now: float,
+    alert: Callable[[sqlite3.Connection, Applied], None],
+    acted: frozenset[int],
+    c: sqlite3.Connection,
+) -> list[Applied]:
+    """One writer job: at most EVENTS_PER_JOB events in one transaction."""
+    return apply_events(c, events, now, alert, acted)
+
+
 def _alert_event(a: Applied) -> alerts.Event | None:
     ev = a.event
     if ev.type == "soft_bounce":
@@ -367,12 +431,12 @@ def _alert_event(a: Applied) -> alerts.Event | None:
 
 
 def _summary(results: Sequence[Applied]) -> dict[str, int]:
-    doc = {"events": len(results), "applied": 0, "duplicates": 0, "unmatched": 0}
+    doc = {"events": len(results), "applied": 0, "duplicates": 0, "unmatched": 0, "unverified": 0}
     for a in results:
-        if a.outcome == "duplicate":
+        if a.outcome in ("duplicate", "repeat"):
             doc["duplicates"] += 1
-        elif a.outcome == "unmatched":
-            doc["unmatched"] += 1
+        elif a.outcome in ("unmatched", "unverified"):
+            doc[a.outcome] += 1
         else:
             doc["applied"] += 1
     return doc

@@ -5,35 +5,36 @@ The names the rest of the code (and the tests) import from `relay.inbound` are r
 here, so `relay.inbound` reads as it did when it was one module.
 """
 
-from relay.inbound.core import _HAS_ENHANCED, with_enhanced
+from relay.inbound.core import _HAS_ENHANCED, NON_ASCII, with_enhanced
 from relay.inbound.handler import (
     IDEMPOTENCY_KEY,
     InboundHandler,
     InboundStats,
     RelaySMTP,
     Suppressions,
+    _head_of,
     _printable,
     _storable,
     _strip_keyword,
     _utf8,
     _valid_domain,
-    _whole,
     _with_protocol,
 )
 
 __all__ = [
     "IDEMPOTENCY_KEY",
+    "NON_ASCII",
     "_HAS_ENHANCED",
     "InboundHandler",
     "InboundStats",
     "RelaySMTP",
     "Suppressions",
+    "_head_of",
     "_printable",
     "_storable",
     "_strip_keyword",
     "_utf8",
     "_valid_domain",
-    "_whole",
     "_with_protocol",
     "with_enhanced",
 ]

@@ -125,7 +125,18 @@ _KNOWN = frozenset(_SYNTAX) | {"EXPN"}
 DATA_REFUSALS: dict[DataState, str] = {
     DataState.TOO_MUCH: "552 5.3.4 Message size exceeds fixed maximum message size",  # §4.5.3.1.7
     DataState.TOO_LONG: "500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)",  # §4.5.3.1.6
+    # limits.max_header_size: every later step (feedback, unsubscribe, dedup, DKIM) parses
+    # the header block; §4.5.3.1.7's 552 and RFC 3463's X.3.4
+    DataState.HEADER_TOO_BIG: "552 5.3.4 Message header too large",
 }
+# The stats/metrics label of a refusal counted as a rejection (relay_rejected_total); the
+# size and line limits were never counted there (aiosmtpd's RelaySMTP did not either).
+DATA_REFUSAL_REASONS: dict[DataState, str] = {
+    DataState.HEADER_TOO_BIG: "header_too_large",
+}
+# RFC 6531 §3.4: a non-ASCII address in a transaction whose MAIL had no SMTPUTF8 (X.6.7 of
+# the enhanced status code registry, "Non-ASCII addresses not permitted")
+NON_ASCII = "553 5.6.7 Non-ASCII {role} address needs the SMTPUTF8 parameter on MAIL"
 
 
 # --- settings and events -------------------------------------------------------------------
@@ -140,6 +151,7 @@ class Settings:
     max_size: int = 0  # SIZE (RFC 1870); 0: no limit
     max_command: int = 512  # octets of a command line without its CRLF
     max_line: int = 65537  # octets of a DATA line with its CRLF and a transparency dot
+    max_header: int = 0  # octets of a message's header block (limits.max_header_size); 0: none
     max_errors: int = 10  # 0: no limit
     starttls: bool = False  # STARTTLS offered (a plaintext listener with `tls`)
     require_tls: bool = False  # RFC 3207 §4: 530 before STARTTLS
@@ -331,6 +343,7 @@ class Closed(Event):
 class _Txn:
     mail: bool = False
     rcpt: bool = False
+    smtputf8: bool = False  # MAIL carried SMTPUTF8 (RFC 6531 §3.4)
 
 
 @dataclass(slots=True)
@@ -338,6 +351,7 @@ class _Pending:
     """What the event waiting in DECIDE was (its reply updates the session)."""
 
     kind: str = ""
+    smtputf8: bool = False  # of a MAIL waiting for its reply
 
 
 class ServerCore:
@@ -430,6 +444,7 @@ class ServerCore:
         ok = status[:1] == "2"
         if kind == "mail" and ok:
             self._txn.mail = True
+            self._txn.smtputf8 = self._pending.smtputf8
         elif kind == "rcpt" and ok:
             self._txn.rcpt = True
         elif kind == "data":
@@ -795,6 +810,10 @@ class ServerCore:
         if smtputf8 is not False and smtputf8 is not True:  # RFC 6531 §3.4: no value
             self._say("501 5.5.4 SMTPUTF8 takes no arguments")
             return
+        if not smtputf8 and not path.address.isascii():  # RFC 6531 §3.4
+            self._events.append(Refused("bad_address"))
+            self._say(NON_ASCII.format(role="sender"))
+            return
         size = params.pop("SIZE", None)
         if size is not None:  # RFC 1870 §6
             if isinstance(size, bool) or not size.isascii() or not size.isdigit():
@@ -806,6 +825,7 @@ class ServerCore:
         if params:
             self._say("555 5.5.4 MAIL FROM parameters not recognized or not implemented")
             return
+        self._pending.smtputf8 = bool(smtputf8)
         self._need("mail", Mail(path.address, tuple(options), bool(smtputf8)))
 
     def _cmd_RCPT(self, arg: str) -> None:
@@ -821,6 +841,10 @@ class ServerCore:
         if params:
             self._say("555 5.5.4 RCPT TO parameters not recognized or not implemented")
             return
+        if not self._txn.smtputf8 and not path.address.isascii():  # RFC 6531 §3.4
+            self._events.append(Refused("bad_address"))
+            self._say(NON_ASCII.format(role="recipient"))
+            return
         self._need("rcpt", Rcpt(path.address, tuple(options)))
 
     def _cmd_DATA(self, arg: str) -> None:
@@ -833,7 +857,8 @@ class ServerCore:
             self._say("501 Syntax: DATA")
             return
         self._say("354 End data with <CR><LF>.<CR><LF>")
-        self._parser = DataParser(self.settings.max_size, self.settings.max_line)
+        s = self.settings
+        self._parser = DataParser(s.max_size, s.max_line, s.max_header)
         self._go("data")
         self._events.append(DataStart())
 
@@ -859,6 +884,9 @@ class ServerCore:
         self._txn = _Txn()
         self._go("end_refused")
         refusal = DATA_REFUSALS.get(parser.state, DATA_REFUSALS[DataState.TOO_MUCH])
+        reason = DATA_REFUSAL_REASONS.get(parser.state)
+        if reason is not None:
+            self._events.append(Refused(reason))
         self._events.append(DataEnd(refusal, parser.nul_count, parser.longest))
         self._say(refusal)
 

@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from relay import address as address_
-from relay import dedup, faults, longlines, shaping
+from relay import alerts, dedup, faults, longlines, shaping
 from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
+from relay.feedback import bounces
 from relay.feedback.service import FeedbackService
 from relay.guard import InboundGuard
 from relay.inbound.session import Envelope, Session, TLSSetupException
@@ -58,7 +59,6 @@ from relay.message import (
     header,
     parse_headers,
     qualify_header_block,
-    qualify_headers,
     received_header,
     strip_header,
 )
@@ -211,7 +211,16 @@ class InboundHandler(AuthMechanisms):
         rcpt_options: list[str],
     ) -> str:
         if self.feedback is not None and self.feedback.is_feedback_rcpt(address):
-            # not relaying: a bounce or complaint for us, from anyone (no open relay)
+            # not relaying: a bounce or complaint for us, from anyone (no open relay); at
+            # most feedback.rate_per_ip such messages per client and window (counted once
+            # per transaction): an outsider cannot fill the spool with them
+            if not any(self.feedback.is_feedback_rcpt(r) for r in envelope.rcpt_tos):
+                ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+                allowed = self._peer_allowed(session)
+                refusal = self.guard.feedback_mail(ip, allowed, self.listener.name)
+                if refusal is not None:
+                    self.stats.reject("feedback_rate")
+                    return refusal
             if address.lower() not in (r.lower() for r in envelope.rcpt_tos):
                 envelope.rcpt_tos.append(address)
             return "250 2.1.5 OK (feedback address)"
@@ -319,14 +328,15 @@ class InboundHandler(AuthMechanisms):
         peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         try:
             await incoming.finish()
-            head_lines = incoming.header_block()[:-2].split(b"\r\n")
+            head = incoming.header_block()
+            domain = cfg.local.domain
+            # `To: root` from an allow-listed app: qualified like the envelope; the header
+            # block (up to limits.max_header_size) is read in a thread, off the event loop
             if (
                 self._peer_allowed(session)
-                and incoming.header_block()
-                and qualify_headers(head_lines, cfg.local.domain) != head_lines
+                and head
+                and await asyncio.to_thread(qualify_header_block, head, domain) is not None
             ):
-                # `To: root` from an allow-listed app: qualified like the envelope
-                domain = cfg.local.domain
                 await incoming.rewrite(lambda d: qualify_header_block(d, domain))
             if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
                 before = incoming.size
@@ -350,14 +360,23 @@ class InboundHandler(AuthMechanisms):
             fb = [r for r in rcpts if self.feedback.is_feedback_rcpt(r)]
             if fb:
                 try:
-                    data = await asyncio.to_thread(_whole, incoming)
+                    # read no more than is parsed or stored (an outsider's 20 MiB mail to
+                    # the feedback address is never held in memory whole)
+                    conf = self.feedback.config().feedback
+                    data = await asyncio.to_thread(
+                        _head_of, incoming, max(bounces.MAX_PARSE, conf.mail_max_stored)
+                    )
                     unsub = [r for r in fb if self.feedback.is_unsubscribe_rcpt(r)]
                     if unsub:
                         await self.feedback.unsubscribe_mail(data, peer=peer_ip, sender=sender)
                     bounce_rcpts = [r for r in fb if r not in unsub]
                     if bounce_rcpts:
                         await self.feedback.mail(
-                            data, peer=peer_ip, sender=sender, rcpts=bounce_rcpts
+                            data,
+                            peer=peer_ip,
+                            sender=sender,
+                            rcpts=bounce_rcpts,
+                            size=incoming.size,
                         )
                 except (SpoolError, OSError, sqlite3.Error) as e:
                     incoming.discard()
@@ -419,6 +438,9 @@ class InboundHandler(AuthMechanisms):
         prefix = trace + added
         size = len(prefix) + incoming.size
         namespace = self._namespace(session)
+        # what tells a resubmission from another message reusing the Message-ID (streamed
+        # as the body arrived: relay/spool/incoming.py); an Idempotency-Key has its own rule
+        fingerprint = incoming.fingerprint(header(headers, "Subject")) if ikey is None else None
         lane = self.listener.lane or classify_lane(
             self._lane_rules, sender=sender, headers=headers, listener=self.listener.name
         )
@@ -432,6 +454,7 @@ class InboundHandler(AuthMechanisms):
                     else dedup.idempotency_dedup_key(namespace, ikey, r)
                 ),
                 content_hash=chash,
+                fingerprint=fingerprint,
             )
             for r in rcpts
         )
@@ -465,7 +488,7 @@ class InboundHandler(AuthMechanisms):
             refusal = self.gate()
             if refusal is not None:  # the spool went bad while the client sent its data
                 raise SpoolError(refusal)
-            result = await self.writer.run(lambda c: ops.accept(c, msg, window))
+            result = await self.writer.run(self._accept_job(msg, window, mid, now))
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -504,6 +527,8 @@ class InboundHandler(AuthMechanisms):
                 client=namespace,
             )
             return "250 2.0.0 Ok: already queued (duplicate suppressed)"
+        if result.reused:
+            self._reused(result, queue_id, mid, namespace)
         self.stats.accepted += 1
         if self.stats.metrics is not None:
             self.stats.metrics.accepted.labels(lane).inc()
@@ -524,6 +549,50 @@ class InboundHandler(AuthMechanisms):
         )
         self.on_queued()
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+    def _accept_job(
+        self, msg: ops.NewMessage, window: float, mid: str, now: float
+    ) -> Callable[[sqlite3.Connection], ops.AcceptResult]:
+        """ops.accept, and in the same transaction the alert of a reused Message-ID (one
+        per client namespace and `alerts.coalesce` window: a burst makes one alert)."""
+        conf = self.config.alerts
+
+        def job(c: sqlite3.Connection) -> ops.AcceptResult:
+            result = ops.accept(c, msg, window)
+            if result.reused:
+                rcpt, first = result.reused[0]
+                ev = alerts.Event(
+                    REUSED,
+                    "warning",
+                    msg.client,
+                    f"Message-ID reused for other content by {msg.client}: queued, not"
+                    " dropped (fix the app's Message-IDs)",
+                    {
+                        **alerts.sample(msg.queue_id, rcpt, f"Message-ID {mid}"),
+                        "first_queue_id": first,
+                    },
+                )
+                alerts.record(c, ev, now, conf.coalesce, alerts.sinks_of(conf))
+            return result
+
+        return job
+
+    def _reused(self, result: ops.AcceptResult, queue_id: str, mid: str, namespace: str) -> None:
+        """README "Dedup": a new message under a Message-ID already used for other content
+        within `dedup.window`: queued, and said loudly (WARNING, metric, alert)."""
+        if self.stats.metrics is not None:
+            self.stats.metrics.message_id_reused.inc()
+        log_event(
+            log,
+            logging.WARNING,
+            REUSED,
+            "Message-ID reused for other content within dedup.window: queued, not a duplicate",
+            queue_id=queue_id,
+            first_queue_id=",".join(sorted({first for _r, first in result.reused})),
+            message_id=mid,
+            rcpts=[r for r, _first in result.reused],
+            client=namespace,
+        )
 
     def spool_failed(self, queue_id: str, e: BaseException) -> str:
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -597,12 +666,17 @@ def _utf8(text: str) -> bool:
 
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
+REUSED = "message_id_reused"  # the log event and alert of a Message-ID reused (README "Dedup")
 
 
-def _whole(incoming: IncomingBody) -> bytes:
-    """The message as received (feedback mail is read whole; it is bounded by the size limit)."""
+def _head_of(incoming: IncomingBody, limit: int) -> bytes:
+    """The first `limit` octets of the message as received (feedback and unsubscribe mail:
+    what the parser reads and the store keeps, never a whole large body in memory)."""
     path = incoming.tmp_path
-    return incoming.inline() if path is None else path.read_bytes()
+    if path is None:
+        return incoming.inline()[:limit]
+    with path.open("rb") as f:
+        return f.read(limit)
 
 
 def _storable(text: str) -> str:

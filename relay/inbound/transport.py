@@ -75,6 +75,7 @@ def settings_for(handler: InboundHandler, listener: Listener, bare_ok: bool) -> 
         max_size=limits.max_message_size or 0,
         max_command=limits.max_command_length,
         max_line=limits.max_line_length + 1,  # + a transparency dot
+        max_header=limits.max_header_size,
         max_errors=limits.max_errors,
         starttls=tls is not None and not implicit,
         require_tls=bool(listener.require_tls) and tls is not None and not implicit,

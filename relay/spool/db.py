@@ -242,6 +242,24 @@ MIGRATIONS: list[str] = [
     # (pg.PG_MIGRATIONS[7]); nothing on SQLite
     """
     """,
+    # 8 -> 9: feedback matched by address (relay/feedback/apply.py: an address-only report
+    # is looked up to be logged as `unverified`) through an index, never a scan of the
+    # delivered rows (a forged report naming 1,000 addresses held the writer for 53 s)
+    """
+    CREATE INDEX recipients_address ON recipients(lower(address));
+    """,
+    # 9 -> 10: the content fingerprint of a Message-ID dedup key (relay/dedup.py: another
+    # message reusing the Message-ID is queued, not dropped; keys stored before keep NULL and
+    # the old rule), and bounded feedback mail storage (relay/feedback/storage.py): the
+    # octets kept of each mail (the budget sums them without reading a body) and whether
+    # it was cut at `feedback.mail_max_stored`.
+    """
+    ALTER TABLE dedup ADD COLUMN fingerprint TEXT;
+    ALTER TABLE feedback_mail ADD COLUMN stored INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE feedback_mail ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0;
+    UPDATE feedback_mail SET stored = length(body);
+    CREATE INDEX feedback_mail_at ON feedback_mail(at, stored);
+    """,
 ]
 
 

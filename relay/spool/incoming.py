@@ -15,6 +15,10 @@ Rules:
   is hashed as it arrives (relay/dedup.py's `ContentHasher`, the same id as for the whole
   message at once). A message with no empty line in its first `HEAD_MAX` octets is hashed
   as all body (deterministic, so a resubmission is still recognised).
+- Every body is also fed, as it arrives, to its content fingerprint (relay/dedup.py's
+  `BodyFingerprint`): the dedup check that tells a resubmission from another message
+  reusing its Message-ID never reads the stored body again, nor hashes it in the event loop
+  in one piece.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from relay import faults
-from relay.dedup import ContentHasher, normalize_message_id
+from relay.dedup import BodyFingerprint, ContentHasher, normalize_message_id
 from relay.message import header, parse_headers
 from relay.spool import bodies
 from relay.spool.db import fsync_dir
@@ -48,6 +52,7 @@ class IncomingBody:
         self._head = bytearray()
         self.head: bytes | None = None  # the header block once known (with its final CRLF)
         self._hasher: ContentHasher | None = None  # for a message without a Message-ID
+        self._fingerprint = BodyFingerprint()  # of every message: the dedup check
         self._writing: asyncio.Future[None] | None = None  # a write running in a thread
 
     @property
@@ -111,6 +116,7 @@ class IncomingBody:
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
+        self._fingerprint.update(body)
         self.size += len(data)
         self._mem += data
         if self._tmp is None and len(self._mem) <= self.inline_max:
@@ -178,6 +184,11 @@ class IncomingBody:
     def needs_content_id(head: bytes) -> bool:
         mid = header(parse_headers(head), "Message-ID")
         return not mid or not normalize_message_id(mid)
+
+    def fingerprint(self, subject: str | None) -> str:
+        """The content fingerprint of what the client sent (relay/dedup.py), after
+        `finish()`; `subject` is its Subject header."""
+        return self._fingerprint.hexdigest(subject)
 
     def content_message_id(self, hostname: str) -> str:
         """Only for a message that needs one (`needs_content_id`), after `finish()`."""

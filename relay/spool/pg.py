@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -123,20 +123,32 @@ def ddl(stmt: str) -> str:
 
 
 def redact(dsn: str) -> str:
-    """The DSN with any password replaced by ***, for logs and messages."""
+    """The DSN with any password replaced by ***, for logs and messages (a URL's query
+    values too: `?password=` is a libpq parameter)."""
     try:
         parts = urlsplit(dsn)
     except ValueError:
         return "<unparsable dsn>"
     if parts.scheme in ("postgres", "postgresql"):
-        if parts.password is None:
-            return dsn
-        host = parts.hostname or ""
-        if parts.port:
-            host += f":{parts.port}"
-        user = parts.username or ""
-        return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+        from relay.logs import redact_url
+
+        return redact_url(dsn)
     return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
+
+
+def dsn_passwords(dsn: str) -> tuple[str, ...]:
+    """The passwords a DSN holds inline (URL userinfo, `?password=`, `password=` of a
+    key=value list); the log formatter is told to hide them."""
+    out = []
+    try:
+        out.append(urlsplit(dsn).password or "")
+    except ValueError:
+        pass
+    try:
+        out.append(str(psycopg.conninfo.conninfo_to_dict(dsn).get("password") or ""))
+    except psycopg.Error:
+        pass
+    return tuple(unquote(p) for p in out if p) + tuple(p for p in out if p)
 
 
 def _wrap(e: psycopg.Error) -> sqlite3.Error:

@@ -412,6 +412,11 @@ MAIL_ROWS: list[tuple[bytes, str | tuple[str, tuple[str, ...], bool]]] = [
     (b"MAIL", "501 5.5.4 Syntax: MAIL FROM:<address> [SP <mail-parameters>]"),
     (b"MAIL FROM:<a b@c.example>", "501 5.1.7 Bad sender address syntax: "),
     (b"MAIL FROM:<root>", "501 5.1.7 Bad sender address syntax: "),
+    (  # RFC 6531 §3.4
+        "MAIL FROM:<\u00e9@b.example>".encode(),
+        "553 5.6.7 Non-ASCII sender address needs the SMTPUTF8 parameter on MAIL",
+    ),
+    ("MAIL FROM:<\u00e9@b.example> SMTPUTF8".encode(), ("\u00e9@b.example", ("SMTPUTF8",), True)),
 ]
 
 
@@ -431,6 +436,30 @@ def test_mail_paths_and_parameters(
 def test_a_bad_path_is_counted_as_a_refusal() -> None:
     _, events = converse(session(), EHLO + b"MAIL FROM:<a b@c.example>\r\n")
     assert Refused("bad_address") in events
+
+
+@pytest.mark.parametrize(
+    ("mail", "want"),
+    [
+        (b"MAIL FROM:<a@b.example>", "553 5.6.7 Non-ASCII recipient address needs the SMTPUTF8"),
+        (b"MAIL FROM:<a@b.example> SMTPUTF8", "250 2.1.5 OK"),
+    ],
+)
+def test_a_non_ascii_recipient_needs_smtputf8_on_the_mail(mail: bytes, want: str) -> None:
+    """RFC 6531 §3.4: the MAIL of this transaction decides, and a refused MAIL's SMTPUTF8
+    does not carry over to the next one."""
+    rcpt = "RCPT TO:<\u00e9@d.example>\r\n".encode()
+    lines, events = converse(session(), EHLO + mail + b"\r\n" + rcpt)
+    assert lines[-1].startswith(want), lines[-1]
+    assert (Refused("bad_address") in events) is want.startswith("553")
+    c = session()
+    converse(
+        c,
+        EHLO + b"MAIL FROM:<a@b.example> SMTPUTF8\r\n",
+        lambda e: "451 4.3.0 no" if isinstance(e, Mail) else default_answer(e),
+    )
+    lines, _ = converse(c, b"MAIL FROM:<a@b.example>\r\n" + rcpt)
+    assert lines[-1].startswith("553 5.6.7 Non-ASCII recipient"), lines[-1]
 
 
 def test_a_bare_local_part_is_qualified_only_for_a_client_that_may_relay() -> None:
@@ -495,6 +524,11 @@ def test_bare_lf_dot_does_not_end_data() -> None:
     [
         ({"max_size": 10}, b"x" * 20 + b"\r\n", "552 5.3.4 Message size exceeds fixed maximum"),
         ({"max_line": 30}, b"x" * 40 + b"\r\n", "500 5.5.2 Line too long (see RFC 5321 4.5.3.1.6)"),
+        (
+            {"max_header": 20},
+            b"Subject: " + b"x" * 20 + b"\r\n\r\nbody\r\n",
+            "552 5.3.4 Message header too large",
+        ),
     ],
 )
 def test_data_over_a_limit_is_refused_by_the_core(
@@ -506,6 +540,14 @@ def test_data_over_a_limit_is_refused_by_the_core(
     assert len(end) == 1 and end[0].refusal is not None and not end[0].needs_reply
     assert lines[-2].startswith(refusal)
     assert lines[-1] == "503 5.5.1 Error: need MAIL command"  # the transaction is over
+    # counted in relay_rejected_total as before (RelaySMTP): only the header limit
+    counted = [e for e in events if isinstance(e, Refused)]
+    assert counted == ([Refused("header_too_large")] if "max_header" in kw else [])
+
+
+def test_a_header_block_within_the_limit_is_accepted() -> None:
+    body = b"Subject: " + b"x" * 9 + b"\r\n\r\n" + b"y" * 100 + b"\r\n.\r\n"  # 20 octets
+    assert replies(TXN + body, max_header=20)[-1] == "250 2.0.0 Ok: queued as Q1"
 
 
 def test_the_accept_decision_ends_the_transaction_whatever_it_says() -> None:

@@ -1,0 +1,1 @@
+"""Operations: what the operator and the outside world reach over HTTP (relay/ops/http.py)."""
