@@ -20,14 +20,15 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
+from relay import config_types as types
 from relay import credentials
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
@@ -174,65 +175,21 @@ DESTINATION_DEFAULTS: dict[str, Any] = {
 IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None, "unsubscribe": None}
 
 
+_T = TypeVar("_T")
+
+
 class ConfigError(Exception):
     """A configuration problem; the message starts with the offending key path."""
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB|k|K|M|G)?\s*$")
-_SIZE_UNITS = {
-    None: 1,
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "k": 1024,
-    "K": 1024,
-    "KiB": 1024,
-    "M": 1024**2,
-    "MiB": 1024**2,
-    "G": 1024**3,
-    "GiB": 1024**3,
-}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|m|min|h|hour|d|day)\s*$")
-_RATE_UNITS = {
-    "s": 1,
-    "sec": 1,
-    "m": 60,
-    "min": 60,
-    "h": 3600,
-    "hour": 3600,
-    "d": 86400,
-    "day": 86400,
-}
-
-
 def parse_duration(value: object, key: str) -> float:
-    if isinstance(value, bool) or (isinstance(value, float) and value != value):  # NaN
-        raise ConfigError(f"{key}: {value!r} is not a duration")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ConfigError(f"{key}: {value!r} must not be negative")
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a duration (use 30s, 5m, 2h, 7d or seconds)")
+    """Seconds from `30s`, `5m`, `2h`, `7d` or a number (relay.config_types.duration)."""
+    return _keyed(types.duration, value, key)
 
 
 def parse_percent(value: object, key: str) -> float:
     """ "10%" or 10 (percent, 0 to 100)."""
-    v: object = value
-    if isinstance(v, str) and v.endswith("%"):
-        try:
-            v = float(v[:-1])
-        except ValueError:
-            v = value
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 100:
-        raise ConfigError(f"{key}: {value!r} is not a percentage (use 10% or 10)")
-    return float(v)
+    return _keyed(types.percent, value, key)
 
 
 def _read_secret(path: Path, key: str) -> str:
@@ -271,46 +228,24 @@ def _webhook(item: object, base: Path) -> Webhook | None:
 
 
 def parse_size(value: object, key: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        if m:
-            return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a size (use 25MiB, 64KiB or bytes)")
+    return _keyed(types.size, value, key)
 
 
 def parse_rate(value: object, key: str) -> float | None:
     """Tokens per second; None means unlimited."""
-    if value is None or value == "unlimited":
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    if isinstance(value, str):
-        m = _RATE.match(value)
-        if m and float(m.group(1)) > 0:
-            return float(m.group(1)) / _RATE_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a rate (use 50/s, 100/m, 3600/h or unlimited)")
+    return _keyed(types.rate, value, key)
 
 
 def parse_hostport(value: object, key: str, default_port: int | None = None) -> tuple[str, int]:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: {value!r} is not a host:port address")
-    host, sep, port_s = value.rpartition(":")
-    if not sep:
-        if default_port is None:
-            raise ConfigError(f"{key}: {value!r} has no port (use host:port)")
-        host, port_s = value, str(default_port)
-    host = host.strip("[]")
+    return _keyed(lambda v: types.hostport(v, default_port), value, key)
+
+
+def _keyed(parse: Callable[[Any], _T], value: object, key: str) -> _T:
+    """`parse(value)`, its ValueError a ConfigError naming `key`."""
     try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError(f"{key}: {port_s!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{key}: port {port} is out of range")
-    if not host:
-        raise ConfigError(f"{key}: {value!r} has no host")
-    return host, port
+        return parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 class _Reader:
@@ -425,8 +360,7 @@ def _domain_ok(domain: str) -> bool:
     return True
 
 
-def _kind(v: object) -> str:
-    return "nothing" if v is None else f"{type(v).__name__} {v!r}"
+_kind = types.kind
 
 
 def _merge(base: Any, over: Any) -> Any:
