@@ -27,9 +27,27 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
 from relay import config_types as types
 from relay import credentials
+from relay.config_models import (
+    MAX_HEADER_SIZE,
+    SECTIONS,
+    AdminSection,
+    AuthSection,
+    DedupSection,
+    DeliverySection,
+    DsnSection,
+    HealthSection,
+    InboundSection,
+    LimitsSection,
+    LogSection,
+    RetrySection,
+    Section,
+    Sections,
+    TimeoutsSection,
+)
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
@@ -51,32 +69,9 @@ DEFAULTS: dict[str, Any] = {
         "maildrop": None,  # None: <spool.path>/maildrop (relay/maildrop.py)
         "reserve": "64MiB",
     },
-    "dedup": {"window": "7d"},
-    "limits": {
-        "max_message_size": "25MiB",
-        "max_recipients": 1000,
-        "session_timeout": "300s",
-        "max_line_length": 65536,  # accepted; over 998 octets re-encoded (relay/longlines.py)
-        "max_command_length": 512,
-        "max_header_size": "1MiB",
-        "max_connections": 500,
-        "max_connections_per_ip": 50,
-        "max_connections_per_ip_allowed": 500,
-        "allowed_reserve": 50,
-        "max_errors": 10,
-        "command_timeout": "60s",
-        "min_data_rate": 500,
-        "min_data_rate_window": "30s",
-    },
-    "auth": {
-        "max_parallel": 2,
-        "max_pending": 100,
-        "failure_delay": "0.5s",
-        "max_failure_delay": "8s",
-        "max_failures_per_ip": 10,
-        "failure_window": "10m",
-        "ban_time": "10m",
-    },
+    "dedup": DedupSection.defaults(),
+    "limits": LimitsSection.defaults(),
+    "auth": AuthSection.defaults(),
     "upstream": {
         "mode": "smarthost",
         "helo": None,
@@ -100,13 +95,8 @@ DEFAULTS: dict[str, Any] = {
             "mta_sts_port": 443,
         },
     },
-    "retry": {
-        "schedule": ["1m", "5m", "30m", "2h"],
-        "max_age": "5d",
-        "min_delay": "1s",
-        "warn_after": "4h",
-    },
-    "timeouts": {"connect": "10s", "command": "30s", "data": "120s"},
+    "retry": RetrySection.defaults(),
+    "timeouts": TimeoutsSection.defaults(),
     "destinations": {"*": {}},
     "identities": {},
     "shaping": {
@@ -120,20 +110,12 @@ DEFAULTS: dict[str, Any] = {
         "transactional": {"share": 1.0},
         "bulk": {"share": 0.5},
     },
-    "delivery": {"workers": 50, "batch": 200, "poll_interval": "0.25s"},
+    "delivery": DeliverySection.defaults(),
     "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
-    "health": {
-        "disk_free_warning": "10%",
-        "disk_free_critical": "5%",
-        "queue_age_warning": "30m",
-        "queue_age_critical": "4h",
-        "stall_after": "10m",
-        "dead_letters_warning": 50,
-    },
-    "dsn": {"enabled": False, "from": None},
+    "health": HealthSection.defaults(),
+    "dsn": DsnSection.defaults(),
     "local": {"domain": None, "aliases": {}},
-    # each HTTP listener's connection bounds (relay/ops/http.py)
-    "admin": {"listen": "127.0.0.1:9025", "max_connections": 256, "max_connections_per_ip": 32},
+    "admin": AdminSection.defaults(),
     "dkim": {},
     "feedback": {
         "listen": None,
@@ -149,10 +131,9 @@ DEFAULTS: dict[str, Any] = {
         "max_connections_per_ip": 32,
         "providers": {},
     },
-    "log": {"level": "info", "format": "json", "unmask": False},
+    "log": LogSection.defaults(),
     "shutdown_timeout": "30s",
-    # extra processes that take SMTP on the same ports and spool (relay/inbound_proc.py)
-    "inbound": {"processes": 0},
+    "inbound": InboundSection.defaults(),
 }
 
 # Per-destination keys and their defaults (used for "*" and every named destination; a
@@ -340,14 +321,7 @@ class _Reader:
         if not unknown:
             return
         name = unknown[0]
-        if name == "password" or name.endswith("_password"):
-            raise ConfigError(
-                f"{self.key(name)}: unknown key: secrets are never inline; put"
-                " it in a file and name the file with 'password_file'"
-            )
-        close = difflib.get_close_matches(name, sorted(self.used), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{self.key(name)}: unknown key {name!r}{hint}")
+        raise ConfigError(_unknown_key(self.key(name), name, sorted(self.used)))
 
 
 def _domain_ok(domain: str) -> bool:
@@ -415,12 +389,6 @@ class Listener:
     tls: ListenerTLS | None = None
     require_tls: bool = False  # MAIL (anything but EHLO/NOOP/QUIT) needs STARTTLS first
     auth: ListenerAuth | None = None
-
-
-# limits.max_header_size: at most what the spool keeps in memory as a message's header block
-# (relay/spool/incoming.py HEAD_MAX); at least a few ordinary headers' worth
-MAX_HEADER_SIZE = 1 << 20
-MIN_HEADER_SIZE = 1 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -1115,14 +1083,21 @@ _PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
 
 def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
-    """The config tree, or one ConfigError listing every error of the file (one a line):
-    after an error the offending key is set aside (its default applies) and the file is
-    read again, so errors in other places are found in the same run."""
+    """The config tree, or one ConfigError listing every error of the file (one a line).
+
+    The sections on the library (relay/config_models.py) are validated once each, every
+    error at once; a section with errors gets its defaults so that the rest can be read.
+    The sections still read by hand (`_from_mapping`) report one error at a time: after an
+    error the offending key is set aside (its default applies) and they are read again.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     errors: list[str] = []
+    typed = _sections(_merge(DEFAULTS, data), errors)
     current = copy.deepcopy(data)
     for _ in range(50):
         try:
-            config = _from_mapping(current, base_dir, path)
+            config = _from_mapping(current, base_dir, path, typed)
         except ConfigError as e:
             msg = str(e)
             errors.append(msg)
@@ -1132,7 +1107,74 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         if errors:
             break
         return config
+    errors.sort(key=_place)
     raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+# the order errors are listed in: the order the file is read in (sections, then unknown keys)
+_SECTION_ORDER = (
+    *("config", "hostname", "listen", "spool", "fleet", "outbox", "dedup", "limits", "auth"),
+    *("upstream", "upstreams", "routes", "retry", "timeouts", "destinations", "identities"),
+    *("shaping", "lanes", "delivery", "alerts", "health", "dsn", "local", "admin", "feedback"),
+    *("dkim", "log", "shutdown_timeout", "inbound"),
+)
+
+
+def _place(msg: str) -> int:
+    """Where an error is listed: its section's place in _SECTION_ORDER (unknown keys last)."""
+    section = re.split(r"[.\[:]", msg, maxsplit=1)[0]
+    return _SECTION_ORDER.index(section) if section in _SECTION_ORDER else len(_SECTION_ORDER)
+
+
+def _sections(merged: Mapping[str, Any], errors: list[str]) -> Sections:
+    """Each section on the library validated once; its errors (all of them) appended."""
+    out: dict[str, Section] = {}
+    for name, model in SECTIONS.items():
+        value = merged.get(name)
+        try:
+            out[name] = model.model_validate({} if value is None else value)
+        except ValidationError as e:
+            errors.extend(_messages(e, model, name))
+            out[name] = model()
+    return Sections(**out)  # type: ignore[arg-type]
+
+
+def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
+    """pydantic's errors in the contract's words: `key.path: problem`."""
+    out = []
+    for err in e.errors():
+        loc = err["loc"]
+        key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        kind = err["type"]
+        ctx = err.get("ctx") or {}
+        if kind == types.ERROR_TYPE:
+            if "key" in ctx:
+                key = f"{key}.{ctx['key']}"
+            out.append(f"{key}: {ctx['msg']}")
+        elif kind == "extra_forbidden":
+            out.append(_unknown_key(key, str(loc[-1]), _fields(model)))
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            out.append(f"{key}: expected a mapping, got {_kind(err['input'])}")
+        else:  # not expected: every relay type words its own errors
+            out.append(f"{key}: {err['msg']}")
+    return out
+
+
+def _fields(model: type[BaseModel]) -> list[str]:
+    return sorted(f.alias or n for n, f in model.model_fields.items())
+
+
+def _unknown_key(key: str, name: str, known: list[str]) -> str:
+    """`key: unknown key 'name'`, with the known key it looks like; a password is never
+    inline (README "Secrets")."""
+    if name == "password" or name.endswith("_password"):
+        return (
+            f"{key}: unknown key: secrets are never inline; put"
+            " it in a file and name the file with 'password_file'"
+        )
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{key}: unknown key {name!r}{hint}"
 
 
 def _set_aside(data: dict[str, Any], msg: str) -> bool:
@@ -1157,7 +1199,7 @@ def _set_aside(data: dict[str, Any], msg: str) -> bool:
     return True
 
 
-def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
+def _from_mapping(data: object, base_dir: Path, path: Path | None, typed: Sections) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     merged: dict[str, Any] = _merge(DEFAULTS, data)
@@ -1203,54 +1245,12 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
         )
     ob.finish()
 
-    dedup = _Reader(top.get("dedup"), "dedup")
-    dedup_window = dedup.duration("window")
-    dedup.finish()
-
-    lim = _Reader(top.get("limits"), "limits")
-    limits = Limits(
-        max_message_size=parse_size(lim.get("max_message_size"), "limits.max_message_size"),
-        max_recipients=lim.integer("max_recipients", 1),
-        session_timeout=lim.duration("session_timeout"),
-        max_line_length=lim.integer("max_line_length", 78),
-        max_command_length=lim.integer("max_command_length", 512),
-        max_header_size=parse_size(lim.get("max_header_size"), "limits.max_header_size"),
-        max_connections=lim.integer("max_connections", 1),
-        max_connections_per_ip=lim.integer("max_connections_per_ip", 1),
-        max_connections_per_ip_allowed=lim.integer("max_connections_per_ip_allowed", 1),
-        allowed_reserve=lim.integer("allowed_reserve", 0),
-        max_errors=lim.integer("max_errors", 0),
-        command_timeout=lim.duration("command_timeout"),
-        min_data_rate=parse_size(lim.get("min_data_rate"), "limits.min_data_rate"),
-        min_data_rate_window=lim.duration("min_data_rate_window"),
-    )
-    if limits.allowed_reserve >= limits.max_connections:
-        raise ConfigError(
-            f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
-            f" limits.max_connections ({limits.max_connections})"
-        )
-    if not MIN_HEADER_SIZE <= limits.max_header_size <= MAX_HEADER_SIZE:
-        raise ConfigError(
-            f"limits.max_header_size: {limits.max_header_size} must be between"
-            f" {MIN_HEADER_SIZE} (1KiB) and {MAX_HEADER_SIZE} (1MiB)"
-        )
-    if limits.command_timeout <= 0:
-        raise ConfigError("limits.command_timeout: must be more than 0")
-    if limits.min_data_rate and limits.min_data_rate_window <= 0:
-        raise ConfigError("limits.min_data_rate_window: must be more than 0")
-    lim.finish()
-
-    au = _Reader(top.get("auth"), "auth")
-    auth_limits = AuthLimits(
-        max_parallel=au.integer("max_parallel", 1),
-        max_pending=au.integer("max_pending", 0),
-        failure_delay=au.duration("failure_delay"),
-        max_failure_delay=au.duration("max_failure_delay"),
-        max_failures_per_ip=au.integer("max_failures_per_ip", 0),
-        failure_window=au.duration("failure_window"),
-        ban_time=au.duration("ban_time"),
-    )
-    au.finish()
+    # the sections on the library (relay/config_models.py), validated by from_mapping
+    for name in SECTIONS:
+        top.get(name)
+    dedup_window = typed.dedup.window
+    limits = Limits(**typed.limits.model_dump())
+    auth_limits = AuthLimits(**typed.auth.model_dump())
 
     upstream = _upstream(top.get("upstream"), base_dir, hostname)
     smart = upstream.smarthost
@@ -1275,21 +1275,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     except routing.RouteConfigError as e:
         raise ConfigError(str(e)) from None
 
-    rt = _Reader(top.get("retry"), "retry")
-    sched = rt.get("schedule")
-    if not isinstance(sched, list) or not sched:
-        raise ConfigError("retry.schedule: expected a non-empty list of durations")
-    retry = Retry(
-        schedule=tuple(parse_duration(s, f"retry.schedule[{i}]") for i, s in enumerate(sched)),
-        max_age=rt.duration("max_age"),
-        min_delay=rt.duration("min_delay"),
-        warn_after=rt.duration("warn_after"),
-    )
-    rt.finish()
-
-    to = _Reader(top.get("timeouts"), "timeouts")
-    timeouts = {k: to.duration(k) for k in ("connect", "command", "data")}
-    to.finish()
+    retry = Retry(**typed.retry.model_dump())
+    timeouts = typed.timeouts.model_dump()
 
     dests_raw = top.get("destinations")
     if not isinstance(dests_raw, Mapping):
@@ -1359,13 +1346,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     lanes = LanesConf(rules=parsed_lanes, shares=shares)
     ln.finish()
 
-    dl = _Reader(top.get("delivery"), "delivery")
-    delivery = Delivery(
-        workers=dl.integer("workers", 1),
-        batch=dl.integer("batch", 1),
-        poll_interval=dl.duration("poll_interval"),
-    )
-    dl.finish()
+    delivery = Delivery(**typed.delivery.model_dump())
 
     al = _Reader(top.get("alerts"), "alerts")
     alerts = Alerts(
@@ -1376,24 +1357,8 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     )
     al.finish()
 
-    he = _Reader(top.get("health"), "health")
-    health = Health(
-        disk_free_warning=parse_percent(he.get("disk_free_warning"), "health.disk_free_warning"),
-        disk_free_critical=parse_percent(he.get("disk_free_critical"), "health.disk_free_critical"),
-        queue_age_warning=he.duration("queue_age_warning"),
-        queue_age_critical=he.duration("queue_age_critical"),
-        stall_after=he.duration("stall_after"),
-        dead_letters_warning=he.integer("dead_letters_warning", 1),
-    )
-    if health.disk_free_critical > health.disk_free_warning:
-        raise ConfigError("health.disk_free_critical: must not be above health.disk_free_warning")
-    if health.queue_age_critical < health.queue_age_warning:
-        raise ConfigError("health.queue_age_critical: must not be below health.queue_age_warning")
-    he.finish()
-
-    ds = _Reader(top.get("dsn"), "dsn")
-    dsn = Dsn(enabled=ds.boolean("enabled"), sender=ds.opt_str("from"))
-    ds.finish()
+    health = Health(**typed.health.model_dump())
+    dsn = Dsn(**typed.dsn.model_dump())
 
     lo = _Reader(top.get("local"), "local")
     local_domain = lo.opt_str("domain") or hostname
@@ -1421,29 +1386,20 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     local = Local(local_domain, aliases)
     lo.finish()
 
-    ad = _Reader(top.get("admin"), "admin")
-    admin_addr = ad.opt_str("listen")
-    admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
-    admin_http = _http_bounds(ad)
-    ad.finish()
+    admin = typed.admin
+    admin_listen = admin.listen
+    admin_http = HttpBounds(
+        max_connections=admin.max_connections,
+        max_connections_per_ip=admin.max_connections_per_ip,
+    )
 
     feedback = _feedback(top.get("feedback"), base_dir)
     dkim_keys = _dkim(top.get("dkim"), base_dir)
 
-    lg = _Reader(top.get("log"), "log")
-    log = LogConf(
-        level=lg.string("level", ("debug", "info", "warning", "error")),
-        format=lg.string("format", ("json", "text")),
-        unmask=lg.boolean("unmask"),
-    )
-    lg.finish()
+    log = LogConf(**typed.log.model_dump())
 
     shutdown_timeout = top.duration("shutdown_timeout")
-    ib = _Reader(top.get("inbound"), "inbound")
-    inbound_processes = ib.integer("processes", 0)
-    if inbound_processes > 64:
-        raise ConfigError("inbound.processes: at most 64")
-    ib.finish()
+    inbound_processes = typed.inbound.processes
     top.finish()
 
     return Config(

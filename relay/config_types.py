@@ -238,7 +238,7 @@ HostPort = _type(
 )
 OptHostPort = _type(
     tuple[str, int] | None,
-    lambda v: hostport(v) if v else None,
+    lambda v: hostport(v) if opt_string(v) else None,
     {"type": ["string", "null"], "pattern": r"^.+:\d+$", "description": "host:port"},
 )
 Str = _type(str, string, {"type": "string"})
