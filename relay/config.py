@@ -23,7 +23,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -35,9 +35,11 @@ from relay.config_models import (
     MAX_HEADER_SIZE,
     SECTIONS,
     AdminSection,
+    AlertsSection,
     AuthSection,
     DedupSection,
     DeliverySection,
+    DestinationSection,
     DsnSection,
     HealthSection,
     InboundSection,
@@ -111,7 +113,7 @@ DEFAULTS: dict[str, Any] = {
         "bulk": {"share": 0.5},
     },
     "delivery": DeliverySection.defaults(),
-    "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
+    "alerts": AlertsSection.defaults(),
     "health": HealthSection.defaults(),
     "dsn": DsnSection.defaults(),
     "local": {"domain": None, "aliases": {}},
@@ -138,20 +140,7 @@ DEFAULTS: dict[str, Any] = {
 
 # Per-destination keys and their defaults (used for "*" and every named destination; a
 # named destination inherits every key it does not set from "*").
-DESTINATION_DEFAULTS: dict[str, Any] = {
-    "max_connections": 10,
-    "rate": "50/s",
-    "burst": None,
-    "daily_limit": None,
-    "max_messages_per_connection": 100,
-    "connect_timeout": None,
-    "command_timeout": None,
-    "data_timeout": None,
-    "ambiguous": "retry",
-    "circuit_failures": 5,
-    "circuit_cooldown": "60s",
-    "slowdown_cooldown": "60s",
-}
+DESTINATION_DEFAULTS: dict[str, Any] = DestinationSection.defaults()
 
 IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None, "unsubscribe": None}
 
@@ -181,31 +170,6 @@ def _read_secret(path: Path, key: str) -> str:
     if not value:
         raise ConfigError(f"{key}: {path} is empty")
     return value
-
-
-def _webhook(item: object, base: Path) -> Webhook | None:
-    if item is None:
-        return None
-    r = _Reader(item, "alerts.webhook")
-    url = r.string("url")
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"alerts.webhook.url: {redact_webhook_url(url)!r} is not an http:// or https:// URL"
-        )
-    secret_file = r.path_("secret_file", base)
-    secret = None
-    if secret_file is not None:
-        try:
-            secret = secret_file.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(
-                f"alerts.webhook.secret_file: cannot read {secret_file}: {e.strerror or e}"
-            ) from None
-        if not secret:
-            raise ConfigError(f"alerts.webhook.secret_file: {secret_file} is empty")
-    timeout = 10.0 if r.get("timeout") is None else r.duration("timeout")
-    r.finish()
-    return Webhook(url=url, secret=secret, secret_file=secret_file, timeout=timeout)
 
 
 def parse_size(value: object, key: str) -> int:
@@ -1093,11 +1057,19 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     errors: list[str] = []
-    typed = _sections(_merge(DEFAULTS, data), errors)
+    merged = _merge(DEFAULTS, data)
+    typed = _sections(merged, base_dir, errors)
+    destinations = _destinations(
+        {"*": {}, **data["destinations"]}
+        if isinstance(data.get("destinations"), Mapping)
+        else merged["destinations"],
+        typed.timeouts.model_dump(),
+        errors,
+    )
     current = copy.deepcopy(data)
     for _ in range(50):
         try:
-            config = _from_mapping(current, base_dir, path, typed)
+            config = _from_mapping(current, base_dir, path, typed, destinations)
         except ConfigError as e:
             msg = str(e)
             errors.append(msg)
@@ -1126,13 +1098,15 @@ def _place(msg: str) -> int:
     return _SECTION_ORDER.index(section) if section in _SECTION_ORDER else len(_SECTION_ORDER)
 
 
-def _sections(merged: Mapping[str, Any], errors: list[str]) -> Sections:
+def _sections(merged: Mapping[str, Any], base_dir: Path, errors: list[str]) -> Sections:
     """Each section on the library validated once; its errors (all of them) appended."""
     out: dict[str, Section] = {}
     for name, model in SECTIONS.items():
         value = merged.get(name)
         try:
-            out[name] = model.model_validate({} if value is None else value)
+            out[name] = model.model_validate(
+                {} if value is None else value, context={"base": base_dir}
+            )
         except ValidationError as e:
             errors.extend(_messages(e, model, name))
             out[name] = model()
@@ -1140,19 +1114,39 @@ def _sections(merged: Mapping[str, Any], errors: list[str]) -> Sections:
 
 
 def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
-    """pydantic's errors in the contract's words: `key.path: problem`."""
+    """pydantic's errors in the contract's words: `key.path: problem`. A key left out whose
+    place an unknown key that looks like it takes is reported as that misspelling."""
+    errs = e.errors()
+    extras = {
+        (err["loc"][:-1], str(err["loc"][-1])) for err in errs if err["type"] == "extra_forbidden"
+    }
+    misspelt: dict[tuple[Any, ...], str] = {}  # the unknown key's loc -> the key it stands for
+    for err in errs:
+        *parent, name = err["loc"] or ("",)
+        if err["type"] == types.ERROR_TYPE and err["input"] is None and isinstance(name, str):
+            others = [x for p, x in extras if p == tuple(parent)]
+            close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
+            if close:
+                misspelt[(*parent, close[0])] = name
     out = []
-    for err in e.errors():
+    for err in errs:
         loc = err["loc"]
         key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
         kind = err["type"]
         ctx = err.get("ctx") or {}
         if kind == types.ERROR_TYPE:
+            *parent, name = loc or ("",)
+            if any(at[:-1] == tuple(parent) and meant == name for at, meant in misspelt.items()):
+                continue  # reported as the misspelling
             if "key" in ctx:
                 key = f"{key}.{ctx['key']}"
             out.append(f"{key}: {ctx['msg']}")
         elif kind == "extra_forbidden":
-            out.append(_unknown_key(key, str(loc[-1]), _fields(model)))
+            name = str(loc[-1])
+            if loc in misspelt:
+                out.append(f"{key}: unknown key {name!r} (did you mean {misspelt[loc]!r}?)")
+            else:
+                out.append(_unknown_key(key, name, _fields(_model_at(model, loc[:-1]))))
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             out.append(f"{key}: expected a mapping, got {_kind(err['input'])}")
         else:  # not expected: every relay type words its own errors
@@ -1160,7 +1154,20 @@ def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[s
     return out
 
 
-def _fields(model: type[BaseModel]) -> list[str]:
+def _model_at(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section model at `loc` below `model` (for the keys an unknown key may mean)."""
+    for part in loc:
+        f = model.model_fields.get(str(part)) if model is not None else None
+        if f is None:
+            return None
+        kinds = [f.annotation, *get_args(f.annotation)]
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    return model
+
+
+def _fields(model: type[BaseModel] | None) -> list[str]:
+    if model is None:
+        return []
     return sorted(f.alias or n for n, f in model.model_fields.items())
 
 
@@ -1199,7 +1206,13 @@ def _set_aside(data: dict[str, Any], msg: str) -> bool:
     return True
 
 
-def _from_mapping(data: object, base_dir: Path, path: Path | None, typed: Sections) -> Config:
+def _from_mapping(
+    data: object,
+    base_dir: Path,
+    path: Path | None,
+    typed: Sections,
+    destinations: dict[str, Destination],
+) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     merged: dict[str, Any] = _merge(DEFAULTS, data)
@@ -1226,24 +1239,17 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None, typed: Sectio
     spool_reserve = parse_size(spool.get("reserve"), "spool.reserve")
     spool_pg = _spool_backend(spool, base_dir)
     maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
-    fl = _Reader(top.get("fleet"), "fleet")
-    fleet = FleetConf(node=fl.opt_str("node") or None, lease=fl.opt_duration("lease") or 30.0)
-    if fleet.lease < 3:
-        raise ConfigError("fleet.lease: at least 3s (it is renewed every lease/3)")
-    fl.finish()
+    fleet = FleetConf(node=typed.fleet.node or None, lease=typed.fleet.lease or 30.0)
     spool.finish()
-    ob = _Reader(top.get("outbox"), "outbox")
+    ob = typed.outbox
     outbox = OutboxConf(
-        enabled=ob.get("enabled") is not None and ob.boolean("enabled"),
-        poll_interval=ob.opt_duration("poll_interval") or 1.0,
-        batch=ob.opt_int("batch", 1) or 100,
+        enabled=bool(ob.enabled), poll_interval=ob.poll_interval or 1.0, batch=ob.batch or 100
     )
     if outbox.enabled and spool_pg is None:
         raise ConfigError(
             "outbox.enabled: the outbox is a table of a PostgreSQL spool"
             " (spool.backend: postgresql)"
         )
-    ob.finish()
 
     # the sections on the library (relay/config_models.py), validated by from_mapping
     for name in SECTIONS:
@@ -1278,16 +1284,7 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None, typed: Sectio
     retry = Retry(**typed.retry.model_dump())
     timeouts = typed.timeouts.model_dump()
 
-    dests_raw = top.get("destinations")
-    if not isinstance(dests_raw, Mapping):
-        raise ConfigError("destinations: expected a mapping")
-    star = _destination("*", dests_raw.get("*") or {}, {}, timeouts)
-    destinations = {"*": star}
-    for name, d in dests_raw.items():
-        if name != "*":
-            destinations[str(name).lower()] = _destination(
-                str(name), d or {}, dests_raw.get("*") or {}, timeouts
-            )
+    top.get("destinations")  # read by _destinations
 
     ids_raw = top.get("identities")
     if not isinstance(ids_raw, Mapping):
@@ -1348,14 +1345,21 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None, typed: Sectio
 
     delivery = Delivery(**typed.delivery.model_dump())
 
-    al = _Reader(top.get("alerts"), "alerts")
+    al = typed.alerts
+    wh = al.webhook
     alerts = Alerts(
-        command=al.opt_str("command"),
-        timeout=al.duration("timeout"),
-        coalesce=al.duration("coalesce"),
-        webhook=_webhook(al.get("webhook"), base_dir),
+        command=al.command,
+        timeout=al.timeout,
+        coalesce=al.coalesce,
+        webhook=None
+        if wh is None
+        else Webhook(
+            url=wh.url,
+            secret=wh.secret,
+            secret_file=wh.secret_file,
+            timeout=10.0 if wh.timeout is None else wh.timeout,
+        ),
     )
-    al.finish()
 
     health = Health(**typed.health.model_dump())
     dsn = Dsn(**typed.dsn.model_dump())
@@ -1625,39 +1629,59 @@ def _upstream(data: object, base: Path, hostname: str) -> Upstream:
     return Upstream(mode=mode, helo=helo, smarthost=smarthost, mx=mx)
 
 
+def _destinations(
+    raw: object, timeouts: Mapping[str, float], errors: list[str]
+) -> dict[str, Destination]:
+    """`destinations`: "*" and each named one (which inherits every key it does not set from
+    "*"), each validated once; errors appended."""
+    if not isinstance(raw, Mapping):
+        errors.append("destinations: expected a mapping")
+        raw = {}
+    star_raw = raw.get("*") or {}
+    star = _destination("*", star_raw, {}, timeouts, errors)
+    default = _destination("*", {}, {}, timeouts, [])
+    assert default is not None  # the defaults are valid
+    out = {"*": star or default}
+    inherited = star_raw if star is not None else {}  # a bad "*" is reported once
+    for name, d in raw.items():
+        if name != "*":
+            dest = _destination(str(name), d or {}, inherited, timeouts, errors)
+            out[str(name).lower()] = dest or out["*"]
+    return out
+
+
 def _destination(
-    name: str, data: object, star: object, timeouts: Mapping[str, float]
-) -> Destination:
+    name: str,
+    data: object,
+    star: Mapping[str, Any],
+    timeouts: Mapping[str, float],
+    errors: list[str],
+) -> Destination | None:
     key = f"destinations.{name}" if re.fullmatch(r"[\w.-]+", name) else f'destinations."{name}"'
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{key}: expected a mapping")
-    inherited = dict(star) if isinstance(star, Mapping) else {}
-    r = _Reader({**DESTINATION_DEFAULTS, **inherited, **data}, key)
-    rate = parse_rate(r.get("rate"), r.key("rate"))
-    burst_v = r.get("burst")
-    if burst_v is None:
-        burst = max(1.0, rate) if rate else 1.0
-    elif isinstance(burst_v, int | float) and not isinstance(burst_v, bool) and burst_v >= 1:
-        burst = float(burst_v)
-    else:
-        raise ConfigError(f"{r.key('burst')}: expected a number >= 1")
-    dest = Destination(
+        errors.append(f"{key}: expected a mapping")
+        return None
+    try:
+        d = DestinationSection.model_validate({**star, **data})
+    except ValidationError as e:
+        errors.extend(_messages(e, DestinationSection, key))
+        return None
+    rate = d.rate
+    return Destination(
         name=name.lower(),
-        max_connections=r.integer("max_connections", 1),
+        max_connections=d.max_connections,
         rate=rate,
-        burst=burst,
-        daily_limit=r.opt_int("daily_limit", 0),
-        max_messages_per_connection=r.integer("max_messages_per_connection", 1),
-        connect_timeout=r.opt_duration("connect_timeout") or timeouts["connect"],
-        command_timeout=r.opt_duration("command_timeout") or timeouts["command"],
-        data_timeout=r.opt_duration("data_timeout") or timeouts["data"],
-        ambiguous=r.string("ambiguous", ("retry", "assume-delivered")),
-        circuit_failures=r.integer("circuit_failures", 1),
-        circuit_cooldown=r.duration("circuit_cooldown"),
-        slowdown_cooldown=r.duration("slowdown_cooldown"),
+        burst=d.burst if d.burst is not None else (max(1.0, rate) if rate else 1.0),
+        daily_limit=d.daily_limit,
+        max_messages_per_connection=d.max_messages_per_connection,
+        connect_timeout=d.connect_timeout or timeouts["connect"],
+        command_timeout=d.command_timeout or timeouts["command"],
+        data_timeout=d.data_timeout or timeouts["data"],
+        ambiguous=d.ambiguous,
+        circuit_failures=d.circuit_failures,
+        circuit_cooldown=d.circuit_cooldown,
+        slowdown_cooldown=d.slowdown_cooldown,
     )
-    r.finish()
-    return dest
 
 
 def _identity(name: str, data: object, base: Path) -> Identity:

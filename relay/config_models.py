@@ -13,7 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    WithJsonSchema,
+    model_validator,
+)
 
 from relay import config_types as t
 
@@ -163,14 +173,109 @@ class AdminSection(Section):
     max_connections_per_ip: t.Int(1) = 32  # type: ignore[valid-type]
 
 
+def _http_url(url: str) -> str:
+    from relay.logs import redact_webhook_url  # the URL is the secret: never print it whole
+
+    if not url.startswith(("http://", "https://")):
+        raise t.problem(f"{redact_webhook_url(url)!r} is not an http:// or https:// URL")
+    return url
+
+
+class WebhookSection(Section):
+    """alerts.webhook: Slack, Teams, Google Chat or any JSON endpoint (relay/alerts.py)."""
+
+    # required: no default but None, so that a missing url is worded like any bad value
+    url: Annotated[t.Str, AfterValidator(_http_url)] = Field(None, repr=False)
+    secret_file: t.OptPath = None  # signs X-Relay-Signature; read when the config loads
+    timeout: t.OptDuration = None  # None: 10s
+    _secret: bytes | None = PrivateAttr(None)  # the file's contents (never in repr)
+
+    @model_validator(mode="after")
+    def _read_secret(self) -> WebhookSection:
+        if self.secret_file is not None:
+            try:
+                self._secret = self.secret_file.read_bytes().strip()
+            except OSError as e:
+                msg = f"cannot read {self.secret_file}: {e.strerror or e}"
+                raise t.problem(msg, "secret_file") from None
+            if not self._secret:
+                raise t.problem(f"{self.secret_file} is empty", "secret_file")
+        return self
+
+    @property
+    def secret(self) -> bytes | None:
+        return self._secret
+
+
+class AlertsSection(Section):
+    command: t.OptStr = None
+    timeout: t.Duration = "10s"
+    coalesce: t.Duration = "5m"
+    webhook: WebhookSection | None = None
+
+
+class FleetSection(Section):
+    """fleet: several relays on one PostgreSQL spool (README "Running a fleet")."""
+
+    node: t.OptStr = None
+    lease: t.OptDuration = None  # None: 30s
+
+    @model_validator(mode="after")
+    def _renewable(self) -> FleetSection:
+        if (self.lease or 30.0) < 3:
+            raise t.problem("at least 3s (it is renewed every lease/3)", "lease")
+        return self
+
+
+class OutboxSection(Section):
+    """outbox: the transactional outbox table on a PostgreSQL spool (relay/outbox.py)."""
+
+    enabled: t.OptBool = None
+    poll_interval: t.OptDuration = None  # None (or 0): 1s
+    batch: t.OptInt(1) = None  # type: ignore[valid-type]
+
+
+def _burst(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 1:
+        return float(value)
+    raise t.problem("expected a number >= 1")
+
+
+class DestinationSection(Section):
+    """One entry of `destinations` ("*" and each named one; a named one inherits every key
+    it does not set from "*")."""
+
+    max_connections: t.Int(1) = 10  # type: ignore[valid-type]
+    rate: t.Rate = "50/s"
+    burst: Annotated[
+        float | None,
+        PlainValidator(_burst),
+        WithJsonSchema({"type": ["number", "null"], "minimum": 1}),
+    ] = None
+    daily_limit: t.OptInt(0) = None  # type: ignore[valid-type]
+    max_messages_per_connection: t.Int(1) = 100  # type: ignore[valid-type]
+    connect_timeout: t.OptDuration = None  # None: timeouts.*
+    command_timeout: t.OptDuration = None
+    data_timeout: t.OptDuration = None
+    ambiguous: t.Choice("retry", "assume-delivered") = "retry"  # type: ignore[valid-type]
+    circuit_failures: t.Int(1) = 5  # type: ignore[valid-type]
+    circuit_cooldown: t.Duration = "60s"
+    slowdown_cooldown: t.Duration = "60s"
+
+
 # the sections on the library, by their key (in the order relay.yaml shows them)
 SECTIONS: dict[str, type[Section]] = {
+    "fleet": FleetSection,
+    "outbox": OutboxSection,
     "dedup": DedupSection,
     "limits": LimitsSection,
     "auth": AuthSection,
     "retry": RetrySection,
     "timeouts": TimeoutsSection,
     "delivery": DeliverySection,
+    "alerts": AlertsSection,
     "health": HealthSection,
     "dsn": DsnSection,
     "admin": AdminSection,
@@ -183,12 +288,15 @@ SECTIONS: dict[str, type[Section]] = {
 class Sections:
     """The validated sections of one file (a section with errors: its defaults)."""
 
+    fleet: FleetSection
+    outbox: OutboxSection
     dedup: DedupSection
     limits: LimitsSection
     auth: AuthSection
     retry: RetrySection
     timeouts: TimeoutsSection
     delivery: DeliverySection
+    alerts: AlertsSection
     health: HealthSection
     dsn: DsnSection
     admin: AdminSection

@@ -10,12 +10,16 @@ wording never reaches the operator). Each type carries its JSON Schema for edito
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import PlainValidator, WithJsonSchema
+from pydantic import PlainValidator, ValidationInfo, WithJsonSchema
 from pydantic_core import PydanticCustomError
+
+from relay import credentials
 
 # the error type every relay validator raises; `{msg}` is the whole text
 ERROR_TYPE = "relay_config"
@@ -244,6 +248,9 @@ OptHostPort = _type(
 Str = _type(str, string, {"type": "string"})
 OptStr = _type(str | None, opt_string, {"type": ["string", "null"]})
 Bool = _type(bool, boolean, {"type": "boolean"})
+OptBool = _type(
+    bool | None, lambda v: None if v is None else boolean(v), {"type": ["boolean", "null"]}
+)
 
 
 def Int(minimum: int = 0) -> Any:
@@ -267,3 +274,34 @@ def Number(lo: float, hi: float) -> Any:
 
 def Choice(*choices: str) -> Any:
     return _type(str, lambda v: choice(v, choices), {"enum": list(choices)})
+
+
+def _path(value: object, info: ValidationInfo) -> Path | None:
+    """A file or folder name: `${CREDENTIALS_DIRECTORY}` expanded (systemd's LoadCredential=,
+    relay/credentials.py), relative names resolved against the config file's folder (the
+    validation context's `base`)."""
+    v = opt_string(value)
+    if v is None:
+        return None
+    try:
+        v = credentials.expand(v, "")
+    except ValueError as e:
+        raise problem(str(e).removeprefix(": ")) from None
+    base = Path((info.context or {}).get("base", "."))
+    return (base / v).resolve() if not os.path.isabs(v) else Path(v)
+
+
+def _checked_path(value: object, info: ValidationInfo) -> Path | None:
+    try:
+        return _path(value, info)
+    except ValueError as e:
+        raise problem(str(e)) from None
+
+
+OptPath = Annotated[
+    Path | None,
+    PlainValidator(_checked_path),
+    WithJsonSchema(
+        {"type": ["string", "null"], "description": "a file name (relative: to this file)"}
+    ),
+]

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from relay.config import DEFAULTS, ConfigError, Limits, from_mapping
-from relay.config_models import SECTIONS
+from relay.config import DEFAULTS, DESTINATION_DEFAULTS, ConfigError, Limits, from_mapping
+from relay.config_models import SECTIONS, DestinationSection
 
 BASE = Path("/nonexistent-base")
 
@@ -86,4 +86,78 @@ def test_the_dataclasses_are_built_from_the_sections() -> None:
 
 def test_the_defaults_come_from_the_models() -> None:
     for name, model in SECTIONS.items():
-        assert DEFAULTS[name] == model.defaults(), name
+        if name in DEFAULTS:
+            assert DEFAULTS[name] == model.defaults(), name
+    # optional sections, not shown in conf/relay.yaml
+    assert set(SECTIONS) - set(DEFAULTS) == {"fleet", "outbox"}
+    assert DestinationSection.defaults() == DESTINATION_DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        (
+            {"alerts": {"webhook": {"ulr": "https://hooks.example/x"}}},
+            ["alerts.webhook.ulr: unknown key 'ulr' (did you mean 'url'?)"],
+        ),
+        (
+            {"alerts": {"webhook": {"url": "https://h.example/x", "timeuot": "1s"}}},
+            ["alerts.webhook.timeuot: unknown key 'timeuot' (did you mean 'timeout'?)"],
+        ),
+        ({"alerts": {"webhook": "x"}}, ["alerts.webhook: expected a mapping, got str 'x'"]),
+        (
+            {"alerts": {"webhook": {"url": "ftp://u:pw@h.example/secret"}}},
+            ["alerts.webhook.url: 'ftp://***@h.example/***' is not an http:// or https:// URL"],
+        ),
+        (
+            {"destinations": {"*": {"rate": "lots"}, "b.example": {"burst": 0, "ambigous": 1}}},
+            [
+                "destinations.\"*\".rate: 'lots' is not a rate (use 50/s, 100/m, 3600/h or"
+                " unlimited)",
+                "destinations.b.example.burst: expected a number >= 1",
+                "destinations.b.example.ambigous: unknown key 'ambigous' (did you mean"
+                " 'ambiguous'?)",
+            ],
+        ),
+        ({"destinations": {"x.example": 5}}, ["destinations.x.example: expected a mapping"]),
+        ({"fleet": {"lease": "2s"}}, ["fleet.lease: at least 3s (it is renewed every lease/3)"]),
+        (
+            {"outbox": {"enabled": True}},
+            [
+                "outbox.enabled: the outbox is a table of a PostgreSQL spool"
+                " (spool.backend: postgresql)"
+            ],
+        ),
+    ],
+)
+def test_more_section_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
+
+
+def test_the_webhook_secret_is_read_and_never_shown(tmp_path: Path) -> None:
+    (tmp_path / "hook").write_text("s3cret-key\n")
+    c = from_mapping(
+        {"alerts": {"webhook": {"url": "https://h.example/T0/B1/xyz", "secret_file": "hook"}}},
+        tmp_path,
+    )
+    wh = c.alerts.webhook
+    assert wh is not None and wh.secret == b"s3cret-key" and wh.timeout == 10.0
+    assert wh.secret_file == tmp_path / "hook"
+    assert "s3cret" not in repr(c) and "xyz" not in repr(c)
+    assert _error({"alerts": {"webhook": {"url": "https://h.example/", "secret_file": "/no"}}}) == [
+        "alerts.webhook.secret_file: cannot read /no: No such file or directory"
+    ]
+
+
+def test_a_named_destination_inherits_from_the_star() -> None:
+    c = from_mapping(
+        {
+            "timeouts": {"connect": "3s"},
+            "destinations": {"*": {"rate": "60/m", "max_connections": 4}, "A.example": {}},
+        },
+        BASE,
+    )
+    a = c.destination("a.example")
+    assert a.name == "a.example" and a.rate == 1.0 and a.burst == 1.0
+    assert a.max_connections == 4 and a.connect_timeout == 3.0
+    assert c.destination("*").rate == 1.0
