@@ -23,11 +23,11 @@ import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Annotated, Any, TypeVar, get_args
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
 from relay import config_types as types
 from relay import credentials
@@ -1019,6 +1019,44 @@ def hostname_problem(name: str) -> str | None:
     if "." not in n:
         return "has no dot"
     return None
+
+
+# the sections still read by hand: their JSON Schema, in outline (relay.yaml's comments and
+# the README say the rest)
+_HAND_SCHEMAS: dict[str, dict[str, Any]] = {
+    "listen": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+    "upstreams": {"type": ["object", "null"]},
+    "routes": {"type": ["array", "null"], "items": {"type": "object"}},
+    "identities": {"type": "object"},
+    "dkim": {"type": "object"},
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """The config file's JSON Schema (`relay config schema`), for editors: keys, types,
+    defaults and descriptions; an unknown key is flagged as the loader would."""
+    fields: dict[str, Any] = {}
+    for name in dict.fromkeys([*DEFAULTS, "fleet", "outbox", "upstreams", "routes"]):
+        default = DEFAULTS.get(name)
+        if name in SECTIONS:
+            fields[name] = (SECTIONS[name] | None, Field(default))
+        elif name == "hostname":
+            fields[name] = (types.OptStr, Field(default))
+        elif name == "shutdown_timeout":
+            fields[name] = (types.Duration, Field(default))
+        elif name == "destinations":
+            fields[name] = (dict[str, DestinationSection | None], Field(default))
+        else:
+            schema = _HAND_SCHEMAS.get(name, {"type": ["object", "null"]})
+            fields[name] = (Annotated[Any, WithJsonSchema(schema)], Field(default))
+    model = create_model(
+        "RelayConfig",
+        __config__=ConfigDict(extra="forbid", title="relay.yaml"),
+        __doc__="relay's config file (README: Configuration; CONTRACT.md: Config)",
+        **fields,
+    )
+    out: dict[str, Any] = model.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **out}
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
