@@ -1268,17 +1268,14 @@ def _from_mapping(
         _listener(item, f"listen[{i}]", base_dir) for i, item in enumerate(listen_raw)
     )
 
-    spool = _Reader(top.get("spool"), "spool")
-    spool_path = spool.path_("path", base_dir)
-    if spool_path is None:
-        raise ConfigError("spool.path: required")
-    inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
-    retention = spool.duration("retention")
-    spool_reserve = parse_size(spool.get("reserve"), "spool.reserve")
-    spool_pg = _spool_backend(spool, base_dir)
-    maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
+    sp = typed.spool
+    spool_path = sp.path or base_dir  # never None: its model requires it
+    inline_max = sp.inline_max
+    retention = sp.retention
+    spool_reserve = sp.reserve
+    spool_pg = None if sp.backend == "sqlite" else PgSpool(sp.dsn or "", sp.password_file)
+    maildrop_path = sp.maildrop or spool_path / "maildrop"
     fleet = FleetConf(node=typed.fleet.node or None, lease=typed.fleet.lease or 30.0)
-    spool.finish()
     ob = typed.outbox
     outbox = OutboxConf(
         enabled=bool(ob.enabled), poll_interval=ob.poll_interval or 1.0, batch=ob.batch or 100
@@ -1296,7 +1293,32 @@ def _from_mapping(
     limits = Limits(**typed.limits.model_dump())
     auth_limits = AuthLimits(**typed.auth.model_dump())
 
-    upstream = _upstream(top.get("upstream"), base_dir, hostname)
+    up = typed.upstream
+    smh, mx = up.smarthost, up.mx
+    upstream = Upstream(
+        mode=up.mode,
+        helo=up.helo or hostname,
+        smarthost=Smarthost(
+            host=smh.host,
+            port=smh.port,
+            tls=smh.tls,
+            verify=smh.verify,
+            ca_file=smh.ca_file,
+            username=smh.username,
+            password_file=smh.password_file,
+            password=smh.password,
+        ),
+        mx=MxMode(
+            port=mx.port,
+            tls=mx.tls,
+            verify=mx.verify,
+            nameservers=mx.nameservers,
+            dns_timeout=mx.dns_timeout,
+            mta_sts=mx.mta_sts,
+            ca_file=mx.ca_file,
+            mta_sts_port=mx.mta_sts_port,
+        ),
+    )
     smart = upstream.smarthost
     try:
         route_table = routing.parse(
@@ -1485,23 +1507,6 @@ def _from_mapping(
     )
 
 
-def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
-    backend = spool.string("backend", ("sqlite", "postgresql"))
-    dsn = spool.opt_str("dsn")
-    password_file = spool.path_("password_file", base)
-    if backend == "sqlite":
-        if dsn is not None or password_file is not None:
-            raise ConfigError("spool.dsn: only with spool.backend: postgresql")
-        return None
-    if not dsn:
-        raise ConfigError("spool.dsn: required with spool.backend: postgresql")
-    if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
-        raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
-    if password_file is not None and not password_file.is_file():
-        raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
-    return PgSpool(dsn, password_file)
-
-
 def _listener(item: object, key: str, base: Path) -> Listener:
     r = _Reader(item, key)
     addr = r.string("address")
@@ -1600,71 +1605,6 @@ def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
     except UsersFileError as e:
         raise ConfigError(f"{key}.users_file: {e}") from None
     return ListenerAuth(users_file=path, allow_plaintext=allow_plaintext, users=users)
-
-
-def _readable(path: Path | None, key: str) -> Path | None:
-    if path is not None and not os.access(path, os.R_OK):
-        raise ConfigError(f"{key}: cannot read {path}")
-    return path
-
-
-def _nameservers(items: list[str]) -> list[str]:
-    from relay.delivery.mx import parse_nameserver  # the resolver's own parser
-
-    for i, spec in enumerate(items):
-        try:
-            parse_nameserver(spec)
-        except ValueError as e:
-            raise ConfigError(f"upstream.mx.nameservers[{i}]: {spec!r}: {e}") from None
-    return items
-
-
-def _upstream(data: object, base: Path, hostname: str) -> Upstream:
-    r = _Reader(data, "upstream")
-    mode = r.string("mode", ("smarthost", "mx"))
-    helo = r.opt_str("helo") or hostname
-    s = _Reader(r.get("smarthost"), "upstream.smarthost")
-    pw_file = s.path_("password_file", base)
-    password = None
-    if pw_file is not None:
-        try:
-            password = pw_file.read_text(encoding="utf-8").strip("\r\n")
-        except OSError as e:
-            raise ConfigError(
-                f"upstream.smarthost.password_file: cannot read {pw_file}: {e.strerror}"
-            ) from None
-    smarthost = Smarthost(
-        host=s.string("host"),
-        port=s.integer("port", 1),
-        tls=s.string("tls", ("none", "opportunistic", "starttls", "implicit")),
-        verify=s.boolean("verify"),
-        ca_file=_readable(s.path_("ca_file", base), "upstream.smarthost.ca_file"),
-        username=s.opt_str("username"),
-        password_file=pw_file,
-        password=password,
-    )
-    if smarthost.username and password is None:
-        raise ConfigError("upstream.smarthost.password_file: required when username is set")
-    s.finish()
-    m = _Reader(r.get("mx"), "upstream.mx")
-    ns_raw = m.get("nameservers")
-    if ns_raw is not None and (
-        not isinstance(ns_raw, list) or not all(isinstance(x, str) for x in ns_raw)
-    ):
-        raise ConfigError("upstream.mx.nameservers: expected a list of host[:port] strings")
-    mx = MxMode(
-        port=m.integer("port", 1),
-        tls=m.string("tls", ("none", "opportunistic", "starttls")),
-        verify=m.boolean("verify"),
-        nameservers=None if ns_raw is None else tuple(_nameservers(ns_raw)),
-        dns_timeout=m.duration("dns_timeout"),
-        mta_sts=m.boolean("mta_sts"),
-        ca_file=_readable(m.path_("ca_file", base), "upstream.mx.ca_file"),
-        mta_sts_port=m.integer("mta_sts_port", 1),
-    )
-    m.finish()
-    r.finish()
-    return Upstream(mode=mode, helo=helo, smarthost=smarthost, mx=mx)
 
 
 def _destinations(

@@ -10,8 +10,10 @@ still read by hand in relay/config.py (`_from_mapping`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -38,10 +40,12 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
+    _hidden: ClassVar[tuple[str, ...]] = ()  # keys relay.yaml does not show
+
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """The section's keys and defaults as written in relay.yaml (by alias)."""
-        out = {f.alias or n: f.default for n, f in cls.model_fields.items()}
+        out = {f.alias or n: f.default for n, f in cls.model_fields.items() if n not in cls._hidden}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
@@ -265,13 +269,120 @@ class DestinationSection(Section):
     slowdown_cooldown: t.Duration = "60s"
 
 
+def _readable(path: Path | None) -> Path | None:
+    if path is not None and not os.access(path, os.R_OK):
+        raise t.problem(f"cannot read {path}")
+    return path
+
+
+ReadablePath = Annotated[t.OptPath, AfterValidator(_readable)]
+
+
+class SpoolSection(Section):
+    _hidden = ("dsn", "password_file")  # not shown in relay.yaml (README: PostgreSQL)
+
+    path: t.OptPath = "../var/spool"  # type: ignore[assignment]
+    inline_max: t.Size = "128KiB"
+    retention: t.Duration = "7d"
+    backend: t.Choice("sqlite", "postgresql") = "sqlite"  # type: ignore[valid-type]
+    maildrop: t.OptPath = None  # None: <spool.path>/maildrop (relay/maildrop.py)
+    reserve: t.Size = "64MiB"
+    dsn: t.OptStr = Field(None, repr=False)  # may hold a password
+    password_file: t.OptPath = None
+
+    @model_validator(mode="after")
+    def _backend(self) -> SpoolSection:
+        if self.path is None:
+            raise t.problem("required", "path")
+        if self.backend == "sqlite":
+            if self.dsn is not None or self.password_file is not None:
+                raise t.problem("only with spool.backend: postgresql", "dsn")
+            return self
+        if not self.dsn:
+            raise t.problem("required with spool.backend: postgresql", "dsn")
+        if not self.dsn.startswith(("postgresql://", "postgres://")) and "=" not in self.dsn:
+            raise t.problem("expected a libpq URL (postgresql://...) or key=value list", "dsn")
+        if self.password_file is not None and not self.password_file.is_file():
+            raise t.problem(f"{self.password_file} is not a readable file", "password_file")
+        return self
+
+
+class SmarthostSection(Section):
+    host: t.Str = "127.0.0.1"
+    port: t.Int(1) = 587  # type: ignore[valid-type]
+    tls: t.Choice("none", "opportunistic", "starttls", "implicit") = "starttls"  # type: ignore[valid-type]
+    verify: t.Bool = True
+    ca_file: ReadablePath = None
+    username: t.OptStr = None
+    password_file: t.OptPath = None  # the password is read from this file, never inline
+    _password: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _read_password(self) -> SmarthostSection:
+        if self.password_file is not None:
+            try:
+                self._password = self.password_file.read_text(encoding="utf-8").strip("\r\n")
+            except OSError as e:
+                raise t.problem(
+                    f"cannot read {self.password_file}: {e.strerror}", "password_file"
+                ) from None
+        if self.username and self._password is None:
+            raise t.problem("required when username is set", "password_file")
+        return self
+
+    @property
+    def password(self) -> str | None:
+        return self._password
+
+
+def _nameserver_list(value: object) -> object:
+    if value is not None and (
+        not isinstance(value, list) or not all(isinstance(x, str) for x in value)
+    ):
+        raise t.problem("expected a list of host[:port] strings")
+    return value
+
+
+def _nameserver(spec: str) -> str:
+    from relay.delivery.mx import parse_nameserver  # the resolver's own parser
+
+    try:
+        parse_nameserver(spec)
+    except ValueError as e:
+        raise t.problem(f"{spec!r}: {e}") from None
+    return spec
+
+
+class MxSection(Section):
+    port: t.Int(1) = 25  # type: ignore[valid-type]
+    tls: t.Choice("none", "opportunistic", "starttls") = "opportunistic"  # type: ignore[valid-type]
+    verify: t.Bool = False
+    nameservers: Annotated[
+        tuple[Annotated[str, AfterValidator(_nameserver)], ...] | None,
+        BeforeValidator(_nameserver_list),
+    ] = None
+    dns_timeout: t.Duration = "10s"
+    mta_sts: t.Bool = True  # RFC 8461: honour the policies domains publish
+    ca_file: ReadablePath = None
+    mta_sts_port: t.Int(1) = 443  # type: ignore[valid-type]
+
+
+class UpstreamSection(Section):
+    mode: t.Choice("smarthost", "mx") = "smarthost"  # type: ignore[valid-type]
+    helo: t.OptStr = None  # None: hostname
+    smarthost: SmarthostSection = SmarthostSection.defaults()  # type: ignore[assignment]
+    mx: MxSection = MxSection.defaults()  # type: ignore[assignment]
+
+
 # the sections on the library, by their key (in the order relay.yaml shows them)
 SECTIONS: dict[str, type[Section]] = {
     "fleet": FleetSection,
     "outbox": OutboxSection,
+    "spool": SpoolSection,
     "dedup": DedupSection,
     "limits": LimitsSection,
     "auth": AuthSection,
+    "upstream": UpstreamSection,
     "retry": RetrySection,
     "timeouts": TimeoutsSection,
     "delivery": DeliverySection,
@@ -288,11 +399,13 @@ SECTIONS: dict[str, type[Section]] = {
 class Sections:
     """The validated sections of one file (a section with errors: its defaults)."""
 
+    spool: SpoolSection
     fleet: FleetSection
     outbox: OutboxSection
     dedup: DedupSection
     limits: LimitsSection
     auth: AuthSection
+    upstream: UpstreamSection
     retry: RetrySection
     timeouts: TimeoutsSection
     delivery: DeliverySection

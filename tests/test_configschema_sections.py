@@ -161,3 +161,61 @@ def test_a_named_destination_inherits_from_the_star() -> None:
     assert a.name == "a.example" and a.rate == 1.0 and a.burst == 1.0
     assert a.max_connections == 4 and a.connect_timeout == 3.0
     assert c.destination("*").rate == 1.0
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        ({"spool": {"dsn": "x"}}, ["spool.dsn: only with spool.backend: postgresql"]),
+        (
+            {"spool": {"backend": "postgresql"}},
+            ["spool.dsn: required with spool.backend: postgresql"],
+        ),
+        (
+            {"spool": {"backend": "postgresql", "dsn": "nonsense"}},
+            ["spool.dsn: expected a libpq URL (postgresql://...) or key=value list"],
+        ),
+        (
+            {"upstream": {"smarthost": {"username": "u"}}},
+            ["upstream.smarthost.password_file: required when username is set"],
+        ),
+        (
+            {"upstream": {"mx": {"nameservers": "1.1.1.1"}}},
+            ["upstream.mx.nameservers: expected a list of host[:port] strings"],
+        ),
+        (
+            {"upstream": {"mode": "x", "smarthost": {"port": 0}, "mx": {"tls": "implicit"}}},
+            [
+                "upstream.mode: 'x' is not one of smarthost, mx",
+                "upstream.smarthost.port: 0 is below the minimum 1",
+                "upstream.mx.tls: 'implicit' is not one of none, opportunistic, starttls",
+            ],
+        ),
+        (
+            {"upstream": {"smarthost": {"hots": "h"}}},
+            ["upstream.smarthost.hots: unknown key 'hots' (did you mean 'host'?)"],
+        ),
+    ],
+)
+def test_spool_and_upstream_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
+
+
+def test_upstream_reads_the_password_file_once(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("hunter2\r\n")
+    c = from_mapping(
+        {
+            "hostname": "relay.example.com",
+            "upstream": {"smarthost": {"username": "app", "password_file": "pw"}},
+            "spool": {"path": "sp", "maildrop": "/var/drop"},
+        },
+        tmp_path,
+    )
+    assert c.upstream.smarthost.password == "hunter2"
+    assert c.upstream.helo == "relay.example.com"
+    assert "hunter2" not in repr(c)
+    assert c.spool_path == tmp_path / "sp" and c.maildrop_dir() == Path("/var/drop")
+    assert c.spool_pg is None
+    assert _error({"upstream": {"smarthost": {"password_file": "/nonexistent/pw"}}}) == [
+        "upstream.smarthost.password_file: cannot read /nonexistent/pw: No such file or directory"
+    ]
