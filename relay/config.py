@@ -43,11 +43,13 @@ from relay.config_models import (
     DsnSection,
     HealthSection,
     InboundSection,
+    LanesSection,
     LimitsSection,
     LogSection,
     RetrySection,
     Section,
     Sections,
+    ShapingSection,
     TimeoutsSection,
 )
 from relay.delivery import routes as routing
@@ -101,17 +103,8 @@ DEFAULTS: dict[str, Any] = {
     "timeouts": TimeoutsSection.defaults(),
     "destinations": {"*": {}},
     "identities": {},
-    "shaping": {
-        "window_tz": "UTC",
-        "window_length": None,
-        "identity_by": "sender_domain",
-        "rules": None,
-    },
-    "lanes": {
-        "rules": [],
-        "transactional": {"share": 1.0},
-        "bulk": {"share": 0.5},
-    },
+    "shaping": ShapingSection.defaults(),
+    "lanes": LanesSection.defaults(),
     "delivery": DeliverySection.defaults(),
     "alerts": AlertsSection.defaults(),
     "health": HealthSection.defaults(),
@@ -1178,7 +1171,7 @@ def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[s
                 continue  # reported as the misspelling
             if "key" in ctx:
                 key = f"{key}.{ctx['key']}"
-            out.append(f"{key}: {ctx['msg']}")
+            out.append(ctx["msg"] if ctx.get("full") else f"{key}: {ctx['msg']}")
         elif kind == "extra_forbidden":
             name = str(loc[-1])
             if loc in misspelt:
@@ -1351,57 +1344,17 @@ def _from_mapping(
         raise ConfigError("identities: expected a mapping")
     identities = {str(k).lower(): _identity(str(k), v, base_dir) for k, v in ids_raw.items()}
 
-    sh = _Reader(top.get("shaping"), "shaping")
-    tzname = sh.string("window_tz")
-    try:
-        import zoneinfo
-
-        zoneinfo.ZoneInfo(tzname)
-    except Exception:
-        raise ConfigError(f"shaping.window_tz: {tzname!r} is not a known time zone") from None
-    rules_raw = sh.get("rules")
-    if rules_raw is not None and not isinstance(rules_raw, list):
-        raise ConfigError("shaping.rules: expected a list of rules")
-    rules: list[ShapingRule] = []
-    if rules_raw is not None:
-        from relay.shaping import parse_rule
-
-        for i, rule_raw in enumerate(rules_raw):
-            rkey = f"shaping.rules[{i}]"
-            if not isinstance(rule_raw, Mapping):
-                raise ConfigError(f"{rkey}: expected a mapping with match, action and for")
-            rule = dict(rule_raw)
-            if rule.get("for") is not None:  # a duration: 30s, 2h, or seconds
-                rule["for"] = parse_duration(rule["for"], f"{rkey}.for")
-            try:
-                rules.append(parse_rule(rule))
-            except ValueError as e:
-                raise ConfigError(f"{rkey}: {e}") from None
+    sg = typed.shaping
     shaping = ShapingConf(
-        window_tz=tzname,
-        window_length=sh.opt_duration("window_length"),
-        identity_by=sh.string("identity_by", ("sender_domain", "sender")),
-        rules=tuple(rules),
+        window_tz=sg.window_tz,
+        window_length=sg.window_length,
+        identity_by=sg.identity_by,
+        rules=tuple(sg.rules or ()),
     )
-    sh.finish()
-
-    ln = _Reader(top.get("lanes"), "lanes")
-    lane_rules = ln.get("rules")
-    if not isinstance(lane_rules, list):
-        raise ConfigError("lanes.rules: expected a list")
-    from relay.lanes import parse_lane_rules
-
-    try:  # parsed here so that a bad rule is a config error, not a crash at start
-        parsed_lanes = parse_lane_rules(lane_rules)
-    except ValueError as e:
-        raise ConfigError(re.sub(r"^lane rule (\d+)", r"lanes.rules[\1]", str(e))) from None
-    shares = {}
-    for lane in ("transactional", "bulk"):
-        lr = _Reader(ln.get(lane), f"lanes.{lane}")
-        shares[lane] = lr.number("share", 0.0, 1.0)
-        lr.finish()
-    lanes = LanesConf(rules=parsed_lanes, shares=shares)
-    ln.finish()
+    lanes = LanesConf(
+        rules=typed.lanes.rules,
+        shares={"transactional": typed.lanes.transactional.share, "bulk": typed.lanes.bulk.share},
+    )
 
     delivery = Delivery(**typed.delivery.model_dump())
 

@@ -11,6 +11,7 @@ still read by hand in relay/config.py (`_from_mapping`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -28,6 +29,7 @@ from pydantic import (
 )
 
 from relay import config_types as t
+from relay.config_types import DURATION_SCHEMA
 
 # limits.max_header_size: at most what the spool keeps in memory as a message's header block
 # (relay/spool/incoming.py HEAD_MAX); at least a few ordinary headers' worth
@@ -374,6 +376,95 @@ class UpstreamSection(Section):
     mx: MxSection = MxSection.defaults()  # type: ignore[assignment]
 
 
+def _time_zone(name: str) -> str:
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(name)
+    except Exception:
+        raise t.problem(f"{name!r} is not a known time zone") from None
+    return name
+
+
+def _list_of(what: str) -> Any:
+    def check(value: object) -> object:
+        if value is not None and not isinstance(value, list):
+            raise t.problem(f"expected a list of {what}" if what else "expected a list")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _shaping_rule(value: object) -> Any:
+    from relay.shaping import parse_rule
+
+    if not isinstance(value, Mapping):
+        raise t.problem("expected a mapping with match, action and for")
+    rule = dict(value)
+    if rule.get("for") is not None:  # a duration: 30s, 2h, or seconds
+        try:
+            rule["for"] = t.duration(rule["for"])
+        except ValueError as e:
+            raise t.problem(str(e), "for") from None
+    try:
+        return parse_rule(rule)
+    except ValueError as e:
+        raise t.problem(str(e)) from None
+
+
+_RULE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "match": {"type": "string", "description": "a regular expression on the reply"},
+        "action": {"enum": ["suspend", "throttle"]},
+        "for": DURATION_SCHEMA,
+    },
+    "required": ["match", "action"],
+}
+
+
+class ShapingSection(Section):
+    window_tz: Annotated[t.Str, AfterValidator(_time_zone)] = "UTC"
+    window_length: t.OptDuration = None
+    identity_by: t.Choice("sender_domain", "sender") = "sender_domain"  # type: ignore[valid-type]
+    # the operator's rules on upstream replies (relay/shaping.py), parsed
+    rules: Annotated[
+        tuple[Annotated[Any, PlainValidator(_shaping_rule), WithJsonSchema(_RULE_SCHEMA)], ...]
+        | None,
+        _list_of("rules"),
+    ] = None
+
+
+def _lane_rules(value: object) -> Any:
+    import re
+
+    from relay.lanes import parse_lane_rules
+
+    if not isinstance(value, list):
+        raise t.problem("expected a list")
+    try:  # parsed here so that a bad rule is a config error, not a crash at start
+        return parse_lane_rules(value)
+    except ValueError as e:
+        raise t.problem(
+            re.sub(r"^lane rule (\d+)", r"lanes.rules[\1]", str(e)), full=True
+        ) from None
+
+
+class ShareSection(Section):
+    share: t.Number(0.0, 1.0) = 1.0  # type: ignore[valid-type]
+
+
+class LanesSection(Section):
+    # README "Lanes": the rules that put a message in a lane (relay/lanes.py), parsed
+    rules: Annotated[
+        Any,
+        PlainValidator(_lane_rules),
+        WithJsonSchema({"type": "array", "items": {"type": "object"}}),
+    ] = []
+    transactional: ShareSection = {"share": 1.0}  # type: ignore[assignment]
+    bulk: ShareSection = {"share": 0.5}  # type: ignore[assignment]
+
+
 # the sections on the library, by their key (in the order relay.yaml shows them)
 SECTIONS: dict[str, type[Section]] = {
     "fleet": FleetSection,
@@ -385,6 +476,8 @@ SECTIONS: dict[str, type[Section]] = {
     "upstream": UpstreamSection,
     "retry": RetrySection,
     "timeouts": TimeoutsSection,
+    "shaping": ShapingSection,
+    "lanes": LanesSection,
     "delivery": DeliverySection,
     "alerts": AlertsSection,
     "health": HealthSection,
@@ -408,6 +501,8 @@ class Sections:
     upstream: UpstreamSection
     retry: RetrySection
     timeouts: TimeoutsSection
+    shaping: ShapingSection
+    lanes: LanesSection
     delivery: DeliverySection
     alerts: AlertsSection
     health: HealthSection

@@ -172,12 +172,15 @@ def choice(value: object, choices: tuple[str, ...]) -> str:
     return v
 
 
-def problem(msg: str, key: str | None = None) -> PydanticCustomError:
+def problem(msg: str, key: str | None = None, full: bool = False) -> PydanticCustomError:
     """A relay error for pydantic: `msg` printed as is after the key path; `key` names a
-    field below the failing model (a model's cross-field check names the field it blames)."""
+    field below the failing model (a model's cross-field check names the field it blames);
+    `full`: `msg` names its key path itself (a parser of its own that numbers its items)."""
     ctx: dict[str, Any] = {"msg": msg}
     if key is not None:
         ctx["key"] = key
+    if full:
+        ctx["full"] = True
     return PydanticCustomError(ERROR_TYPE, "{msg}", ctx)
 
 
@@ -195,7 +198,7 @@ def _type(py: Any, parse: Callable[[Any], Any], schema: dict[str, Any]) -> Any:
     return Annotated[py, PlainValidator(_checked(parse)), WithJsonSchema(schema)]
 
 
-_DURATION_SCHEMA = {
+DURATION_SCHEMA = {
     "anyOf": [
         {"type": "number", "minimum": 0},
         {"type": "string", "pattern": _DURATION.pattern},
@@ -226,11 +229,11 @@ _PERCENT_SCHEMA = {
     "description": "a percentage: 10% or 10",
 }
 
-Duration = _type(float, duration, _DURATION_SCHEMA)
+Duration = _type(float, duration, DURATION_SCHEMA)
 OptDuration = _type(
     float | None,
     lambda v: None if v is None else duration(v),
-    {"anyOf": [*_DURATION_SCHEMA["anyOf"], {"type": "null"}]},
+    {"anyOf": [*DURATION_SCHEMA["anyOf"], {"type": "null"}]},
 )
 Size = _type(int, size, _SIZE_SCHEMA)
 Rate = _type(float | None, rate, _RATE_SCHEMA)

@@ -219,3 +219,40 @@ def test_upstream_reads_the_password_file_once(tmp_path: Path) -> None:
     assert _error({"upstream": {"smarthost": {"password_file": "/nonexistent/pw"}}}) == [
         "upstream.smarthost.password_file: cannot read /nonexistent/pw: No such file or directory"
     ]
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        (
+            {"shaping": {"window_tz": "Mars/Base"}},
+            ["shaping.window_tz: 'Mars/Base' is not a known time zone"],
+        ),
+        ({"shaping": {"rules": {"match": "x"}}}, ["shaping.rules: expected a list of rules"]),
+        (
+            {"shaping": {"rules": [5, {"match": "421", "action": "suspend", "for": "5x"}]}},
+            [
+                "shaping.rules[0]: expected a mapping with match, action and for",
+                "shaping.rules[1].for: '5x' is not a duration (use 30s, 5m, 2h, 7d or seconds)",
+            ],
+        ),
+        ({"lanes": {"rules": {}}}, ["lanes.rules: expected a list"]),
+        ({"lanes": {"rules": [7]}}, ["lanes.rules[0]: expected a mapping, got int"]),
+        (
+            {"lanes": {"bulk": {"share": 2}}},
+            ["lanes.bulk.share: expected a number from 0.0 to 1.0"],
+        ),
+    ],
+)
+def test_shaping_and_lanes_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
+
+
+def test_shaping_rules_are_parsed() -> None:
+    c = from_mapping(
+        {"shaping": {"rules": [{"match": "4.7.0 .*busy", "action": "suspend", "for": "2m"}]}},
+        BASE,
+    )
+    (rule,) = c.shaping.rules
+    assert rule.action == "suspend" and rule.duration == 120.0
+    assert c.lanes.shares == {"transactional": 1.0, "bulk": 0.5}
