@@ -32,8 +32,8 @@ test: $(STAMP)
 # `make test`, each property).
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
-	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
-		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py
+	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) RELAY_CONFIG_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
+		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py tests/test_opsmisc_config_fuzz.py
 
 # Coverage of the test process and of every daemon subprocess it starts (coverage.py's
 # COVERAGE_PROCESS_START + a .pth hook in the venv); combined report in the terminal and in

@@ -11,13 +11,24 @@ Rules:
 - A control character (C0, DEL, C1), a bare CR or LF, a NUL, a space outside quotes, an
   unbalanced `<` / `>` or a byte that is not UTF-8 is a syntax error, answered 5xx.
 - A quoted local part (`"john doe"@example.org`) and SMTPUTF8 addresses (RFC 6531 §3.3:
-  UTF-8 in atext, qtext and the domain's U-labels) keep working.
+  UTF-8 in atext, qtext and the domain's U-labels) keep working. Characters that are not
+  seen, or that reorder what is seen, are refused anywhere in an address: Unicode format
+  characters (category Cf: bidi overrides and isolates such as U+202E, zero-width ones such
+  as U+200B, U+FEFF) and line/paragraph separators; an address shown to a person must be
+  the address that is used. (This refuses ZWJ/ZWNJ too, which IDNA2008 allows in a few
+  scripts' labels in context.) Whether UTF-8 is allowed at all is the session's question
+  (SMTPUTF8 on MAIL, RFC 6531 §3.4): relay/inbound.py.
+- An address literal is RFC 5321 §4.1.3's: `[1.2.3.4]` a dotted quad, `[IPv6:...]` an
+  IPv6 address (checked by `ipaddress` after its characters, so in linear time); no other
+  tag is registered with IANA, so a general literal (`[tag:...]`) is refused.
 - Limits of RFC 5321 §4.5.3.1: a local part of at most 64 octets, a domain of at most 255,
   a path of at most 256.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import unicodedata
 from dataclasses import dataclass
 
 # RFC 5322 §3.2.3 atext (the ASCII part); UTF-8 beyond ASCII is allowed too (RFC 6531 §3.3).
@@ -41,11 +52,20 @@ class Path:
     params: str  # the text after the closing ">", stripped (ESMTP parameters)
 
 
+# Unicode categories refused in an address: format characters (Cf: bidi controls, zero
+# width, BOM, tags) and line/paragraph separators. unicodedata.category is a table lookup.
+_UNSEEN = frozenset({"Cf", "Zl", "Zp"})
+
+
+def _unseen(ch: str) -> bool:
+    return unicodedata.category(ch) in _UNSEEN
+
+
 def _non_ascii_ok(ch: str) -> bool:
-    """UTF-8 beyond ASCII, but no C1 control character and no lone surrogate (a byte that
-    was not UTF-8, kept by aiosmtpd's surrogateescape decoding)."""
+    """UTF-8 beyond ASCII, but no C1 control character, no lone surrogate (a byte that
+    was not UTF-8, kept by aiosmtpd's surrogateescape decoding) and nothing unseen."""
     o = ord(ch)
-    return o >= 0xA0 and not 0xD800 <= o <= 0xDFFF
+    return o >= 0xA0 and not 0xD800 <= o <= 0xDFFF and not _unseen(ch)
 
 
 def _printable(ch: str) -> bool:
@@ -83,9 +103,17 @@ def _check_literal(text: str) -> None:
     inner = text[1:-1]
     if inner[:5].lower() == "ipv6:":
         body = inner[5:]
+        # the characters first (a bounded, linear pass), then the address itself:
+        # `[IPv6:::::]` has the right characters and is no address
         if not body or any(c not in _HEX and c not in ":." for c in body):
             raise AddressError("malformed IPv6 address literal")
+        try:
+            ipaddress.IPv6Address(body)
+        except ValueError:
+            raise AddressError("malformed IPv6 address literal") from None
         return
+    if ":" in inner:  # General-address-literal: Standardized-tag ":" 1*dcontent
+        raise AddressError("address literal tag not registered (only IPv6: is, RFC 5321 §4.1.3)")
     parts = inner.split(".")
     if len(parts) != 4 or not all(
         p.isascii() and p.isdigit() and len(p) <= 3 and int(p) <= 255 for p in parts
@@ -109,7 +137,8 @@ def _local_part_end(text: str) -> int:
                 continue
             if ch == '"':
                 break
-            if not _printable(ch):  # qtextSMTP: %d32-33 / %d35-91 / %d93-126, UTF-8
+            # qtextSMTP: %d32-33 / %d35-91 / %d93-126, UTF-8 (nothing unseen)
+            if not _printable(ch) or (ord(ch) >= 0xA0 and _unseen(ch)):
                 raise AddressError(f"character {_show(ch)} not allowed in a local part")
             i += 1
         else:
@@ -170,6 +199,10 @@ def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
         o = ord(ch)
         if o < 32 or o == 127 or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
             raise AddressError(f"character {_show(ch)} not allowed in a command")
+        if o >= 0xA0 and _unseen(ch):
+            raise AddressError(
+                f"invisible or reordering character {_show(ch)} not allowed in an address"
+            )
     s = arg.lstrip(" ")
     if not s.startswith("<"):
         raise AddressError("the address must be enclosed in <>")
@@ -232,14 +265,29 @@ def _show(ch: str) -> str:
     return f"U+{o:04X}"
 
 
-def printable(text: str) -> str:
-    """Text safe for an operator's terminal and for a log: control characters (and bytes
-    that were not UTF-8) shown as \\xNN / \\uNNNN, never written raw."""
-    if all(_printable(ch) for ch in text):
+# Unicode categories never written raw to a terminal: format characters (bidi overrides
+# such as U+202E reorder what follows on screen, zero-width ones hide text, U+FEFF), line
+# and paragraph separators, surrogates, unassigned code points.
+_HIDDEN = frozenset({"Cf", "Zl", "Zp", "Cs", "Cn"})
+
+
+def _shown_raw(ch: str, keep: str) -> bool:
+    o = ord(ch)
+    if o < 0x80:
+        return 32 <= o < 127 or ch in keep
+    return _printable(ch) and unicodedata.category(ch) not in _HIDDEN
+
+
+def printable(text: str, keep: str = "") -> str:
+    """Text safe for an operator's terminal and for a log: control characters, bytes that
+    were not UTF-8, and invisible or reordering characters (bidi, zero-width: Unicode
+    category Cf) shown as \\xNN / \\uNNNN, never written raw. `keep` names ASCII controls
+    to leave as they are (a TAB in a folded header)."""
+    if text.isascii() and text.isprintable() and not keep:
         return text
     out = []
     for ch in text:
-        if _printable(ch):
+        if _shown_raw(ch, keep):
             out.append(ch)
         else:
             o = ord(ch)
@@ -247,6 +295,8 @@ def printable(text: str) -> str:
                 out.append(f"\\x{o - 0xDC00:02x}")
             elif o < 0x100:
                 out.append(f"\\x{o:02x}")
+            elif o > 0xFFFF:
+                out.append(f"\\U{o:08x}")
             else:
                 out.append(f"\\u{o:04x}")
     return "".join(out)

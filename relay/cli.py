@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import sys
@@ -83,12 +84,17 @@ def _parser() -> argparse.ArgumentParser:
     fm = fb.add_parser("mail", parents=[common], help="feedback mail received (unread: kept)")
     fm.add_argument("--unread", action="store_true", help="only mail that could not be read")
     fm.add_argument("--limit", type=int, default=50)
-    fs = fb.add_parser("show", parents=[common], help="one feedback mail, as received")
+    fs = fb.add_parser(
+        "show", parents=[common], help="one feedback mail, control characters escaped"
+    )
     fs.add_argument("id", type=int)
     fp = fb.add_parser("purge", parents=[common], help="delete stored feedback mail")
     which = fp.add_mutually_exclusive_group(required=True)
     which.add_argument("--older-than", help="what arrived more than this long ago (e.g. 2d)")
     which.add_argument("--all", action="store_true", help="every stored feedback mail")
+    fs.add_argument(
+        "--raw", action="store_true", help="write the bytes as received (e.g. into a file)"
+    )
 
     q = sub.add_parser("queue", help="inspect and repair the queue").add_subparsers(
         dest="qcmd", required=True
@@ -115,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     qs = q.add_parser("show", parents=[common], help="one message with its attempt log")
     qs.add_argument("id")
     qs.add_argument("--body", action="store_true", help="also print the message itself")
+    qs.add_argument(
+        "--raw",
+        action="store_true",
+        help="with --body: only the message's bytes as stored (headers and body), unescaped",
+    )
     qr = q.add_parser("retry", parents=[common], help="make messages due now, attempts reset")
     qr.add_argument("ids", nargs="*")
     qr.add_argument(
@@ -129,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
         x = q.add_parser(name, parents=[common], help=helptext)
         x.add_argument("ids", nargs="*")
         _bulk_options(x)
-    q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    qfl = q.add_parser("flush", parents=[common], help="every deferred recipient due now")
+    qfl.add_argument("--dry-run", action="store_true", help="only say how many would change")
     qp = q.add_parser(
         "purge",
         parents=[common],
@@ -442,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"UNKNOWN: bad config: {text}")
             return 3
         return EX_CONFIG
+    except Exception as e:  # a value the reader did not foresee: still one line, never a trace
+        print(f"relay: config: cannot be read ({type(e).__name__}: {e})", file=sys.stderr)
+        return EX_CONFIG
     set_secrets(config.secrets())
     setup_logging(config.log.level, "text", config.log.unmask)
     # the destination a recipient goes through: its route's first upstream, or its domain
@@ -502,11 +517,17 @@ def _act(
         ops.log_operator(
             conn,
             action,
-            {**detail, "result": res if isinstance(res, int | bool) else None},
+            {**detail, "result": _audit_result(res)},
             time.time(),
         )
     log_event(log, logging.INFO, "operator_action", action, **detail)
     return res
+
+
+def _audit_result(res: object) -> Any:
+    if isinstance(res, ops.BulkResult):
+        return {"messages": len(res.messages), "recipients": res.recipients}
+    return res if isinstance(res, int | bool) else None
 
 
 def _destinations_as_delivered(args: argparse.Namespace, msgs: list[dict[str, Any]]) -> None:
@@ -599,7 +620,7 @@ def _bulk_options(p: argparse.ArgumentParser) -> None:
 def _select(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> list[str]:
     """The message ids a bulk command (`--all` + filters) acts on."""
     older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-    msgs = ops.list_messages(
+    msgs = ops.iter_messages(  # a page at a time: only the ids are kept
         conn,
         state=args.state,
         include_finished=args.qcmd == "delete",
@@ -632,12 +653,12 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
                     if a["sent_at"]
                     else (
                         f"pending {','.join(a['pending_sinks'])}"
-                        + (f" ({a['last_error']})" if a["last_error"] else "")
+                        + (f" ({printable(a['last_error'])})" if a["last_error"] else "")
                     )
                 )
                 print(
                     f"{a['last_at']} {a['severity']:<8} {a['event']:<20} x{a['count']:<4}"
-                    f" {a['summary']}  [{state}]"
+                    f" {printable(a['summary'])}  [{state}]"
                 )
         return EXIT_OK
     if args.cmd == "queue":
@@ -723,9 +744,15 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         raw, path = ops.message_body(conn, args.id)
         data = bodies.load(spool, raw, path)
         head, _sep, body = data.partition(b"\r\n\r\n")
+        if args.body and args.raw and not args.json:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            return EXIT_OK
         msg["headers"] = head.decode("utf-8", errors="replace")
         if args.body:
-            msg["body"] = body.decode("utf-8", errors="replace")
+            msg["body"] = body.decode(
+                "utf-8", errors="surrogateescape" if not args.json else "replace"
+            )
         if args.json:
             _print_json(msg)
         else:
@@ -733,14 +760,6 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         return EXIT_OK
     if c == "summary":
         return _summary(args, conn, now)
-    if c == "flush":
-
-        def flush(x: sqlite3.Connection) -> int:
-            ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
-            return ops.flush(x, now)
-
-        n = _act(conn, "flush", {}, flush)
-        return _done(args, "flush", n, [])
     if c == "purge":
         try:
             age = parse_duration(args.older_than, "--older-than")
@@ -764,63 +783,71 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
             print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
         return EXIT_OK
     ids: list[str] = list(getattr(args, "ids", []) or [])
+    dry = bool(getattr(args, "dry_run", False))
     filters = [f for f in ("state", "domain", "recipient", "older_than") if getattr(args, f, None)]
-    if getattr(args, "all", False):
+    target: list[str] | None = ids
+    if c == "flush":
+        target = None
+    elif getattr(args, "all", False):
         if ids:
             print(f"relay: queue {c}: --all selects with filters; give it no IDs", file=sys.stderr)
             return EXIT_USAGE
         try:
-            ids = _select(args, conn, now)
+            target = _select(args, conn, now)
         except ConfigError as e:
             print(f"relay: {e}", file=sys.stderr)
             return EXIT_USAGE
-        if not ids or args.dry_run:
-            n = len(ids)
-            if args.json:
-                _print_json({"action": c, "dry_run": args.dry_run, "ids": ids, "messages": n})
-            else:
-                verb = "would change" if args.dry_run else "changed"
-                print(f"{c}: {verb} {n} message{'' if n == 1 else 's'}")
-            return EXIT_OK
-    elif filters or getattr(args, "dry_run", False):
-        print(f"relay: queue {c}: filters and --dry-run go with --all", file=sys.stderr)
+    elif filters:
+        print(f"relay: queue {c}: filters go with --all", file=sys.stderr)
         return EXIT_USAGE
     elif c in ("delete", "hold", "release") and not ids:
         print(f"relay: queue {c} needs IDs or --all", file=sys.stderr)
         return EXIT_USAGE
-    if c == "retry" and not ids and not args.failed:
-        print("relay: queue retry needs IDs, --failed or --all", file=sys.stderr)
-        return EXIT_USAGE
-    missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
-    if missing:
-        raise CliError(f"no such message: {', '.join(missing)}")
+    elif c == "retry" and not ids:
+        if not args.failed:
+            print("relay: queue retry needs IDs, --failed or --all", file=sys.stderr)
+            return EXIT_USAGE
+        target = None  # --failed: every dead letter
+    if target is ids:
+        missing = [i for i in ids if i not in ops.existing_ids(conn, ids)]
+        if missing:
+            raise CliError(f"no such message: {', '.join(missing)}")
+    failed = bool(getattr(args, "failed", False))
     if c == "retry":
-        target = ids or None
-        for qid, addr, reason in ops.suppressed_recipients(conn, target, args.failed):
+        for qid, addr, reason in ops.suppressed_recipients(conn, target, failed):
             print(
                 f"relay: {qid}: {printable(addr)} is on the suppression list"
                 f" ({printable(reason)}) and is not retried; lift it with"
                 f" `relay suppression remove {printable(addr)}` and retry again",
                 file=sys.stderr,
             )
-        n = _act(
-            conn,
-            "retry",
-            {"ids": ids, "failed": args.failed},
-            lambda x: ops.retry(x, target, now, failed_only=args.failed),
+
+    def run(x: sqlite3.Connection) -> ops.BulkResult:
+        if c == "flush" and not dry:
+            ops.engine_command(x, "kick", "*", now)  # through an open circuit, at once
+        # --domain/--recipient select recipients, never the other recipients of the same
+        # message; the dry run is this same statement as a SELECT (ops.bulk)
+        return ops.bulk(
+            x,
+            c,
+            target,
+            now,
+            recipient=getattr(args, "recipient", None),
+            domain=getattr(args, "domain", None),
+            failed_only=failed,
+            dry_run=dry,
         )
-        return _done(args, "retry", n, ids)
-    if c == "delete":
-        paths = _act(conn, "delete", {"ids": ids}, lambda x: ops.delete_messages(x, ids))
-        bodies.delete_bodies(spool, paths)
-        return _done(args, "delete", len(ids), ids)
-    if c == "hold":
-        n = _act(conn, "hold", {"ids": ids}, lambda x: ops.hold(x, ids, now))
-        return _done(args, "hold", n, ids)
-    if c == "release":
-        n = _act(conn, "release", {"ids": ids}, lambda x: ops.release(x, ids, now))
-        return _done(args, "release", n, ids)
-    return EXIT_USAGE
+
+    if dry:
+        res = run(conn)
+    else:
+        detail: dict[str, Any] = {} if target is None else {"ids": target}
+        if c == "retry":
+            detail["failed"] = failed
+        detail.update({f: getattr(args, f) for f in filters})
+        res = _act(conn, c, detail, run)
+        bodies.delete_bodies(spool, list(res.paths))
+    return _done(args, c, res, dry)
 
 
 def _maildrop_rows(
@@ -853,12 +880,33 @@ def _maildrop_rows(
     return out
 
 
-def _done(args: argparse.Namespace, action: str, n: int, ids: list[str]) -> int:
+def _done(args: argparse.Namespace, action: str, res: ops.BulkResult, dry: bool) -> int:
+    """Every bulk action's answer: the messages and the recipients it changed (or, dry,
+    would change: the same counts the real run then reports)."""
+    m, n = len(res.messages), res.recipients
     if args.json:
-        _print_json({"action": action, "ids": ids, "recipients_changed": n})
+        doc: dict[str, Any] = {
+            "action": action,
+            "dry_run": dry,
+            "ids": list(res.messages),
+            "messages": m,
+            "recipients": n,
+            "recipients_changed": n,  # the name before `recipients`, kept for scripts
+        }
+        if action == "delete":
+            doc["messages_removed"] = res.removed
+        _print_json(doc)
+        return EXIT_OK
+    what = f"{n} recipient{'' if n == 1 else 's'} of {m} message{'' if m == 1 else 's'}"
+    if dry:
+        line = f"{action}: would {'delete' if action == 'delete' else 'change'} {what}"
     else:
-        noun = "message" if action == "delete" else "recipient"
-        print(f"{action}: {n} {noun}{'' if n == 1 else 's'} changed")
+        line = f"{action}: {what} {'deleted' if action == 'delete' else 'changed'}"
+    if action == "delete":
+        k = res.removed
+        gone = "would be" if dry else ("was" if k == 1 else "were")
+        line += f" ({k} message{'' if k == 1 else 's'} left with no recipient {gone} removed)"
+    print(line)
     return EXIT_OK
 
 
@@ -905,7 +953,13 @@ def _feedback(args: argparse.Namespace, conn: sqlite3.Connection) -> int:
         data = ops.feedback_mail_body(conn, args.id)
         if data is None:
             raise CliError(f"no such feedback mail: {args.id}")
-        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        if args.raw:  # the operator asked for the sender's bytes: a file, a parser
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            return EXIT_OK
+        # an outsider wrote this mail: ESC, OSC 8 links, bidi overrides never reach the
+        # terminal raw (printable), a line at a time
+        _print_escaped(data)
         return EXIT_OK
     if args.fcmd == "events":
         rows = ops.feedback_events(conn, max(1, args.limit))
@@ -1035,19 +1089,29 @@ def _destination(args: argparse.Namespace, conn: sqlite3.Connection, now: float)
             _print_json(out)
         else:
             print(
-                f"{'destination':<28} {'queued':>7} {'rate/s':>8} {'conns':>6} "
-                f"{'circuit':<10} {'today':>7} {'limit':>7}  suspended"
+                f"{'destination':<28} {'upstream':<30} {'queued':>7} {'rate/s':>8} {'conns':>6} "
+                f"{'circuit':<12} {'today':>7} {'limit':>7}  suspended"
             )
             for i in out:
                 rate = i.get("effective_rate")
+                # an upstream that refused our configuration (AUTH, TLS) takes no mail
+                # although its circuit is closed: say so, and why, instead of `closed`
+                err = i.get("config_error")
+                circuit = "CONFIG-ERROR" if err else str(i.get("circuit", "-"))
                 print(
-                    f"{i['name'][:28]:<28} {i['queued_recipients']:>7} "
+                    f"{i['name'][:28]:<28} {printable(str(i.get('upstream') or '-'))[:30]:<30} "
+                    f"{i['queued_recipients']:>7} "
                     f"{'-' if rate is None else f'{rate:.2f}':>8} "
                     f"{i.get('effective_connections', '-')!s:>6} "
-                    f"{i.get('circuit', '-')!s:<10} {i.get('delivered_today', 0)!s:>7} "
+                    f"{circuit:<12} {i.get('delivered_today', 0)!s:>7} "
                     f"{i.get('daily_limit') or '-'!s:>7}  "
                     f"{i.get('suspended_until') or ''}"
                 )
+                if err:
+                    print(
+                        f"  config error: {printable(str(err))} (fix the configuration, then"
+                        f" `relay destination reset {i['name']}`)"
+                    )
         return EXIT_OK
     name = args.name.lower()
     if args.dcmd == "suspend":
@@ -1177,8 +1241,29 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else ops.iso_utc(ts)
 
 
+_NON_ASCII = re.compile("[^\x00-\x7e]")  # one character at a time: linear
+
+
+def _json_char(m: re.Match[str]) -> str:
+    ch = m[0]
+    if printable(ch) == ch:
+        return ch
+    o = ord(ch)
+    if o > 0xFFFF:  # JSON spells an astral character as its UTF-16 surrogate pair
+        o -= 0x10000
+        return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+    return f"\\u{o:04x}"
+
+
+def _json_text(obj: Any) -> str:
+    """JSON with the text readable (ensure_ascii=False) but terminal-safe: json.dumps
+    escapes C0 controls itself; DEL, C1 controls (0x9B is a CSI), bidi and zero-width
+    characters and undecodable bytes are escaped here too (the same string to a parser)."""
+    return _NON_ASCII.sub(_json_char, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
+
+
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False))
+    print(_json_text(obj))
 
 
 def _print_mailq(msgs: Iterable[dict[str, Any]]) -> None:
@@ -1215,7 +1300,7 @@ def _stream_json_array(items: Iterable[Any]) -> None:
     out = sys.stdout
     first = True
     for item in items:
-        text = json.dumps(item, indent=2, sort_keys=True, ensure_ascii=False)
+        text = _json_text(item)
         out.write(("[\n" if first else ",\n") + "  " + text.replace("\n", "\n  "))
         first = False
     out.write("[]\n" if first else "\n]\n")
@@ -1248,18 +1333,28 @@ def _print_show(msg: dict[str, Any]) -> None:
         if r.get("upstream_id"):
             print(f"      upstream id: {printable(r['upstream_id'])}")
         if r.get("reason"):
-            print(f"      waiting: {r['reason']}")
+            print(f"      waiting: {printable(r['reason'])}")
         elif r.get("waiting_on"):
             print(f"      waiting: {r['waiting_on']}")
     print("attempt log:")
     for a in msg["attempt_log"]:
         print(
-            f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}  {a['host'] or '-'}"
-            f"  {printable(a['reply'] or '')}"
+            f"  {a['at']}  {printable(a['recipient'])}  {a['outcome']}"
+            f"  {printable(a['host'] or '-')}  {printable(a['reply'] or '')}"
         )
     print("headers:")
-    for line in msg["headers"].splitlines():
-        print(f"  {printable(line)}")
+    # split at CRLF only (what ends a header line); a folded header's TAB is shown as the
+    # indentation it is, every other control character escaped
+    for line in msg["headers"].split("\r\n"):
+        print("  " + printable(line, keep="\t"))
     if "body" in msg:
         print("body:")
-        print(msg["body"])
+        _print_escaped(msg["body"].encode("utf-8", "surrogateescape"))
+
+
+def _print_escaped(data: bytes) -> None:
+    """Stored mail for a terminal: line by line (CRLF or LF), TAB kept, every other control
+    character, invalid byte and invisible character escaped (printable)."""
+    text = data.decode("utf-8", "surrogateescape")
+    for line in text.split("\n"):
+        print(printable(line.removesuffix("\r"), keep="\t"))

@@ -199,6 +199,9 @@ class _Reader:
         self.used: set[str] = set()
 
     def key(self, name: str) -> str:
+        # a key from the file is shown escaped: a control character in an unknown key must
+        # not break the one-error-a-line message (str.splitlines splits on \x1c-\x1e too)
+        name = _shown(name)
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
@@ -261,6 +264,9 @@ class _Reader:
             v = credentials.expand(v, self.key(name))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # ENAMETOOLONG is an OSError that Path.is_file() raises instead of answering False
+        if len(os.fsencode(v)) >= 4096 or any(len(os.fsencode(c)) > 255 for c in v.split("/")):
+            raise ConfigError(f"{self.key(name)}: file name too long")
         return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
     def _misspelt(self, name: str) -> None:
@@ -498,6 +504,8 @@ class Health:
     queue_age_warning: float = 1800.0
     queue_age_critical: float = 4 * 3600.0
     stall_after: float = 600.0
+    # an upstream whose every attempt failed this long, no answer since: a warning
+    failing_after: float = 300.0
     dead_letters_warning: int = 50  # dead letters in the last hour
 
 
@@ -1085,6 +1093,10 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     The sections still read by hand (`_from_mapping`) report one error at a time: after an
     error the offending key is set aside (its default applies) and they are read again.
     """
+    # a NUL reaches no file name, host or header: os and socket calls raise ValueError on it
+    nul = [f"{k}: a NUL character is not allowed in a config value" for k in _nul_keys(data)]
+    if nul:
+        raise ConfigError("\n".join(nul))
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     errors: list[str] = []
@@ -1162,7 +1174,7 @@ def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[s
     out = []
     for err in errs:
         loc = err["loc"]
-        key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{_shown(p)}" for p in loc)
         kind = err["type"]
         ctx = err.get("ctx") or {}
         if kind == types.ERROR_TYPE:
@@ -1183,6 +1195,13 @@ def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[s
         else:  # not expected: every relay type words its own errors
             out.append(f"{key}: {err['msg']}")
     return out
+
+
+def _shown(name: str) -> str:
+    """A key from the file as an error shows it: escaped, since a control character in an
+    unknown key must not break the one-error-a-line message (str.splitlines splits on
+    \x1c-\x1e too)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
 
 
 def _model_at(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -1213,6 +1232,21 @@ def _unknown_key(key: str, name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"{key}: unknown key {name!r}{hint}"
+
+
+def _nul_keys(node: object, key: str = "") -> list[str]:
+    """The keys whose value (or name) holds a NUL character."""
+    if isinstance(node, str):
+        return [key or "config"] if "\x00" in node else []
+    out: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            sub = f"{key}.{_shown(str(k))}" if key else _shown(str(k))
+            out += _nul_keys(k, sub) + _nul_keys(v, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _nul_keys(v, f"{key}[{i}]")
+    return out
 
 
 def _set_aside(data: dict[str, Any], msg: str) -> bool:

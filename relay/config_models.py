@@ -11,6 +11,7 @@ still read by hand in relay/config.py (`_from_mapping`).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,8 @@ class HealthSection(Section):
     queue_age_warning: t.Duration = "30m"
     queue_age_critical: t.Duration = "4h"
     stall_after: t.Duration = "10m"
+    # an upstream whose every attempt failed this long, no answer since: a warning
+    failing_after: t.Duration = "5m"
     dead_letters_warning: t.Int(1) = 50  # type: ignore[valid-type]
 
     @model_validator(mode="after")
@@ -304,9 +307,36 @@ class SpoolSection(Section):
             raise t.problem("required with spool.backend: postgresql", "dsn")
         if not self.dsn.startswith(("postgresql://", "postgres://")) and "=" not in self.dsn:
             raise t.problem("expected a libpq URL (postgresql://...) or key=value list", "dsn")
+        try:
+            _check_dsn_port(self.dsn)
+        except ValueError as e:
+            raise t.problem(str(e), "dsn") from None
         if self.password_file is not None and not self.password_file.is_file():
             raise t.problem(f"{self.password_file} is not a readable file", "password_file")
         return self
+
+
+def _check_dsn_port(dsn: str) -> None:
+    """A DSN whose URL or port libpq could never use is a config error now, not a crash
+    of whatever reads it first (the message never shows the DSN: it may hold a password)."""
+    from urllib.parse import urlsplit
+
+    ports: list[str] = []
+    if dsn.startswith(("postgresql://", "postgres://")):
+        try:
+            netloc = urlsplit(dsn).netloc
+        except ValueError as e:
+            raise ValueError(f"not a valid URL ({e})") from None
+        # libpq's multi-host form: host1:5432,[::1]:5433
+        for hostport in netloc.rpartition("@")[2].split(","):
+            tail = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+            ports.append(tail.partition(":")[2])
+    else:
+        m = re.search(r"(?:^|\s)port\s*=\s*'?([^'\s]*)", dsn)
+        ports = m.group(1).split(",") if m else []
+    for p in ports:
+        if p and not (p.isascii() and p.isdigit() and 0 < int(p) < 65536):
+            raise ValueError(f"port {p!r} is not a number from 1 to 65535")
 
 
 class SmarthostSection(Section):
@@ -436,8 +466,6 @@ class ShapingSection(Section):
 
 
 def _lane_rules(value: object) -> Any:
-    import re
-
     from relay.lanes import parse_lane_rules
 
     if not isinstance(value, list):

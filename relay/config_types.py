@@ -290,6 +290,9 @@ def _path(value: object, info: ValidationInfo) -> Path | None:
         v = credentials.expand(v, "")
     except ValueError as e:
         raise problem(str(e).removeprefix(": ")) from None
+    # ENAMETOOLONG is an OSError that Path.is_file() raises instead of answering False
+    if len(os.fsencode(v)) >= 4096 or any(len(os.fsencode(c)) > 255 for c in v.split("/")):
+        raise problem("file name too long")
     base = Path((info.context or {}).get("base", "."))
     return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 

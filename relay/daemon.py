@@ -48,7 +48,7 @@ from typing import Any
 from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup, smtpd_adapter
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
-from relay.delivery import smtpclient_adapter
+from relay.delivery import smtpclient_adapter, views
 from relay.delivery.engine import Engine
 from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
@@ -72,6 +72,7 @@ HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 HEALTH_FILE = "health.json"
+FAILING_SINCE = "failing_since"  # runtime row: upstream -> first failure since its answer
 DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
 PRUNE_EVERY = 600.0
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
@@ -84,6 +85,33 @@ INBOUND_START_TIMEOUT = 30.0  # seconds for inbound processes to listen at start
 def _http_limits(max_connections: int, per_ip: int, max_body: int) -> HttpLimits:
     return HttpLimits(
         max_connections=max_connections, max_connections_per_ip=per_ip, max_body=max_body
+    )
+
+
+def spool_gone_advice(path: os.PathLike[str], how: str, waiting: int, held: int) -> str:
+    """The `spool` check's detail once the database file was deleted or replaced under the
+    running daemon. The daemon keeps the old file open and keeps delivering from it, so a
+    restart now would discard what it still holds: drain first, then restart (`waiting`
+    -1: the count could not be read)."""
+    head = (
+        f"the spool database {path} was {how} under the running daemon: new mail is refused"
+        " (451 4.3.0)"
+    )
+    if waiting == 0:
+        return f"{head}; every recipient in the old file is finished: restart relay now"
+    count = "an unknown number of" if waiting < 0 else str(waiting)
+    stuck = (
+        f" ({held} of them held: they never leave on their own, and `relay queue release`"
+        f" cannot reach the old file; a restart discards them)"
+        if held > 0
+        else ""
+    )
+    return (
+        f"{head}; {count} recipients are still queued in the old file{stuck}. Do not"
+        " restart relay yet (a restart discards them): the daemon keeps delivering from the"
+        " open file; wait until `relay status` (or GET /health) shows this check with 0"
+        " recipients queued (`relay queue list` cannot see the old file), then restart"
+        " relay to start a new spool"
     )
 
 
@@ -196,6 +224,10 @@ class Daemon:
             clock=faults.now,
         )
         self.engine.verp_sender = self.feedback.verp_sender
+        if self.config.spool_pg is None:  # the failing time of each upstream, as left
+            left = await self.writer.run(lambda c: ops.get_runtime(c, FAILING_SINCE))
+            if left is not None and isinstance(left[0], dict):
+                views.seed_failing_since(self.engine, left[0])
         # with inbound processes, they hold the listeners and this process delivers
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
@@ -307,6 +339,9 @@ class Daemon:
             await asyncio.gather(self._pickup_task, return_exceptions=True)
         for h in self.handlers:
             h.closing = True
+        # no password check from now on (AUTH gets 454 4.7.0, try later): the CPU is for
+        # the drain, and no check may outlive the loop in a thread pool
+        self.guard.close()
         deadline = time.monotonic() + self.config.shutdown_timeout
         await self._stop_inbound(deadline)
         # let SMTP transactions in DATA finish (their 250 depends on the spool)
@@ -338,7 +373,6 @@ class Daemon:
             await self.feedback_http.stop()
         await self.feedback.close()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         faulthandler.cancel_dump_traceback_later()
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
@@ -446,11 +480,15 @@ class Daemon:
         now = time.time()
         node = self.engine.node
 
+        failing = views.failing_since(self.engine)
+
         def put(c: Any) -> None:
             # a fleet: the last node's view as `daemon`, and each node's own view
             ops.put_runtime(c, "daemon", snap, now)
             if self.config.spool_pg is not None:
                 ops.put_runtime(c, f"node:{node}", snap, now)
+            else:  # for the next start (relay/delivery/views.py failing_since)
+                ops.put_runtime(c, FAILING_SINCE, failing, now)
 
         await self.writer.run(put)
 
@@ -682,16 +720,26 @@ class Daemon:
             results.append(("disk", "critical", f"cannot stat the spool's filesystem: {e}"))
         if self.engine is not None:
             mx = cfg.upstream.mode == "mx"
-            for name, circuit, failures, err, reopen in self.engine.health():
-                if mx and err is None and f"destination:{name}" not in self.health.checks:
-                    # in MX mode a destination is a recipient domain: one whose MX is down
-                    # is that domain's problem (its circuit_* lines are logged), not the
-                    # relay's; only a configuration error there is the operator's
+            checks = self.health.checks
+            for d in self.engine.health():
+                shown = f"destination:{d.name}" in checks
+                if not health.judged(mx, d.upstream, d.config_error, shown):
                     continue
                 results.append(
                     (
-                        f"destination:{name}",
-                        *health.destination(name, circuit, failures, err, reopen),
+                        f"destination:{d.name}",
+                        *health.destination(
+                            d.name,
+                            d.circuit,
+                            d.failures,
+                            d.config_error,
+                            d.reopen_at,
+                            # a recipient domain (MX) that does not answer is that
+                            # domain's problem; an upstream's is ours
+                            failing_for=d.failing_for if d.upstream else None,
+                            answered=d.answered,
+                            failing_after=hc.failing_after,
+                        ),
                     )
                 )
             results.append(
@@ -806,20 +854,20 @@ class Daemon:
             st = await asyncio.to_thread(os.stat, path)
         except FileNotFoundError:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was deleted under the running"
-                " daemon: new mail is refused (451 4.3.0); restore it, or"
-                " restart relay to start a new spool"
-            )
+            return "critical", await self._spool_gone_detail(path, "deleted")
         except OSError as e:
             return "critical", f"cannot stat the spool database {path}: {e}"
         if (st.st_dev, st.st_ino) != self._spool_id:
             self._spool_gone = True
-            return "critical", (
-                f"the spool database {path} was replaced under the running"
-                " daemon: new mail is refused (451 4.3.0); restart relay"
-            )
+            return "critical", await self._spool_gone_detail(path, "replaced")
         return None
+
+    async def _spool_gone_detail(self, path: os.PathLike[str], how: str) -> str:
+        try:  # the open handle still reads the old file
+            waiting, held = await asyncio.wait_for(self.writer.run(ops.unfinished_counts), 2.0)
+        except Exception:
+            waiting = held = -1
+        return spool_gone_advice(path, how, waiting, held)
 
     async def _queue_check(self, now: float) -> list[tuple[str, health.Status, str]]:
         hc = self.config.health

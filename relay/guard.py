@@ -11,6 +11,10 @@ Rules:
   threads (hashlib.scrypt releases the GIL), never in the event loop. At most
   `auth.max_pending` more wait for a thread; beyond that the client gets
   `454 4.7.0 Temporary authentication failure` (RFC 4954 §6) and no check runs.
+- `close()` (at the start of an orderly stop) ends password checking for good: checks not
+  yet running are dropped and every AUTH from then on gets the same 454 (try again later,
+  on the next instance). Before, a check waiting for a thread went on after `close()` in a
+  new pool nobody shut down, so an AUTH flood kept scrypt busy through the whole drain.
 - The ban of an IP is logged once (`event=auth_ban`), when it starts.
 """
 
@@ -93,6 +97,7 @@ class InboundGuard:
         self._slots: asyncio.Semaphore | None = None
         self._waiting = 0
         self._parallel = config.auth.max_parallel
+        self._closed = False
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -106,9 +111,15 @@ class InboundGuard:
         self._parallel = config.auth.max_parallel
 
     def close(self) -> None:
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._slots is not None:
+            # wake every check waiting for a thread now: each sees the guard closed and
+            # answers 454 while the loop still runs (not a dropped connection at exit)
+            for _ in range(self._waiting):
+                self._slots.release()
 
     # --- connections -----------------------------------------------------------------------
 
@@ -204,7 +215,10 @@ class InboundGuard:
     async def check_password(
         self, users: Mapping[str, str], login: bytes, password: bytes
     ) -> str | None:
-        """auth.check in the pool; raises AuthBusy when too many are waiting."""
+        """auth.check in the pool; raises AuthBusy when too many are waiting, or once the
+        guard is closed (shutting down)."""
+        if self._closed:
+            raise AuthBusy
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._parallel)
         if self._slots.locked() and self._waiting >= self.config.auth.max_pending:
@@ -217,6 +231,8 @@ class InboundGuard:
             self._waiting -= 1
         loop = asyncio.get_running_loop()
         try:
+            if self._closed:  # closed while this one waited for a thread: it never runs
+                raise AuthBusy
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._parallel, thread_name_prefix="relay-auth")
             job = self._executor.submit(auth_.check, users, login, password)
@@ -231,7 +247,14 @@ class InboundGuard:
                 loop.call_soon_threadsafe(slots.release)
 
         job.add_done_callback(done)
-        return await asyncio.wrap_future(job)  # cancelled: a job not yet started is dropped
+        try:
+            return await asyncio.wrap_future(job)  # cancelled: a job not yet started is dropped
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.cancelled() and self._closed and task is not None and not task.cancelling():
+                # dropped by close(), not a cancellation of this session: answer 454
+                raise AuthBusy from None
+            raise
 
     def auth_busy(self, ip: str, listener: str) -> None:
         """A 454 because too many checks wait: logged once per client a minute."""

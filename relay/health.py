@@ -157,13 +157,50 @@ def dead_letters(count: int, warning: int) -> tuple[Status, str]:
     return "ok", detail
 
 
+def judged(mx_mode: bool, upstream: bool, config_error: str | None, shown: bool) -> bool:
+    """Does a destination get a `destination:NAME` check? In MX mode a recipient domain
+    whose MX is down is that domain's problem (its circuit_* lines are logged), not the
+    relay's: only a configuration error there is the operator's (and a check once shown
+    stays, so it can turn ok). An upstream (the smarthost, a route's, in MX mode too) is
+    always ours."""
+    return upstream or not mx_mode or config_error is not None or shown
+
+
 def destination(
-    name: str, circuit: str, failures: int, config_error: str | None, reopen_at: str | None
+    name: str,
+    circuit: str,
+    failures: int,
+    config_error: str | None,
+    reopen_at: str | None,
+    *,
+    failing_for: float | None = None,
+    answered: bool = True,
+    failing_after: float = 300.0,
 ) -> tuple[Status, str]:
+    """One destination (an upstream; in MX mode a recipient domain).
+
+    `failing_for`: seconds since the first failure after its last success (None: its last
+    attempt worked, or none yet); `answered`: it answered at least once since the daemon
+    started. Measured by the breaker (relay/shaping.py `Breaker.failing_since`), so it
+    stays true while nothing is due: a dead upstream is a warning `failing_after` after
+    its first failure whether or not mail is waiting, and at once while it never answered
+    since start (a wrong host or port after a deploy is news now, not at the 30m retry).
+    The escalation to critical stays with `queue_age` (health.queue_age_critical)."""
     if config_error:
         return "critical", (
             f"{name}: upstream refused our configuration: {config_error};"
             " mail is kept; fix the config and reload"
+        )
+    if failing_for is not None and failing_for >= failing_after:
+        return "warning", (
+            f"{name}: every attempt has failed for {human(failing_for)}, no answer since"
+            f" (warning at {human(failing_after)}; circuit {circuit},"
+            f" {failures} consecutive failures); mail is kept and retried"
+        )
+    if failing_for is not None and not answered:
+        return "warning", (
+            f"{name}: has not answered since start ({failures} consecutive failures,"
+            f" circuit {circuit}); mail is kept and retried"
         )
     if circuit == "open":
         return "warning", (

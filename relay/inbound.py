@@ -126,6 +126,9 @@ def with_enhanced(status: str) -> str:
 smtpd_adapter.install_member_caches()
 
 DATA_BLOCK = 1 << 16  # octets read from the socket at a time during DATA
+# RFC 6531 §3.4: a non-ASCII address in a transaction whose MAIL had no SMTPUTF8 (X.6.7 of
+# the enhanced status code registry, "Non-ASCII addresses not permitted")
+NON_ASCII = "553 5.6.7 Non-ASCII {role} address needs the SMTPUTF8 parameter on MAIL"
 
 
 @dataclass(slots=True)
@@ -406,6 +409,10 @@ class RelaySMTP(SMTP):
         if smtputf8 is not False and smtputf8 is not True:
             await self.push("501 5.5.4 SMTPUTF8 takes no arguments")
             return
+        if not smtputf8 and not path.address.isascii():  # RFC 6531 §3.4
+            self._relay_handler.stats.reject("bad_address")
+            await self.push(NON_ASCII.format(role="sender"))
+            return
         self.envelope.smtp_utf8 = bool(smtputf8)
         size = params.pop("SIZE", None)
         if size is not None:  # RFC 1870 §6
@@ -439,6 +446,10 @@ class RelaySMTP(SMTP):
         path, options, params = got
         if params:
             await self.push("555 5.5.4 RCPT TO parameters not recognized or not implemented")
+            return
+        if not self.envelope.smtp_utf8 and not path.address.isascii():  # RFC 6531 §3.4
+            self._relay_handler.stats.reject("bad_address")
+            await self.push(NON_ASCII.format(role="recipient"))
             return
         status = await self._relay_handler.handle_RCPT(
             self, self.session, self.envelope, path.address, options

@@ -121,6 +121,7 @@ class InboundProcess:
         await self._stop.wait()
         for h in self.handlers:
             h.closing = True  # new commands get 421 4.3.2
+        self.guard.close()  # AUTH gets 454 4.7.0; no check outlives the loop (relay/guard.py)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
@@ -131,7 +132,6 @@ class InboundProcess:
             s.close()
         await feedback.close()
         await asyncio.to_thread(self.writer.close)
-        self.guard.close()
         return 0
 
     async def _refresh(self) -> None:

@@ -61,6 +61,7 @@ message was queued as a new one (WARNING, with ``queue_id`` and ``first_queue_id
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import enum
 import json
@@ -586,7 +587,8 @@ def setup_logging(
         for h in list(root.handlers):
             if isinstance(h, _RelayHandler) and h is not handler:
                 root.removeHandler(h)
-                h.flush()
+                with contextlib.suppress(ValueError, OSError):
+                    h.flush()  # its stream may be closed already (a CLI run under a test)
                 h.close()  # does not close the underlying stream
         root.setLevel(lvl)
         # aiosmtpd logs SMTP command lines (addresses) at INFO and DATA (bodies) at DEBUG.

@@ -409,16 +409,19 @@ def split_headers(lines: list[bytes]) -> tuple[list[bytes], list[bytes]]:
 
 def fields(headers: list[bytes]) -> list[tuple[str, str, int, int]]:
     """(name, unfolded value, first line index, end index) for each header field."""
-    out: list[tuple[str, str, int, int]] = []
+    # Linear time: each field's parts are collected and joined once (growing a string by
+    # `value + " " + line` per folded line is quadratic in a long folded field).
+    parts: list[tuple[str, list[str], int, int]] = []
     for idx, line in enumerate(headers):
         text = line.decode("utf-8", errors="surrogateescape")
-        if line[:1] in (b" ", b"\t") and out:
-            name, value, first, _end = out[-1]
-            out[-1] = (name, value + " " + text.strip(), first, idx + 1)
+        if line[:1] in (b" ", b"\t") and parts:
+            name, values, first, _end = parts[-1]
+            values.append(text.strip())
+            parts[-1] = (name, values, first, idx + 1)
         else:
             name, _sep, value = text.partition(":")
-            out.append((name.strip(), value.strip(), idx, idx + 1))
-    return out
+            parts.append((name.strip(), [value.strip()], idx, idx + 1))
+    return [(name, " ".join(values), first, end) for name, values, first, end in parts]
 
 
 def header_recipients(flds: list[tuple[str, str, int, int]], local_domain: str = "") -> list[str]:

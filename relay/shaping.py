@@ -474,6 +474,12 @@ class Breaker:
     ``on_failure`` or ``release``.  Failures reported while open are ignored (connections
     begun before it opened); while a trial is out any failure counts as the trial's.  A
     success reported at any time closes the breaker.
+
+    For the health model (relay/health.py `destination`) it also remembers when the first
+    failure since the last success happened (`failing_since`, every failure counts, late
+    ones too) and whether the destination ever answered since the daemon started
+    (`answered`). An operator's `reset` changes neither, only an answer does. The daemon
+    keeps `failing_since` across a restart (relay/delivery/views.py `failing_since`).
     """
 
     threshold: int = 5
@@ -482,6 +488,8 @@ class Breaker:
     opened_at: float | None = None
     half_open_trial: bool = False
     trial_started_at: float | None = None
+    failing_since: float | None = None
+    answered: bool = False
 
     def __post_init__(self) -> None:
         if self.threshold < 1:
@@ -519,6 +527,13 @@ class Breaker:
 
     def on_success(self, now: float) -> None:
         """A connection worked: close the breaker."""
+        self.failing_since = None
+        self.answered = True
+        self.reset()
+
+    def reset(self) -> None:
+        """Close the breaker (the operator's `destination reset`): not an answer, so the
+        health model still sees a destination failing since `failing_since`."""
         self.failures = 0
         self.opened_at = None
         self.half_open_trial = False
@@ -526,6 +541,8 @@ class Breaker:
 
     def on_failure(self, now: float) -> None:
         """A connection-level transient failure."""
+        if self.failing_since is None:
+            self.failing_since = now
         if self.half_open_trial:
             self.opened_at = now  # the trial failed: re-open with a fresh cooldown
             self.half_open_trial = False

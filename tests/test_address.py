@@ -190,7 +190,8 @@ def test_printable_escapes_controls() -> None:
         ("a@[]", False),
         ("a@[1]", False),
         ("a@[IPv6:]", False),
-        ("a@[IPv6:1]", True),
+        ("a@[IPv6:1]", False),  # the right characters, no IPv6 address
+        ("a@[IPv6:::1]", True),
         ("a@[IPv6:zz]", False),
         ("a@[IPv6::1", False),
         ('"\\ "@example.org', True),  # quoted-pair with SP (%d32)
@@ -263,7 +264,8 @@ def test_error_messages_name_the_character(arg: str, message: str | None) -> Non
         ("a\udcffb", "a\\xffb"),
         ("a\ud800b", "a\\ud800b"),
         ("a\udfffb", "a\\udfffb"),
-        ("a\u2028b", "a\u2028b"),
+        ("a\u2028b", "a\\u2028b"),  # LINE SEPARATOR: a line break to some viewers
+        ("a\u202eb", "a\\u202eb"),  # RIGHT-TO-LEFT OVERRIDE reorders the rest on screen
         ("\x00\x1f ~", "\\x00\\x1f ~"),
     ],
 )
@@ -285,7 +287,11 @@ def test_printable_table(text: str, shown: str) -> None:
         ("<a@[IPv6:g]>", "malformed IPv6 address literal"),
         ("<a@[1.2.3]>", "malformed IPv4 address literal"),
         ('<"a\\\u00e9"@b>', "bad quoted pair in local part"),
-        ('<"a\u00e9\u2028"@b>', None),
+        ('<"a\u00e9\u00a0"@b>', None),
+        (
+            '<"a\u00e9\u2028"@b>',
+            "invisible or reordering character U+2028 not allowed in an address",
+        ),
         ('<"a\\', "missing '>'"),
         ('<"ab>', "missing '>'"),
         ('<"ab"c@d>', "missing '@' after the quoted local part"),

@@ -30,7 +30,7 @@ def test_bulk_hold_release_delete_with_filters(
             == {}
         )
     dry = r.cli("queue", "hold", "--all", "--domain", "a.example", "--dry-run", check=True)
-    assert "hold: would change 2 messages" in dry.stdout
+    assert "hold: would change 2 recipients of 2 messages" in dry.stdout
     assert all(m["state"] != "held" for m in r.queue())
     out = r.cli_json("queue", "hold", "--all", "--domain", "a.example")
     assert out["recipients_changed"] == 2 and len(out["ids"]) == 2

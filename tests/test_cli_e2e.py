@@ -174,7 +174,7 @@ def test_inspection_verbs_and_flush(upstream, relay) -> None:
     assert soonest > time.time() + 500
     up.rcpt_reply = lambda a: None
     res = r.cli("queue", "flush", check=True)
-    assert res.stdout.strip() == "flush: 3 recipients changed"
+    assert res.stdout.strip() == "flush: 3 recipients of 2 messages changed"
     r.wait_until(
         lambda: received_ids(up) == sorted([mid_of(1), mid_of(2)]),
         timeout=EFFECT,
@@ -225,18 +225,20 @@ def test_hold_release_delete_and_destinations(upstream, relay) -> None:
 
     # hold one
     res = r.cli("queue", "hold", q[0], check=True)
-    assert res.stdout.strip() == "hold: 1 recipient changed"
+    assert res.stdout.strip() == "hold: 1 recipient of 1 message changed"
     assert "event=operator_action" in res.stderr and "hold" in res.stderr
     assert ids(r.cli_json("queue", "list", "--state", "held")) == [q[0]]
     assert r.cli_json("queue", "show", q[0])["recipients"][0]["state"] == "held"
 
     # delete one
     res = r.cli("queue", "delete", q[2], check=True)
-    assert res.stdout.strip() == "delete: 1 message changed"
+    assert res.stdout.strip() == (
+        "delete: 1 recipient of 1 message deleted (1 message left with no recipient was removed)"
+    )
     assert "event=operator_action" in res.stderr and "delete" in res.stderr
     assert r.cli("queue", "show", q[2]).returncode == 1
     assert q[2] not in ids(r.cli_json("queue", "list", "--all"))
-    assert ("delete", {"ids": [q[2]], "result": None}) in oplog(r)
+    assert ("delete", {"ids": [q[2]], "result": {"messages": 1, "recipients": 1}}) in oplog(r)
 
     # resume: the deferred one goes, the held one stays put while the upstream is up
     res = r.cli("destination", "resume", "smarthost", check=True)
@@ -257,7 +259,7 @@ def test_hold_release_delete_and_destinations(upstream, relay) -> None:
 
     # release: delivered promptly
     res = r.cli("queue", "release", q[0], check=True)
-    assert res.stdout.strip() == "release: 1 recipient changed"
+    assert res.stdout.strip() == "release: 1 recipient of 1 message changed"
     r.wait_until(
         lambda: received_ids(up) == sorted([mid_of(0), mid_of(1)]),
         timeout=EFFECT,
@@ -291,7 +293,7 @@ def test_retry_brings_back_a_failed_message(upstream, relay) -> None:
 
     up.data_reply = lambda env: None  # fixed upstream-side
     res = r.cli("queue", "retry", qf, check=True)
-    assert res.stdout.strip() == "retry: 1 recipient changed"
+    assert res.stdout.strip() == "retry: 1 recipient of 1 message changed"
     r.wait_until(
         lambda: received_ids(up) == [mid_of(1)], timeout=EFFECT, what="the retried message upstream"
     )

@@ -256,3 +256,20 @@ def test_shaping_rules_are_parsed() -> None:
     (rule,) = c.shaping.rules
     assert rule.action == "suspend" and rule.duration == 120.0
     assert c.lanes.shares == {"transactional": 1.0, "bulk": 0.5}
+
+
+def test_a_control_character_in_a_key_stays_on_its_line() -> None:
+    # str.splitlines splits on \x1c: the key is shown escaped, one error a line
+    assert _error({"log": {"lev\x1cel": 1}}) == [
+        "log.lev\\x1cel: unknown key 'lev\\x1cel' (did you mean 'level'?)"
+    ]
+    assert _error({"log": {"x\x1c": "\x00"}}) == [
+        "log.x\\x1c: a NUL character is not allowed in a config value"
+    ]
+
+
+def test_health_failing_after_is_a_duration() -> None:
+    assert from_mapping({"health": {"failing_after": "2m"}}, BASE).health.failing_after == 120
+    assert _error({"health": {"failing_after": "soon"}}) == [
+        "health.failing_after: 'soon' is not a duration (use 30s, 5m, 2h, 7d or seconds)"
+    ]

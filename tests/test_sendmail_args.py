@@ -368,3 +368,24 @@ def test_attack_cases_exit_before_sending(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("**/*.msg"))
     res = _run(cfg, "root admin", stdin=b"x\n")
     assert b"'root admin'" in res.stderr
+
+
+def test_header_fields_unfold_in_linear_time() -> None:
+    """A long folded field: the work grows with the input, not with its square (counted in
+    CPU time at 1x and 4x the size; quadratic unfolding grows ~16x)."""
+    import time
+
+    from relay import sendmail as sm
+
+    def cpu(n: int) -> float:
+        headers = [b"Subject: x\r\n"] + [b" " + b"y" * 60 + b"\r\n"] * n
+        best = float("inf")
+        for _ in range(3):
+            t = time.process_time()
+            (field,) = sm.fields(headers)
+            best = min(best, time.process_time() - t)
+        assert len(field[1]) == 1 + 61 * n
+        return best
+
+    small, large = cpu(20_000), cpu(80_000)
+    assert large < small * 8, (small, large)

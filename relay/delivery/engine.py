@@ -631,7 +631,7 @@ class Engine:
     async def wait_token(self, st: DestState) -> None:
         await workers.wait_token(self, st)
 
-    def health(self) -> list[tuple[str, str, int, str | None, str | None]]:
+    def health(self) -> list[views.DestHealth]:
         return views.health(self)
 
     def dead_letters_last_hour(self) -> int:

@@ -23,7 +23,7 @@ def command(e: Engine, action: str, name: str, now: float) -> None:
     for st in list(e.dests.values()) if name == "*" else [e.dest(name)]:
         before = st.breaker.state(now)
         if action == "reset":
-            st.breaker.on_success(now)
+            st.breaker.reset()
             st.adaptive.reset()
             st.config_error = None
             e.retune(st)

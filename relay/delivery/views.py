@@ -20,21 +20,59 @@ def _reopens(st: DestState, now: float) -> str | None:
     return ops.iso_utc(st.breaker.reopens_at(now)) if st.breaker.state(now) == "open" else None
 
 
-def health(e: Engine) -> list[tuple[str, str, int, str | None, str | None]]:
-    """(destination, circuit, consecutive failures, config error, reopen time)."""
+@dataclass(frozen=True, slots=True)
+class DestHealth:
+    """One destination as the health model judges it (relay/health.py `destination`)."""
+
+    name: str
+    circuit: str
+    failures: int  # consecutive connection failures
+    config_error: str | None
+    reopen_at: str | None
+    failing_for: float | None  # seconds since the first failure after the last success
+    answered: bool  # answered at least once since the daemon started
+    upstream: bool  # an upstream (smarthost, a route's); False: a recipient domain (MX)
+
+
+def health(e: Engine) -> list[DestHealth]:
     now = e.clock()
-    out: list[tuple[str, str, int, str | None, str | None]] = []
+    out: list[DestHealth] = []
     for st in e.dests.values():
+        b = st.breaker
         out.append(
-            (
+            DestHealth(
                 st.name,
-                st.breaker.state(now),
-                st.breaker.failures,
+                b.state(now),
+                b.failures,
                 st.config_error,
                 _reopens(st, now),
+                None if b.failing_since is None else max(0.0, now - b.failing_since),
+                b.answered,
+                st.upstream is not None,
             )
         )
     return out
+
+
+def failing_since(e: Engine) -> dict[str, float]:
+    """Each upstream failing since when (its first failure after its last answer): kept in
+    the spool's `runtime` table so a restart does not reset the clock of the health
+    model's `health.failing_after` (a single daemon; a fleet's nodes each start fresh)."""
+    return {
+        name: st.breaker.failing_since
+        for name, st in e.dests.items()
+        if st.upstream is not None and st.breaker.failing_since is not None
+    }
+
+
+def seed_failing_since(e: Engine, since: dict[str, Any]) -> None:
+    """At start: the failing time of each upstream still configured, as the last run left
+    it (an upstream that answered since has no entry)."""
+    for name, at in since.items():
+        if name in e.config.routing.upstreams and isinstance(at, int | float):
+            b = e.dest(name).breaker
+            if b.failing_since is None:
+                b.failing_since = float(at)
 
 
 def dead_letters_last_hour(e: Engine) -> int:

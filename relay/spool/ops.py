@@ -22,6 +22,7 @@ from typing import Any
 from relay import dedup
 from relay.lanes import LANE_PRIORITY
 from relay.model import (
+    DEAD,
     FINAL,
     UNFINISHED,
     WAITING,
@@ -793,6 +794,16 @@ def queue_health(
     return (None if oldest is None else max(0.0, now - oldest)), int(due) + int(stuck)
 
 
+def unfinished_counts(conn: sqlite3.Connection) -> tuple[int, int]:
+    """(unfinished recipients, how many of them held), over the recipients_state index:
+    what a spool database deleted under the daemon still holds (its drain)."""
+    row = conn.execute(
+        f"SELECT count(*), coalesce(sum(CASE WHEN state = '{RcptState.HELD}' THEN 1 ELSE 0"
+        f" END), 0) FROM recipients WHERE state IN {_UNFINISHED}"
+    ).fetchone()
+    return int(row[0]), int(row[1])
+
+
 def waiting_recipients(
     conn: sqlite3.Connection,
 ) -> Iterator[tuple[str, str, str, str, str | None]]:
@@ -963,45 +974,174 @@ def feedback_mail_body(conn: sqlite3.Connection, mail_id: int) -> bytes | None:
 # --- operator queue changes ---------------------------------------------------------------
 
 
-def _set_state(
-    conn: sqlite3.Connection,
-    ids: Sequence[str] | None,
-    dst: RcptState,
-    src: Iterable[str],
+BULK_ACTIONS = ("hold", "release", "retry", "delete", "flush")
+_CHUNK = 500  # message ids per statement: far below SQLite's and psycopg's parameter limits
+
+
+@dataclass(frozen=True, slots=True)
+class BulkResult:
+    """What one operator action changed (or, dry, would change): the messages it touched
+    (sorted), how many recipient rows, the messages left with no recipient and so removed
+    whole (delete), and the body files to delete after the commit."""
+
+    messages: tuple[str, ...]
+    recipients: int
+    removed: int = 0
+    paths: tuple[str, ...] = ()
+
+
+def _retry_sources(failed_only: bool) -> tuple[str, ...]:
+    if failed_only:
+        return tuple(sorted(s.value for s in DEAD))
+    return tuple(
+        sorted(
+            s.value
+            for s in (
+                RcptState.DEFERRED,
+                RcptState.PENDING,
+                RcptState.BOUNCED,
+                RcptState.FAILED,
+                RcptState.SUPPRESSED,
+                RcptState.HELD,
+            )
+        )
+    )
+
+
+def _bulk_where(
+    action: str,
     now: float,
     *,
-    due_now: bool,
-    reset: bool,
-    skip_suppressed: bool = False,
-) -> int:
-    src_list = list(src)
-    sets = ["state = ?", "updated_at = ?", "reason = NULL"]
-    params: list[Any] = [dst.value, now]
-    if due_now:
-        sets.append("next_attempt_at = ?")
-        params.append(now)
-    if reset:
-        sets.append("attempts = 0")
-        sets.append("retry_base = ?")  # a fresh retry.max_age from now
-        params.append(now)
-    sql = (
-        f"UPDATE recipients SET {', '.join(sets)} WHERE state IN ({','.join('?' * len(src_list))})"
-    )
-    params.extend(src_list)
-    if skip_suppressed:
-        sql += (
-            # recipients.address, qualified: a bare `address` here is the suppression
-            # row's own column, and one lower-case entry stopped every retry
-            " AND NOT EXISTS (SELECT 1 FROM suppression s"
+    failed_only: bool,
+    recipient: str | None,
+    domain: str | None,
+) -> tuple[list[str], list[Any]]:
+    """The one WHERE of an action over `recipients` (unaliased: it serves SELECT, UPDATE and
+    DELETE alike), so that a dry run counts exactly the rows the real run changes. Filters
+    select recipients, never the other recipients of the same message."""
+    conds: list[str] = []
+    params: list[Any] = []
+
+    def states(src: Iterable[str]) -> None:
+        src = list(src)
+        conds.append(f"state IN ({','.join('?' * len(src))})")
+        params.extend(src)
+
+    if action == "hold":
+        states(sources_for(RcptState.HELD))
+    elif action == "release":
+        states([RcptState.HELD.value])
+    elif action == "retry":
+        states(_retry_sources(failed_only))
+        # leaving the suppression list is a separate, explicit operator act: a recipient
+        # whose address is still suppressed is left as it is (the CLI says so and how to
+        # lift it). recipients.address, qualified: a bare `address` here is the suppression
+        # row's own column, and one lower-case entry stopped every retry
+        conds.append(
+            "NOT EXISTS (SELECT 1 FROM suppression s"
             " WHERE s.address = lower(recipients.address) AND s.scope IN"
             " ('', (SELECT m.identity FROM messages m WHERE m.id = recipients.msg_id)))"
         )
-    if ids is not None:
-        if not ids:
-            return 0
-        sql += f" AND msg_id IN ({','.join('?' * len(ids))})"
-        params.extend(ids)
-    return conn.execute(sql, params).rowcount
+    elif action == "flush":
+        conds.append(f"state IN {_DUE} AND next_attempt_at > ?")
+        params.append(now)
+    elif action != "delete":  # delete: every recipient the filters select, in any state
+        raise ValueError(f"not a bulk action: {action}")
+    if recipient:
+        conds.append("lower(address) = ?")
+        params.append(recipient.lower())
+    if domain:  # recipients.destination is the recipient's domain, lower-case
+        conds.append("destination = ?")
+        params.append(domain.lower().strip().rstrip("."))
+    return conds, params
+
+
+def _bulk_set(action: str, now: float) -> tuple[str, list[Any]]:
+    if action == "hold":
+        return "state = ?, updated_at = ?, reason = NULL", [RcptState.HELD.value, now]
+    if action == "release":
+        return (
+            "state = ?, updated_at = ?, reason = NULL, next_attempt_at = ?",
+            [RcptState.DEFERRED.value, now, now],
+        )
+    if action == "retry":
+        # attempts reset and a fresh retry.max_age from now (retry_base)
+        return (
+            "state = ?, updated_at = ?, reason = NULL, next_attempt_at = ?, attempts = 0,"
+            " retry_base = ?",
+            [RcptState.DEFERRED.value, now, now, now],
+        )
+    return "next_attempt_at = ?, updated_at = ?", [now, now]  # flush
+
+
+def bulk(
+    conn: sqlite3.Connection,
+    action: str,
+    ids: Sequence[str] | None,
+    now: float,
+    *,
+    recipient: str | None = None,
+    domain: str | None = None,
+    failed_only: bool = False,
+    dry_run: bool = False,
+) -> BulkResult:
+    """One operator action (`BULK_ACTIONS`) over the recipients of messages `ids` (None:
+    every message) that `recipient`/`domain` select and that the action can change from
+    their state. A dry run runs the same WHERE as a SELECT, so its counts are the real
+    run's. `delete` removes the selected recipient rows (and their attempt log); a message
+    left with none is removed whole with its body, and any other recipient of a message
+    stays queued as it was."""
+    conds, params = _bulk_where(
+        action, now, failed_only=failed_only, recipient=recipient, domain=domain
+    )
+    chunks: list[Sequence[str] | None] = (
+        [None] if ids is None else [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
+    )
+    per_msg: dict[str, int] = {}
+    for chunk in chunks:
+        where, p = list(conds), list(params)
+        if chunk is not None:
+            where.append(f"msg_id IN ({','.join('?' * len(chunk))})")
+            p.extend(chunk)
+        where_sql = (" WHERE " + " AND ".join(where)) if where else ""
+        if dry_run:
+            rows = conn.execute(f"SELECT msg_id, id FROM recipients{where_sql}", p).fetchall()
+        elif action == "delete":
+            rows = conn.execute(
+                f"DELETE FROM recipients{where_sql} RETURNING msg_id, id", p
+            ).fetchall()
+            gone = [r[1] for r in rows]
+            for i in range(0, len(gone), _CHUNK):
+                part = gone[i : i + _CHUNK]
+                conn.execute(
+                    f"DELETE FROM attempts WHERE rcpt_id IN ({','.join('?' * len(part))})", part
+                )
+        else:
+            sets, sp = _bulk_set(action, now)
+            rows = conn.execute(
+                f"UPDATE recipients SET {sets}{where_sql} RETURNING msg_id, id", [*sp, *p]
+            ).fetchall()
+        for r in rows:
+            per_msg[r[0]] = per_msg.get(r[0], 0) + 1
+    touched = sorted(per_msg)
+    removed: list[str] = []
+    paths: list[str] = []
+    if action == "delete" and touched:
+        for i in range(0, len(touched), _CHUNK):
+            part = touched[i : i + _CHUNK]
+            left = {
+                r[0]: r[1]
+                for r in conn.execute(
+                    f"SELECT msg_id, count(*) FROM recipients"
+                    f" WHERE msg_id IN ({','.join('?' * len(part))}) GROUP BY msg_id",
+                    part,
+                )
+            }
+            # dry: a message whose every row is selected; real: one with no row left
+            removed.extend(q for q in part if left.get(q, 0) == (per_msg[q] if dry_run else 0))
+        if not dry_run:
+            paths = delete_messages(conn, removed)
+    return BulkResult(tuple(touched), sum(per_msg.values()), len(removed), tuple(paths))
 
 
 def retry(
@@ -1010,23 +1150,7 @@ def retry(
     """Make recipients due now with attempts reset. With `failed_only` (or ids None): the dead
     letters (bounced/failed) come back; their dedup keys stay, so nothing is sent twice to
     a recipient already delivered."""
-    src = (
-        {RcptState.BOUNCED.value, RcptState.FAILED.value}
-        if failed_only
-        else {
-            RcptState.DEFERRED.value,
-            RcptState.PENDING.value,
-            RcptState.BOUNCED.value,
-            RcptState.FAILED.value,
-            RcptState.SUPPRESSED.value,
-            RcptState.HELD.value,
-        }
-    )
-    # leaving the suppression list is a separate, explicit operator act: a recipient whose
-    # address is still suppressed is left as it is (the CLI says so and how to lift it)
-    return _set_state(
-        conn, ids, RcptState.DEFERRED, src, now, due_now=True, reset=True, skip_suppressed=True
-    )
+    return bulk(conn, "retry", ids, now, failed_only=failed_only).recipients
 
 
 def suppressed_recipients(
@@ -1051,23 +1175,15 @@ def suppressed_recipients(
 
 
 def hold(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
-    return _set_state(
-        conn, ids, RcptState.HELD, sources_for(RcptState.HELD), now, due_now=False, reset=False
-    )
+    return bulk(conn, "hold", ids, now).recipients
 
 
 def release(conn: sqlite3.Connection, ids: Sequence[str], now: float) -> int:
-    return _set_state(
-        conn, ids, RcptState.DEFERRED, [RcptState.HELD.value], now, due_now=True, reset=False
-    )
+    return bulk(conn, "release", ids, now).recipients
 
 
 def flush(conn: sqlite3.Connection, now: float) -> int:
-    return conn.execute(
-        "UPDATE recipients SET next_attempt_at = ?, updated_at = ?"
-        f" WHERE state IN {_DUE} AND next_attempt_at > ?",
-        (now, now, now),
-    ).rowcount
+    return bulk(conn, "flush", None, now).recipients
 
 
 def existing_ids(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
