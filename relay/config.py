@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from relay import config_types as types
 from relay import credentials
 from relay.config_models import (
+    FEEDBACK_PROVIDERS,
     MAX_HEADER_SIZE,
     SECTIONS,
     AdminSection,
@@ -41,14 +42,18 @@ from relay.config_models import (
     DeliverySection,
     DestinationSection,
     DsnSection,
+    FeedbackSection,
     HealthSection,
     InboundSection,
     LanesSection,
     LimitsSection,
     LogSection,
+    MailgunProvider,
     RetrySection,
     Section,
     Sections,
+    SendgridProvider,
+    SesProvider,
     ShapingSection,
     TimeoutsSection,
 )
@@ -112,20 +117,7 @@ DEFAULTS: dict[str, Any] = {
     "local": {"domain": None, "aliases": {}},
     "admin": AdminSection.defaults(),
     "dkim": {},
-    "feedback": {
-        "listen": None,
-        "address": None,
-        "verp": False,
-        "verp_secret_file": None,
-        "max_body": "1MiB",
-        "mail_max_stored": "256KiB",
-        "mail_budget": "64MiB",
-        "rate_per_ip": 20,
-        "rate_window": "1m",
-        "max_connections": 256,
-        "max_connections_per_ip": 32,
-        "providers": {},
-    },
+    "feedback": FeedbackSection.defaults(),
     "log": LogSection.defaults(),
     "shutdown_timeout": "30s",
     "inbound": InboundSection.defaults(),
@@ -585,9 +577,6 @@ def parse_aliases(text: str, domain: str, key: str) -> dict[str, tuple[str, ...]
     return entries
 
 
-FEEDBACK_PROVIDERS = ("ses", "postmark", "sendgrid", "mailgun", "generic")
-
-
 @dataclass(frozen=True, slots=True)
 class FeedbackProvider:
     """One provider's webhook: HTTP basic auth whose password is `token`, plus the
@@ -685,113 +674,33 @@ def _mailbox(value: str, key: str) -> None:
         raise ConfigError(f"{key}: {value!r}: {e}") from None
 
 
-def _sns_signatures(pr: _Reader, key: str, base: Path) -> tuple[bool, tuple[str, ...], Path | None]:
-    """feedback.providers.ses: verify_signatures, signing_cert_hosts, signing_cert_ca_file."""
-    verify = pr.get("verify_signatures")
-    if verify is None:
-        verify = False
-    if not isinstance(verify, bool):
-        raise ConfigError(f"{key}.verify_signatures: expected true or false, got {_kind(verify)}")
-    hosts = pr.get("signing_cert_hosts") or []
-    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
-        raise ConfigError(f"{key}.signing_cert_hosts: expected a list of host or host:port")
-    ca_file = pr.path_("signing_cert_ca_file", base)
-    if ca_file is not None and not ca_file.is_file():
-        raise ConfigError(f"{key}.signing_cert_ca_file: {ca_file} is not a file")
-    if (hosts or ca_file is not None) and not verify:
-        raise ConfigError(
-            f"{key}: signing_cert_hosts and signing_cert_ca_file need verify_signatures: true"
-        )
-    return verify, tuple(h.lower() for h in hosts), ca_file
-
-
-def _feedback(item: object, base: Path) -> FeedbackConf:
-
-    r = _Reader(item, "feedback")
-    listen_s = r.opt_str("listen")
-    listen = None if not listen_s else parse_hostport(listen_s, "feedback.listen")
-    address = r.opt_str("address")
-    if address is not None:
-        _mailbox(address, "feedback.address")
-        if "+" in address.rpartition("@")[0]:
-            raise ConfigError("feedback.address: no '+' in the local part (VERP adds one)")
-    verp = r.boolean("verp")
-    if verp and address is None:
-        raise ConfigError("feedback.verp: needs feedback.address (the bounce address)")
-    secret_path = r.path_("verp_secret_file", base)
-    verp_secret = None
-    if secret_path is not None:
-        verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
-    max_body = parse_size(r.get("max_body"), "feedback.max_body")
-    mail_max_stored = parse_size(r.get("mail_max_stored"), "feedback.mail_max_stored")
-    if mail_max_stored < 1024:
-        raise ConfigError("feedback.mail_max_stored: at least 1KiB (the headers of a report)")
-    mail_budget = parse_size(r.get("mail_budget"), "feedback.mail_budget")
-    if mail_budget < mail_max_stored:
-        raise ConfigError(
-            f"feedback.mail_budget: {mail_budget} bytes is below feedback.mail_max_stored"
-            f" ({mail_max_stored}): one stored mail must fit"
-        )
-    rate_per_ip = r.integer("rate_per_ip", 0)
-    rate_window = r.duration("rate_window")
-    if rate_window <= 0:
-        raise ConfigError("feedback.rate_window: must be more than 0s")
-    http = _http_bounds(r)
-    raw = r.get("providers") or {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError("feedback.providers: expected a mapping of provider names")
+def _feedback(fb: FeedbackSection) -> FeedbackConf:
     providers: dict[str, FeedbackProvider] = {}
-    for name, conf in raw.items():
-        key = f"feedback.providers.{name}"
-        if name not in FEEDBACK_PROVIDERS:
-            close = difflib.get_close_matches(str(name), FEEDBACK_PROVIDERS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{key}: unknown provider{hint}; known: {', '.join(FEEDBACK_PROVIDERS)}"
-            )
-        pr = _Reader(conf, key)
-        token_path = pr.path_("token_file", base)
-        if token_path is None:
-            raise ConfigError(f"{key}.token_file: required (the webhook's basic-auth password)")
-        token = _read_secret(token_path, f"{key}.token_file").strip()
-        signing = public = None
-        if name == "mailgun":
-            sp = pr.path_("signing_key_file", base)
-            if sp is None:
-                raise ConfigError(f"{key}.signing_key_file: required (Mailgun signs every call)")
-            signing = _read_secret(sp, f"{key}.signing_key_file").strip().encode()
-        if name == "sendgrid":
-            pp = pr.path_("public_key_file", base)
-            if pp is not None:
-                public = _read_secret(pp, f"{key}.public_key_file").strip().encode()
-        verify, ca_file = False, None
-        cert_hosts: tuple[str, ...] = ()
-        if name == "ses":
-            verify, cert_hosts, ca_file = _sns_signatures(pr, key, base)
-        pr.finish()
-        providers[str(name)] = FeedbackProvider(
-            str(name), token, signing, public, verify, cert_hosts, ca_file
+    for name in FEEDBACK_PROVIDERS:
+        p = getattr(fb.providers, name)
+        if p is None:
+            continue
+        providers[name] = FeedbackProvider(
+            name,
+            p.token,
+            p.signing_key if isinstance(p, MailgunProvider) else None,
+            p.public_key if isinstance(p, SendgridProvider) else None,
+            bool(p.verify_signatures) if isinstance(p, SesProvider) else False,
+            p.signing_cert_hosts if isinstance(p, SesProvider) else (),
+            p.signing_cert_ca_file if isinstance(p, SesProvider) else None,
         )
-    r.finish()
     return FeedbackConf(
-        listen,
-        address,
-        verp,
-        verp_secret,
-        max_body,
+        fb.listen,
+        fb.address,
+        fb.verp,
+        fb.verp_secret,
+        fb.max_body,
         providers,
-        mail_max_stored=mail_max_stored,
-        mail_budget=mail_budget,
-        rate_per_ip=rate_per_ip,
-        rate_window=rate_window,
-        http=http,
-    )
-
-
-def _http_bounds(r: _Reader) -> HttpBounds:
-    return HttpBounds(
-        max_connections=r.integer("max_connections", 1),
-        max_connections_per_ip=r.integer("max_connections_per_ip", 1),
+        mail_max_stored=fb.mail_max_stored,
+        mail_budget=fb.mail_budget,
+        rate_per_ip=fb.rate_per_ip,
+        rate_window=fb.rate_window,
+        http=HttpBounds(fb.max_connections, fb.max_connections_per_ip),
     )
 
 
@@ -1189,7 +1098,12 @@ def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[s
             if loc in misspelt:
                 out.append(f"{key}: unknown key {name!r} (did you mean {misspelt[loc]!r}?)")
             else:
-                out.append(_unknown_key(key, name, _fields(_model_at(model, loc[:-1]))))
+                at = _model_at(model, loc[:-1])
+                hook = getattr(at, "unknown_key", None)  # a section's own wording
+                if hook is not None:
+                    out.append(f"{key}: {hook(name)}")
+                else:
+                    out.append(_unknown_key(key, name, _fields(at)))
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             out.append(f"{key}: expected a mapping, got {_kind(err['input'])}")
         else:  # not expected: every relay type words its own errors
@@ -1444,7 +1358,7 @@ def _from_mapping(
         max_connections_per_ip=admin.max_connections_per_ip,
     )
 
-    feedback = _feedback(top.get("feedback"), base_dir)
+    feedback = _feedback(typed.feedback)
     dkim_keys = _dkim(top.get("dkim"), base_dir)
 
     log = LogConf(**typed.log.model_dump())

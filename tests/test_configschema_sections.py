@@ -273,3 +273,74 @@ def test_health_failing_after_is_a_duration() -> None:
     assert _error({"health": {"failing_after": "soon"}}) == [
         "health.failing_after: 'soon' is not a duration (use 30s, 5m, 2h, 7d or seconds)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        (
+            {"feedback": {"providers": {"sess": {}}}},
+            [
+                "feedback.providers.sess: unknown provider (did you mean 'ses'?); known: ses,"
+                " postmark, sendgrid, mailgun, generic"
+            ],
+        ),
+        (
+            {"feedback": {"providers": {"ses": None}}},
+            ["feedback.providers.ses.token_file: required (the webhook's basic-auth password)"],
+        ),
+        (
+            {"feedback": {"providers": []}},
+            ["feedback.providers: expected a mapping of provider names"],
+        ),
+        (
+            {"feedback": {"verp": True}},
+            ["feedback.verp: needs feedback.address (the bounce address)"],
+        ),
+        (
+            {"feedback": {"address": "bounces+x@example.com"}},
+            ["feedback.address: no '+' in the local part (VERP adds one)"],
+        ),
+        (
+            {"feedback": {"max_body": "x"}},
+            ["feedback.max_body: 'x' is not a size (use 25MiB, 64KiB or bytes)"],
+        ),
+        (
+            {"feedback": {"mail_max_stored": "1MiB", "mail_budget": "512KiB"}},
+            [
+                "feedback.mail_budget: 524288 bytes is below feedback.mail_max_stored (1048576):"
+                " one stored mail must fit"
+            ],
+        ),
+    ],
+)
+def test_feedback_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
+
+
+def test_feedback_secrets_are_read_and_never_shown(tmp_path: Path) -> None:
+    for name, text in (("tok", "token-abc\n"), ("mg", "key-mg\n"), ("verp", "verp-s\n")):
+        (tmp_path / name).write_text(text)
+    c = from_mapping(
+        {
+            "feedback": {
+                "address": "bounces@example.com",
+                "verp": True,
+                "verp_secret_file": "verp",
+                "providers": {
+                    "mailgun": {"token_file": "tok", "signing_key_file": "mg"},
+                    "generic": {"token_file": "tok"},
+                },
+            }
+        },
+        tmp_path,
+    )
+    fb = c.feedback
+    assert fb.verp_secret == b"verp-s"
+    assert fb.providers["mailgun"].token == "token-abc"
+    assert fb.providers["mailgun"].signing_key == b"key-mg"
+    assert fb.providers["generic"].signing_key is None
+    assert set(fb.providers) == {"mailgun", "generic"}
+    for secret in ("token-abc", "key-mg", "verp-s"):
+        assert secret not in repr(c)
+        assert secret in c.secrets()
