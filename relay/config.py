@@ -44,6 +44,7 @@ from relay.config_models import (
     DsnSection,
     FeedbackSection,
     HealthSection,
+    IdentitySection,
     InboundSection,
     LanesSection,
     LimitsSection,
@@ -60,7 +61,7 @@ from relay.config_models import (
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
-from relay.logs import redact_url, redact_webhook_url
+from relay.logs import redact_webhook_url
 from relay.shaping import ShapingRule
 from relay.unsubscribe import UnsubscribeConf
 
@@ -127,7 +128,7 @@ DEFAULTS: dict[str, Any] = {
 # named destination inherits every key it does not set from "*").
 DESTINATION_DEFAULTS: dict[str, Any] = DestinationSection.defaults()
 
-IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None, "unsubscribe": None}
+IDENTITY_DEFAULTS: dict[str, Any] = IdentitySection.defaults()
 
 
 _T = TypeVar("_T")
@@ -665,15 +666,6 @@ def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
         raise ConfigError(str(e)) from None
 
 
-def _mailbox(value: str, key: str) -> None:
-    from relay.address import AddressError, check_mailbox
-
-    try:
-        check_mailbox(value)
-    except AddressError as e:
-        raise ConfigError(f"{key}: {value!r}: {e}") from None
-
-
 def _feedback(fb: FeedbackSection) -> FeedbackConf:
     providers: dict[str, FeedbackProvider] = {}
     for name in FEEDBACK_PROVIDERS:
@@ -937,7 +929,6 @@ _HAND_SCHEMAS: dict[str, dict[str, Any]] = {
     "listen": {"type": "array", "minItems": 1, "items": {"type": "object"}},
     "upstreams": {"type": ["object", "null"]},
     "routes": {"type": ["array", "null"], "items": {"type": "object"}},
-    "identities": {"type": "object"},
     "dkim": {"type": "object"},
 }
 
@@ -956,6 +947,8 @@ def json_schema() -> dict[str, Any]:
             fields[name] = (types.Duration, Field(default))
         elif name == "destinations":
             fields[name] = (dict[str, DestinationSection | None], Field(default))
+        elif name == "identities":
+            fields[name] = (dict[str, IdentitySection], Field(default))
         else:
             schema = _HAND_SCHEMAS.get(name, {"type": ["object", "null"]})
             fields[name] = (Annotated[Any, WithJsonSchema(schema)], Field(default))
@@ -1018,10 +1011,11 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         typed.timeouts.model_dump(),
         errors,
     )
+    identities = _identities(merged["identities"], base_dir, errors)
     current = copy.deepcopy(data)
     for _ in range(50):
         try:
-            config = _from_mapping(current, base_dir, path, typed, destinations)
+            config = _from_mapping(current, base_dir, path, typed, destinations, identities)
         except ConfigError as e:
             msg = str(e)
             errors.append(msg)
@@ -1191,6 +1185,7 @@ def _from_mapping(
     path: Path | None,
     typed: Sections,
     destinations: dict[str, Destination],
+    identities: dict[str, Identity],
 ) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
@@ -1287,10 +1282,7 @@ def _from_mapping(
 
     top.get("destinations")  # read by _destinations
 
-    ids_raw = top.get("identities")
-    if not isinstance(ids_raw, Mapping):
-        raise ConfigError("identities: expected a mapping")
-    identities = {str(k).lower(): _identity(str(k), v, base_dir) for k, v in ids_raw.items()}
+    top.get("identities")  # read by _identities
 
     sg = typed.shaping
     shaping = ShapingConf(
@@ -1563,75 +1555,29 @@ def _destination(
     )
 
 
-def _identity(name: str, data: object, base: Path) -> Identity:
-    key = f"identities.{name}"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{key}: expected a mapping")
-    r = _Reader({**IDENTITY_DEFAULTS, **data}, key)
-    daily = r.opt_int("daily_limit", 0)
-    w = r.get("warmup")
-    warm = None
-    if w is not None:
-        wr = _Reader(
-            {"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
-            if isinstance(w, Mapping)
-            else w,
-            f"{key}.warmup",
-        )
-        start = wr.get("start")
+def _identities(raw: object, base_dir: Path, errors: list[str]) -> dict[str, Identity]:
+    """`identities`: each validated once (its secret files read); errors appended."""
+    if not isinstance(raw, Mapping):
+        errors.append("identities: expected a mapping")
+        return {}
+    out = {}
+    for name, data in raw.items():
+        key = f"identities.{_shown(str(name))}"
+        if not isinstance(data, Mapping):
+            errors.append(f"{key}: expected a mapping")
+            continue
         try:
-            if start is None:
-                raise ValueError
-            start_date = dt.date.fromisoformat(str(start))
-        except ValueError:
-            raise ConfigError(f"{key}.warmup.start: {start!r} is not a date (YYYY-MM-DD)") from None
-        sched = wr.get("schedule")
-        if sched is not None and (
-            not isinstance(sched, list)
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sched)
-        ):
-            raise ConfigError(f"{key}.warmup.schedule: expected a list of whole numbers")
-        warm = WarmupConf(
-            start=start_date,
-            schedule=None if sched is None else tuple(sched),
-            initial=wr.integer("initial", 1),
-            factor=wr.number("factor", 1.0, 100.0),
-            ceiling=wr.opt_int("ceiling", 1),
+            ident = IdentitySection.model_validate(data, context={"base": base_dir})
+        except ValidationError as e:
+            errors.extend(_messages(e, IdentitySection, key))
+            continue
+        w, u = ident.warmup, ident.unsubscribe
+        out[str(name).lower()] = Identity(
+            name=str(name).lower(),
+            daily_limit=ident.daily_limit,
+            warmup=None
+            if w is None
+            else WarmupConf(w.start, w.schedule, w.initial, w.factor, w.ceiling),
+            unsubscribe=None if u is None else UnsubscribeConf(u.url, u.mailto, u.secret),
         )
-        wr.finish()
-    unsub = _unsubscribe(r.get("unsubscribe"), f"{key}.unsubscribe", base)
-    r.finish()
-    return Identity(name=name.lower(), daily_limit=daily, warmup=warm, unsubscribe=unsub)
-
-
-def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
-    from relay.unsubscribe import MIN_SECRET
-
-    if item is None:
-        return None
-    r = _Reader(item, key)
-    url = r.opt_str("url")
-    if url is not None:
-        if not url.lower().startswith(("https://", "http://")):
-            raise ConfigError(f"{key}.url: {redact_url(url)!r} is not an https:// URL")
-        if not url.rstrip("/").endswith("/u"):
-            raise ConfigError(
-                f"{key}.url: {redact_url(url)!r} must end in /u (the relay serves POST/GET"
-                " /u/<token>)"
-            )
-    mailto = r.opt_str("mailto")
-    if mailto is not None:
-        _mailbox(mailto, f"{key}.mailto")
-    if url is None and mailto is None:
-        raise ConfigError(f"{key}: give url, mailto or both")
-    sp = r.path_("secret_file", base)
-    if sp is None:
-        raise ConfigError(f"{key}.secret_file: required (the key that signs unsubscribe links)")
-    secret = _read_secret(sp, f"{key}.secret_file").strip().encode()
-    if len(secret) < MIN_SECRET:
-        raise ConfigError(
-            f"{key}.secret_file: {sp} holds {len(secret)} bytes; at least {MIN_SECRET}"
-            " (e.g. `head -c 32 /dev/urandom | base64`)"
-        )
-    r.finish()
-    return UnsubscribeConf(url=url, mailto=mailto, secret=secret)
+    return out

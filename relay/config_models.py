@@ -10,6 +10,7 @@ still read by hand in relay/config.py (`_from_mapping`).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 from collections.abc import Mapping
@@ -677,6 +678,92 @@ class FeedbackSection(Section):
     @property
     def verp_secret(self) -> bytes | None:
         return self._verp_secret
+
+
+def _date(value: object) -> dt.date:
+    try:
+        if value is None:
+            raise ValueError
+        return dt.date.fromisoformat(str(value))
+    except ValueError:
+        raise t.problem(f"{value!r} is not a date (YYYY-MM-DD)") from None
+
+
+def _counts(value: object) -> object:
+    if value is not None and (
+        not isinstance(value, list)
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+    ):
+        raise t.problem("expected a list of whole numbers")
+    return None if value is None else tuple(value)
+
+
+class WarmupSection(Section):
+    """identities.<name>.warmup: a ceiling that grows from `start` (README "Warm-up")."""
+
+    start: Annotated[
+        dt.date, PlainValidator(_date), WithJsonSchema({"type": "string", "format": "date"})
+    ] = None  # type: ignore[assignment]
+    schedule: Annotated[
+        tuple[int, ...] | None,
+        PlainValidator(_counts),
+        WithJsonSchema({"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}}),
+    ] = None
+    initial: t.Int(1) = 500  # type: ignore[valid-type]
+    factor: t.Number(1.0, 100.0) = 2.0  # type: ignore[valid-type]
+    ceiling: t.OptInt(1) = None  # type: ignore[valid-type]
+
+
+def _unsubscribe_url(url: str | None) -> str | None:
+    from relay.logs import redact_url
+
+    if url is not None:
+        if not url.lower().startswith(("https://", "http://")):
+            raise t.problem(f"{redact_url(url)!r} is not an https:// URL")
+        if not url.rstrip("/").endswith("/u"):
+            raise t.problem(
+                f"{redact_url(url)!r} must end in /u (the relay serves POST/GET /u/<token>)"
+            )
+    return url
+
+
+class UnsubscribeSection(Section):
+    """identities.<name>.unsubscribe: RFC 8058 one-click (relay/unsubscribe.py)."""
+
+    url: Annotated[t.OptStr, AfterValidator(_unsubscribe_url)] = None
+    mailto: Annotated[t.OptStr, AfterValidator(_mailbox)] = None
+    secret_file: t.OptPath = None  # the key that signs unsubscribe links
+    _secret: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _read(self) -> UnsubscribeSection:
+        from relay.unsubscribe import MIN_SECRET
+
+        if self.url is None and self.mailto is None:
+            raise t.problem("give url, mailto or both")
+        sp = self.secret_file
+        if sp is None:
+            raise t.problem("required (the key that signs unsubscribe links)", "secret_file")
+        self._secret = _secret(sp, "secret_file").strip().encode()
+        if len(self._secret) < MIN_SECRET:
+            raise t.problem(
+                f"{sp} holds {len(self._secret)} bytes; at least {MIN_SECRET}"
+                " (e.g. `head -c 32 /dev/urandom | base64`)",
+                "secret_file",
+            )
+        return self
+
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+
+class IdentitySection(Section):
+    """identities.<name>: daily ceilings, warm-up and unsubscribe per sending identity."""
+
+    daily_limit: t.OptInt(0) = None  # type: ignore[valid-type]
+    warmup: WarmupSection | None = None
+    unsubscribe: UnsubscribeSection | None = None
 
 
 # the sections on the library, by their key (in the order relay.yaml shows them)

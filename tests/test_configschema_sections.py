@@ -344,3 +344,65 @@ def test_feedback_secrets_are_read_and_never_shown(tmp_path: Path) -> None:
     for secret in ("token-abc", "key-mg", "verp-s"):
         assert secret not in repr(c)
         assert secret in c.secrets()
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        ({"identities": {"a.example": 5}}, ["identities.a.example: expected a mapping"]),
+        (
+            {"identities": {"a.example": {"warmup": {"initial": 10}}}},
+            ["identities.a.example.warmup.start: None is not a date (YYYY-MM-DD)"],
+        ),
+        (
+            {"identities": {"a.example": {"warmup": {"start": "2026-01-01", "schedule": [1, -2]}}}},
+            ["identities.a.example.warmup.schedule: expected a list of whole numbers"],
+        ),
+        (
+            {"identities": {"a.example": {"unsubscribe": {"url": "https://u.example/u"}}}},
+            [
+                "identities.a.example.unsubscribe.secret_file: required (the key that signs"
+                " unsubscribe links)"
+            ],
+        ),
+        (
+            {"identities": {"a.example": {"unsubscribe": {"url": "https://u.example/x"}}}},
+            [
+                "identities.a.example.unsubscribe.url: 'https://u.example/x' must end in /u"
+                " (the relay serves POST/GET /u/<token>)"
+            ],
+        ),
+        (
+            {"identities": {"a": {"daily_limt": 5}, "b": {"unsubscribe": {}}}},
+            [
+                "identities.a.daily_limt: unknown key 'daily_limt' (did you mean 'daily_limit'?)",
+                "identities.b.unsubscribe: give url, mailto or both",
+            ],
+        ),
+    ],
+)
+def test_identity_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
+
+
+def test_identities_are_built(tmp_path: Path) -> None:
+    (tmp_path / "unsub").write_text("0123456789abcdef0123\n")
+    c = from_mapping(
+        {
+            "identities": {
+                "News.Example": {
+                    "daily_limit": 1000,
+                    "warmup": {"start": "2026-01-05", "factor": 1.5},
+                    "unsubscribe": {"url": "https://u.example/u", "secret_file": "unsub"},
+                }
+            }
+        },
+        tmp_path,
+    )
+    ident = c.identity("news.example")
+    assert ident is not None and ident.name == "news.example" and ident.daily_limit == 1000
+    assert ident.warmup is not None and ident.warmup.initial == 500
+    assert ident.warmup.factor == 1.5 and ident.warmup.start.isoformat() == "2026-01-05"
+    assert ident.unsubscribe is not None
+    assert ident.unsubscribe.secret == b"0123456789abcdef0123"
+    assert "0123456789abcdef" not in repr(c)
