@@ -48,6 +48,7 @@ from relay.config_models import (
     InboundSection,
     LanesSection,
     LimitsSection,
+    ListenerSection,
     LogSection,
     MailgunProvider,
     RetrySection,
@@ -926,7 +927,6 @@ def hostname_problem(name: str) -> str | None:
 # the sections still read by hand: their JSON Schema, in outline (relay.yaml's comments and
 # the README say the rest)
 _HAND_SCHEMAS: dict[str, dict[str, Any]] = {
-    "listen": {"type": "array", "minItems": 1, "items": {"type": "object"}},
     "upstreams": {"type": ["object", "null"]},
     "routes": {"type": ["array", "null"], "items": {"type": "object"}},
     "dkim": {"type": "object"},
@@ -947,6 +947,8 @@ def json_schema() -> dict[str, Any]:
             fields[name] = (types.Duration, Field(default))
         elif name == "destinations":
             fields[name] = (dict[str, DestinationSection | None], Field(default))
+        elif name == "listen":
+            fields[name] = (list[ListenerSection], Field(default, min_length=1))
         elif name == "identities":
             fields[name] = (dict[str, IdentitySection], Field(default))
         else:
@@ -1012,10 +1014,13 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         errors,
     )
     identities = _identities(merged["identities"], base_dir, errors)
+    listeners = _listeners(merged["listen"], base_dir, errors)
     current = copy.deepcopy(data)
     for _ in range(50):
         try:
-            config = _from_mapping(current, base_dir, path, typed, destinations, identities)
+            config = _from_mapping(
+                current, base_dir, path, typed, destinations, identities, listeners
+            )
         except ConfigError as e:
             msg = str(e)
             errors.append(msg)
@@ -1186,6 +1191,7 @@ def _from_mapping(
     typed: Sections,
     destinations: dict[str, Destination],
     identities: dict[str, Identity],
+    listeners: tuple[Listener, ...],
 ) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
@@ -1197,12 +1203,7 @@ def _from_mapping(
     hostname = top.opt_str("hostname") or socket.getfqdn()
     hostname_set = bool(top.opt_str("hostname"))
 
-    listen_raw = top.get("listen")
-    if not isinstance(listen_raw, list) or not listen_raw:
-        raise ConfigError("listen: expected a non-empty list of listeners")
-    listeners = tuple(
-        _listener(item, f"listen[{i}]", base_dir) for i, item in enumerate(listen_raw)
-    )
+    top.get("listen")  # read by _listeners
 
     sp = typed.spool
     spool_path = sp.path or base_dir  # never None: its model requires it
@@ -1400,104 +1401,50 @@ def _from_mapping(
     )
 
 
-def _listener(item: object, key: str, base: Path) -> Listener:
-    r = _Reader(item, key)
-    addr = r.string("address")
-    host, port = parse_hostport(addr, f"{key}.address")
-    allow_raw = r.get("allow")
-    if allow_raw is None:
-        allow_raw = ["127.0.0.0/8", "::1/128"]  # loopback only unless configured
-    if not isinstance(allow_raw, list):
-        raise ConfigError(f"{key}.allow: expected a list of networks")
-    nets = []
-    for i, n in enumerate(allow_raw):
+def _listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener, ...]:
+    """`listen`: each listener validated once (its certificate and users file read)."""
+    if not isinstance(raw, list) or not raw:
+        errors.append("listen: expected a non-empty list of listeners")
+        return ()
+    out = []
+    for i, item in enumerate(raw):
+        key = f"listen[{i}]"
+        if item is None:
+            item = {}
         try:
-            nets.append(ipaddress.ip_network(str(n), strict=False))
-        except ValueError:
-            raise ConfigError(f"{key}.allow[{i}]: {n!r} is not a network") from None
-    lane = r.opt_str("lane")
-    if lane not in (None, "transactional", "bulk"):
-        raise ConfigError(f"{key}.lane: {lane!r} is not one of transactional, bulk")
-    tls = None if r.get("tls") is None else _listener_tls(r.get("tls"), f"{key}.tls", base)
-    require_tls = False if r.get("require_tls") is None else r.boolean("require_tls")
-    if require_tls and tls is None:
-        raise ConfigError(f"{key}.require_tls: needs {key}.tls (a certificate to offer)")
-    auth = None if r.get("auth") is None else _listener_auth(r.get("auth"), f"{key}.auth", base)
-    if auth is not None and tls is None and not auth.allow_plaintext:
-        raise ConfigError(
-            f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
-            f" or set {key}.auth.allow_plaintext: true (loopback only)"
+            m = ListenerSection.model_validate(item, context={"base": base_dir, "key": key})
+        except ValidationError as e:
+            errors.extend(_messages(e, ListenerSection, key))
+            continue
+        host, port = types.hostport(m.address)
+        tls, auth = m.tls, m.auth
+        out.append(
+            Listener(
+                name=m.address,
+                namespace=m.namespace or m.address,
+                host=host,
+                port=port,
+                allow=m.allow,
+                lane=m.lane,
+                tls=None
+                if tls is None
+                else ListenerTLS(
+                    cert_file=tls.cert_file,  # type: ignore[arg-type]
+                    key_file=tls.key_file,  # type: ignore[arg-type]
+                    context=tls.context,
+                    mode=tls.mode,
+                ),
+                require_tls=bool(m.require_tls),
+                auth=None
+                if auth is None
+                else ListenerAuth(
+                    users_file=auth.users_file,  # type: ignore[arg-type]
+                    allow_plaintext=bool(auth.allow_plaintext),
+                    users=auth.users,
+                ),
+            )
         )
-    namespace = r.opt_str("namespace")
-    if namespace is not None and not (
-        0 < len(namespace) <= 100 and namespace.isascii() and namespace.isprintable()
-    ):
-        raise ConfigError(f"{key}.namespace: 1 to 100 printable ASCII characters")
-    r.finish()
-    return Listener(
-        name=addr,
-        namespace=namespace or addr,
-        host=host,
-        port=port,
-        allow=tuple(nets),
-        lane=lane,
-        tls=tls,
-        require_tls=require_tls,
-        auth=auth,
-    )
-
-
-def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
-    r = _Reader(data, key)
-    mode = "starttls" if r.get("mode") is None else r.string("mode", ("starttls", "implicit"))
-    files: dict[str, Path] = {}
-    for name in ("cert_file", "key_file"):
-        path = r.path_(name, base)
-        if path is None:
-            raise ConfigError(f"{key}.{name}: required")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"{key}.{name}: cannot read {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{key}.{name}: {path} is not a PEM file") from None
-        if name == "cert_file":
-            try:  # parses every certificate in the file; a leaf is fine here
-                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
-                    cadata=text
-                )
-            except (ssl.SSLError, ValueError):
-                raise ConfigError(f"{key}.{name}: {path} holds no valid PEM certificate") from None
-        files[name] = path
-    r.finish()
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
-    try:
-        # an encrypted key would prompt on the terminal: answer with no password instead
-        ctx.load_cert_chain(files["cert_file"], files["key_file"], password=lambda: b"")
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(
-            f"{key}.key_file: {files['key_file']} is not an unencrypted PEM private key for"
-            f" {key}.cert_file ({getattr(e, 'reason', None) or e})"
-        ) from None
-    return ListenerTLS(
-        cert_file=files["cert_file"], key_file=files["key_file"], context=ctx, mode=mode
-    )
-
-
-def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
-    from relay.auth import UsersFileError, load_users
-
-    r = _Reader(data, key)
-    path = r.path_("users_file", base)
-    if path is None:
-        raise ConfigError(f"{key}.users_file: required")
-    allow_plaintext = False if r.get("allow_plaintext") is None else r.boolean("allow_plaintext")
-    r.finish()
-    try:
-        users = load_users(path)
-    except UsersFileError as e:
-        raise ConfigError(f"{key}.users_file: {e}") from None
-    return ListenerAuth(users_file=path, allow_plaintext=allow_plaintext, users=users)
+    return tuple(out)
 
 
 def _destinations(

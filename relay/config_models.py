@@ -11,8 +11,10 @@ still read by hand in relay/config.py (`_from_mapping`).
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from pydantic import (
     Field,
     PlainValidator,
     PrivateAttr,
+    ValidationInfo,
     WithJsonSchema,
     model_validator,
 )
@@ -764,6 +767,155 @@ class IdentitySection(Section):
     daily_limit: t.OptInt(0) = None  # type: ignore[valid-type]
     warmup: WarmupSection | None = None
     unsubscribe: UnsubscribeSection | None = None
+
+
+def _network(value: object) -> Any:
+    try:
+        return ipaddress.ip_network(str(value), strict=False)
+    except ValueError:
+        raise t.problem(f"{value!r} is not a network") from None
+
+
+def _networks(value: object) -> object:
+    if value is None:
+        return ["127.0.0.0/8", "::1/128"]  # loopback only unless configured
+    if not isinstance(value, list):
+        raise t.problem("expected a list of networks")
+    return value
+
+
+def _lane(value: str | None) -> str | None:
+    if value not in (None, "transactional", "bulk"):
+        raise t.problem(f"{value!r} is not one of transactional, bulk")
+    return value
+
+
+def _namespace(value: str | None) -> str | None:
+    if value is not None and not (
+        0 < len(value) <= 100 and value.isascii() and value.isprintable()
+    ):
+        raise t.problem("1 to 100 printable ASCII characters")
+    return value
+
+
+def _listen_address(value: str) -> str:
+    try:
+        t.hostport(value)
+    except ValueError as e:
+        raise t.problem(str(e)) from None
+    return value
+
+
+class ListenerTLSSection(Section):
+    """listen[].tls: the certificate offered to submitting clients; the server context is
+    built (and the files checked) here, so a bad certificate is a config error."""
+
+    mode: Annotated[
+        str,
+        PlainValidator(lambda v: "starttls" if v is None else _choice(v, "starttls", "implicit")),
+        WithJsonSchema({"enum": ["starttls", "implicit", None]}),
+    ] = None  # type: ignore[assignment]
+    cert_file: t.OptPath = None
+    key_file: t.OptPath = None
+    _context: ssl.SSLContext | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _load(self, info: ValidationInfo) -> ListenerTLSSection:
+        key = (info.context or {}).get("key", "listen[]") + ".tls"
+        for name in ("cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is None:
+                raise t.problem("required", name)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as e:
+                raise t.problem(f"cannot read {path}: {e.strerror or e}", name) from None
+            except UnicodeDecodeError:
+                raise t.problem(f"{path} is not a PEM file", name) from None
+            if name == "cert_file":
+                try:  # parses every certificate in the file; a leaf is fine here
+                    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
+                        cadata=text
+                    )
+                except (ssl.SSLError, ValueError):
+                    raise t.problem(f"{path} holds no valid PEM certificate", name) from None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
+        try:
+            # an encrypted key would prompt on the terminal: answer with no password instead
+            ctx.load_cert_chain(self.cert_file, self.key_file, password=lambda: b"")  # type: ignore[arg-type]
+        except (ssl.SSLError, OSError) as e:
+            raise t.problem(
+                f"{self.key_file} is not an unencrypted PEM private key for"
+                f" {key}.cert_file ({getattr(e, 'reason', None) or e})",
+                "key_file",
+            ) from None
+        self._context = ctx
+        return self
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        assert self._context is not None  # built by _load
+        return self._context
+
+
+def _choice(value: object, *choices: str) -> str:
+    try:
+        return t.choice(value, choices)
+    except ValueError as e:
+        raise t.problem(str(e)) from None
+
+
+class ListenerAuthSection(Section):
+    """listen[].auth: AUTH PLAIN/LOGIN against a users file, read here (start, SIGHUP)."""
+
+    users_file: t.OptPath = None
+    allow_plaintext: t.OptBool = None  # None: false
+    _users: Mapping[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _load(self) -> ListenerAuthSection:
+        from relay.auth import UsersFileError, load_users
+
+        if self.users_file is None:
+            raise t.problem("required", "users_file")
+        try:
+            self._users = load_users(self.users_file)
+        except UsersFileError as e:
+            raise t.problem(str(e), "users_file") from None
+        return self
+
+    @property
+    def users(self) -> Mapping[str, str]:
+        return self._users
+
+
+class ListenerSection(Section):
+    """One entry of `listen` (validated with its key, `listen[0]`, in the context)."""
+
+    address: Annotated[t.Str, AfterValidator(_listen_address)] = None
+    allow: Annotated[
+        tuple[Annotated[Any, PlainValidator(_network)], ...],
+        BeforeValidator(_networks),
+        WithJsonSchema({"type": ["array", "null"], "items": {"type": "string"}}),
+    ] = None  # type: ignore[assignment]
+    lane: Annotated[t.OptStr, AfterValidator(_lane)] = None
+    tls: ListenerTLSSection | None = None
+    require_tls: t.OptBool = None  # None: false
+    auth: ListenerAuthSection | None = None
+    namespace: Annotated[t.OptStr, AfterValidator(_namespace)] = None
+
+    @model_validator(mode="after")
+    def _between_keys(self, info: ValidationInfo) -> ListenerSection:
+        key = (info.context or {}).get("key", "listen[]")
+        if self.require_tls and self.tls is None:
+            raise t.problem(f"needs {key}.tls (a certificate to offer)", "require_tls")
+        if self.auth is not None and self.tls is None and not self.auth.allow_plaintext:
+            raise t.problem(
+                f"AUTH is only offered over TLS: configure {key}.tls,"
+                f" or set {key}.auth.allow_plaintext: true (loopback only)",
+                "auth",
+            )
+        return self
 
 
 # the sections on the library, by their key (in the order relay.yaml shows them)

@@ -406,3 +406,42 @@ def test_identities_are_built(tmp_path: Path) -> None:
     assert ident.unsubscribe is not None
     assert ident.unsubscribe.secret == b"0123456789abcdef0123"
     assert "0123456789abcdef" not in repr(c)
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        ({"listen": []}, ["listen: expected a non-empty list of listeners"]),
+        (
+            {"listen": [{"adress": "127.0.0.1:25"}, {"address": "x"}]},
+            [
+                "listen[0].adress: unknown key 'adress' (did you mean 'address'?)",
+                "listen[1].address: 'x' has no port (use host:port)",
+            ],
+        ),
+        (
+            {"listen": [{"address": "127.0.0.1:25", "allow": ["10.0.0.0/8", "nonsense", 7]}]},
+            [
+                "listen[0].allow[1]: 'nonsense' is not a network",
+                "listen[0].allow[2]: 7 is not a network",
+            ],
+        ),
+        (
+            {"listen": [{"address": "127.0.0.1:25", "require_tls": True}]},
+            ["listen[0].require_tls: needs listen[0].tls (a certificate to offer)"],
+        ),
+        (
+            {"listen": [{"address": "127.0.0.1:25", "tls": {"cert_file": "/nonexistent/c"}}]},
+            ["listen[0].tls.cert_file: cannot read /nonexistent/c: No such file or directory"],
+        ),
+        (
+            {"listen": [{"address": "127.0.0.1:25", "lane": "fast", "namespace": ""}]},
+            [
+                "listen[0].lane: 'fast' is not one of transactional, bulk",
+                "listen[0].namespace: 1 to 100 printable ASCII characters",
+            ],
+        ),
+    ],
+)
+def test_listener_errors(data: dict[str, Any], lines: list[str]) -> None:
+    assert _error(data) == lines
