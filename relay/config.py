@@ -49,6 +49,7 @@ from relay.config_models import (
     LanesSection,
     LimitsSection,
     ListenerSection,
+    LocalSection,
     LogSection,
     MailgunProvider,
     RetrySection,
@@ -116,7 +117,7 @@ DEFAULTS: dict[str, Any] = {
     "alerts": AlertsSection.defaults(),
     "health": HealthSection.defaults(),
     "dsn": DsnSection.defaults(),
-    "local": {"domain": None, "aliases": {}},
+    "local": LocalSection.defaults(),
     "admin": AdminSection.defaults(),
     "dkim": {},
     "feedback": FeedbackSection.defaults(),
@@ -295,7 +296,10 @@ _kind = types.kind
 
 
 def _merge(base: Any, over: Any) -> Any:
-    """Deep-merge `over` onto `base` for mappings; anything else replaces."""
+    """Deep-merge `over` onto `base` for mappings; anything else replaces. A section left
+    empty (`limits:` with every key commented out is YAML null) keeps its defaults."""
+    if isinstance(base, dict) and over is None:
+        return dict(base)
     if isinstance(base, dict) and isinstance(over, Mapping):
         out = dict(base)
         for k, v in over.items():
@@ -631,7 +635,7 @@ class FeedbackConf:
         return (self.address or "").rpartition("@")[2]
 
 
-def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
+def _dkim(item: object, base: Path, errors: list[str]) -> dict[str, tuple[DkimKey, ...]]:
     """`dkim: {<domain>: {selector, key_file, algorithm?, headers?}}`, or a list of such
     mappings per domain (RSA and Ed25519 side by side, RFC 8463). Each key is read and
     checked now: a missing or unusable key is a config error (exit 78), never a surprise
@@ -644,27 +648,37 @@ def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
     for domain, entries in item.items():
         listed = entries if isinstance(entries, list) else [entries]
         for i, entry in enumerate(listed):
-            key = f"dkim.{domain}" + (f"[{i}]" if isinstance(entries, list) else "")
-            r = _Reader(entry, key)
-            selector = r.string("selector")
-            path = r.path_("key_file", base)
-            if path is None:
-                raise ConfigError(f"{key}.key_file: required")
-            algorithm = r.opt_str("algorithm") or "rsa-sha256"
-            headers = r.get("headers")
-            if headers is not None and (
-                not isinstance(headers, list) or not all(isinstance(h, str) for h in headers)
-            ):
-                raise ConfigError(f"{key}.headers: expected a list of header names")
-            r.finish()
+            key = f"dkim.{_shown(str(domain))}" + (f"[{i}]" if isinstance(entries, list) else "")
             try:
-                keys.append(dkim_sign.load_key(str(domain), selector, path, algorithm, headers))
-            except dkim_sign.DkimConfigError as e:
-                raise ConfigError(f"{key}: {e}") from None
+                keys.append(_dkim_key(str(domain), entry, key, base))
+            except ConfigError as e:  # each entry on its own: every bad one reported
+                errors.append(str(e))
     try:
         return dkim_sign.by_domain(keys)
     except dkim_sign.DkimConfigError as e:
         raise ConfigError(str(e)) from None
+
+
+def _dkim_key(domain: str, entry: object, key: str, base: Path) -> DkimKey:
+    """One `dkim` entry: {selector, key_file, algorithm?, headers?}, its key loaded."""
+    from relay import dkim_sign
+
+    r = _Reader(entry, key)
+    selector = r.string("selector")
+    path = r.path_("key_file", base)
+    if path is None:
+        raise ConfigError(f"{key}.key_file: required")
+    algorithm = r.opt_str("algorithm") or "rsa-sha256"
+    headers = r.get("headers")
+    if headers is not None and (
+        not isinstance(headers, list) or not all(isinstance(h, str) for h in headers)
+    ):
+        raise ConfigError(f"{key}.headers: expected a list of header names")
+    r.finish()
+    try:
+        return dkim_sign.load_key(domain, selector, path, algorithm, headers)
+    except dkim_sign.DkimConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _feedback(fb: FeedbackSection) -> FeedbackConf:
@@ -986,9 +1000,6 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     return from_mapping(data or {}, p.resolve().parent, path=p.resolve())
 
 
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-
-
 def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
     """The config tree, or one ConfigError listing every error of the file (one a line).
 
@@ -1015,23 +1026,11 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
     )
     identities = _identities(merged["identities"], base_dir, errors)
     listeners = _listeners(merged["listen"], base_dir, errors)
-    current = copy.deepcopy(data)
-    for _ in range(50):
-        try:
-            config = _from_mapping(
-                current, base_dir, path, typed, destinations, identities, listeners
-            )
-        except ConfigError as e:
-            msg = str(e)
-            errors.append(msg)
-            if not isinstance(current, dict) or not _set_aside(current, msg):
-                break
-            continue
-        if errors:
-            break
-        return config
-    errors.sort(key=_place)
-    raise ConfigError("\n".join(dict.fromkeys(errors)))
+    config = _from_mapping(data, base_dir, path, typed, destinations, identities, listeners, errors)
+    if errors:
+        errors.sort(key=_place)
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return config
 
 
 # the order errors are listed in: the order the file is read in (sections, then unknown keys)
@@ -1162,28 +1161,6 @@ def _nul_keys(node: object, key: str = "") -> list[str]:
     return out
 
 
-def _set_aside(data: dict[str, Any], msg: str) -> bool:
-    """Remove the key an error message names (`retry.schedule[2]: ...` removes
-    retry.schedule) from `data`; False when the message names none that is there."""
-    keypath = msg.split(":", 1)[0].strip().strip('"')
-    # list indexes are skipped: removing the key that holds the list sets the whole list
-    # aside (its default applies), which keeps the other indexes' meaning
-    parts = [m.group(1) for m in _PATH_PART.finditer(keypath) if m.group(1) is not None]
-    node: Any = data
-    trail: list[tuple[dict[str, Any], str]] = []
-    for part in parts:
-        if isinstance(node, dict) and part in node:
-            trail.append((node, part))
-            node = node[part]
-        else:
-            break
-    if not trail:
-        return False
-    parent, key = trail[-1]
-    del parent[key]
-    return True
-
-
 def _from_mapping(
     data: object,
     base_dir: Path,
@@ -1192,16 +1169,28 @@ def _from_mapping(
     destinations: dict[str, Destination],
     identities: dict[str, Identity],
     listeners: tuple[Listener, ...],
+    errors: list[str],
 ) -> Config:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
+    """The Config from the validated sections and the parts read here (hostname, routes,
+    local, dkim, shutdown_timeout, unknown top-level keys); each part's error appended to
+    `errors` and a default used in its place, so that one pass finds every error."""
+
+    def attempt(read: Callable[[], _T], fallback: _T) -> _T:
+        try:
+            return read()
+        except ConfigError as e:
+            errors.append(str(e))
+            return fallback
+
+    assert isinstance(data, Mapping)  # from_mapping checked
     merged: dict[str, Any] = _merge(DEFAULTS, data)
     if "destinations" in data and isinstance(data["destinations"], Mapping):
         merged["destinations"] = {"*": {}, **dict(data["destinations"])}
     top = _Reader(merged, "")
 
-    hostname = top.opt_str("hostname") or socket.getfqdn()
-    hostname_set = bool(top.opt_str("hostname"))
+    given_name = attempt(lambda: top.opt_str("hostname"), None)
+    hostname = given_name or socket.getfqdn()
+    hostname_set = bool(given_name)
 
     top.get("listen")  # read by _listeners
 
@@ -1257,26 +1246,30 @@ def _from_mapping(
         ),
     )
     smart = upstream.smarthost
-    try:
-        route_table = routing.parse(
-            top.get("upstreams"),
-            top.get("routes"),
-            mode=upstream.mode,
-            smarthost=routing.UpstreamHost(
-                name="smarthost",
-                host=smart.host,
-                port=smart.port,
-                tls=smart.tls,
-                verify=smart.verify,
-                ca_file=smart.ca_file,
-                username=smart.username,
-                password=smart.password,
-            ),
-            base=base_dir,
-            read_secret=_read_secret,
-        )
-    except routing.RouteConfigError as e:
-        raise ConfigError(str(e)) from None
+
+    def routes() -> routing.Routing:
+        try:
+            return routing.parse(
+                top.get("upstreams"),
+                top.get("routes"),
+                mode=upstream.mode,
+                smarthost=routing.UpstreamHost(
+                    name="smarthost",
+                    host=smart.host,
+                    port=smart.port,
+                    tls=smart.tls,
+                    verify=smart.verify,
+                    ca_file=smart.ca_file,
+                    username=smart.username,
+                    password=smart.password,
+                ),
+                base=base_dir,
+                read_secret=_read_secret,
+            )
+        except routing.RouteConfigError as e:
+            raise ConfigError(str(e)) from None
+
+    route_table = attempt(routes, routing.Routing({}, ()))
 
     retry = Retry(**typed.retry.model_dump())
     timeouts = typed.timeouts.model_dump()
@@ -1318,31 +1311,8 @@ def _from_mapping(
     health = Health(**typed.health.model_dump())
     dsn = Dsn(**typed.dsn.model_dump())
 
-    lo = _Reader(top.get("local"), "local")
-    local_domain = lo.opt_str("domain") or hostname
-    if not _domain_ok(local_domain):
-        raise ConfigError(f"local.domain: {local_domain!r} is not a domain")
-    raw_aliases = lo.get("aliases")
-    if isinstance(raw_aliases, str):  # an aliases(5) file
-        apath = lo.path_("aliases", base_dir)
-        assert apath is not None
-        try:
-            atext = apath.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"local.aliases: cannot read {apath}: {e.strerror or e}") from None
-        aliases = parse_aliases(atext, local_domain, f"local.aliases ({apath})")
-    elif isinstance(raw_aliases, Mapping):
-        lines = []
-        for k, v in raw_aliases.items():
-            vals = v if isinstance(v, list) else [v]
-            if not all(isinstance(x, str) for x in vals):
-                raise ConfigError(f"local.aliases.{k}: expected an address or a list of them")
-            lines.append(f"{k}: {', '.join(vals)}")
-        aliases = parse_aliases("\n".join(lines), local_domain, "local.aliases")
-    else:
-        raise ConfigError("local.aliases: expected a mapping or a file name")
-    local = Local(local_domain, aliases)
-    lo.finish()
+    top.get("local")
+    local = attempt(lambda: _local(typed.local, hostname, base_dir), Local(hostname or "localhost"))
 
     admin = typed.admin
     admin_listen = admin.listen
@@ -1352,13 +1322,16 @@ def _from_mapping(
     )
 
     feedback = _feedback(typed.feedback)
-    dkim_keys = _dkim(top.get("dkim"), base_dir)
+    no_keys: dict[str, tuple[DkimKey, ...]] = {}
+    dkim_keys = attempt(lambda: _dkim(top.get("dkim"), base_dir, errors), no_keys)
 
     log = LogConf(**typed.log.model_dump())
 
-    shutdown_timeout = top.duration("shutdown_timeout")
+    shutdown_timeout = attempt(lambda: top.duration("shutdown_timeout"), 30.0)
     inbound_processes = typed.inbound.processes
-    top.finish()
+    for name in top.data:  # every unknown key, not the first
+        if name not in top.used:
+            errors.append(_unknown_key(_shown(str(name)), str(name), sorted(top.used)))
 
     return Config(
         path=path,
@@ -1399,6 +1372,44 @@ def _from_mapping(
         inbound_processes=inbound_processes,
         maildrop_path=maildrop_path,
     )
+
+
+def _local(lo: LocalSection, hostname: str, base_dir: Path) -> Local:
+    """local: the domain bare local parts are qualified with, and the aliases (a mapping,
+    or an aliases(5) file)."""
+    local_domain = lo.domain or hostname
+    if not _domain_ok(local_domain):
+        raise ConfigError(f"local.domain: {local_domain!r} is not a domain")
+    raw_aliases = lo.aliases
+    if isinstance(raw_aliases, str):  # an aliases(5) file
+        apath = _keyed(lambda v: _aliases_path(v, base_dir), raw_aliases, "local.aliases")
+        try:
+            atext = apath.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"local.aliases: cannot read {apath}: {e.strerror or e}") from None
+        aliases = parse_aliases(atext, local_domain, f"local.aliases ({apath})")
+    elif isinstance(raw_aliases, Mapping):
+        lines = []
+        for k, v in raw_aliases.items():
+            vals = v if isinstance(v, list) else [v]
+            if not all(isinstance(x, str) for x in vals):
+                raise ConfigError(f"local.aliases.{k}: expected an address or a list of them")
+            lines.append(f"{k}: {', '.join(vals)}")
+        aliases = parse_aliases("\n".join(lines), local_domain, "local.aliases")
+    else:
+        raise ConfigError("local.aliases: expected a mapping or a file name")
+    return Local(local_domain, aliases)
+
+
+def _aliases_path(value: str, base_dir: Path) -> Path:
+    from pydantic import TypeAdapter
+
+    try:
+        out = TypeAdapter(types.OptPath).validate_python(value, context={"base": base_dir})
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["ctx"]["msg"]) from None
+    assert out is not None
+    return Path(out)
 
 
 def _listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener, ...]:

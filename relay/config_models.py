@@ -918,6 +918,22 @@ class ListenerSection(Section):
         return self
 
 
+class LocalSection(Section):
+    """Bare local parts (`root`) from relay-sendmail and allow-listed clients: qualified
+    with `domain`, then `aliases` applied (relay/config.py `_local` reads them)."""
+
+    domain: t.OptStr = None  # None: hostname
+    aliases: Annotated[
+        Any,
+        WithJsonSchema(
+            {
+                "type": ["object", "string"],
+                "description": "name -> address(es), or an aliases(5) file",
+            }
+        ),
+    ] = {}
+
+
 # the sections on the library, by their key (in the order relay.yaml shows them)
 SECTIONS: dict[str, type[Section]] = {
     "fleet": FleetSection,
@@ -935,6 +951,7 @@ SECTIONS: dict[str, type[Section]] = {
     "alerts": AlertsSection,
     "health": HealthSection,
     "dsn": DsnSection,
+    "local": LocalSection,
     "admin": AdminSection,
     "feedback": FeedbackSection,
     "log": LogSection,
@@ -961,6 +978,7 @@ class Sections:
     alerts: AlertsSection
     health: HealthSection
     dsn: DsnSection
+    local: LocalSection
     admin: AdminSection
     feedback: FeedbackSection
     log: LogSection

@@ -445,3 +445,11 @@ def test_identities_are_built(tmp_path: Path) -> None:
 )
 def test_listener_errors(data: dict[str, Any], lines: list[str]) -> None:
     assert _error(data) == lines
+
+
+def test_an_empty_section_keeps_its_defaults() -> None:
+    # `upstream:` with every key commented out is YAML null: the defaults, and check-config
+    # prints them (it crashed on the null before)
+    c = from_mapping({"upstream": None, "limits": None, "identities": None}, BASE)
+    assert c.upstream.smarthost.port == 587 and c.limits.max_recipients == 1000
+    assert c.redacted()["upstream"]["smarthost"]["port"] == 587
