@@ -1,13 +1,18 @@
 """The typed, frozen configuration tree.
 
 Rules:
-- One entry point, `load_config(path)` / `from_mapping(data, base_dir)`; defaults live in
-  `DEFAULTS` below (and are mirrored, commented, in conf/relay.yaml).
+- One entry point, `load_config(path)` / `from_mapping(data, base_dir)`; the keys, types and
+  defaults of each section are its pydantic model in relay/config_models.py (value types:
+  relay/config_types.py); `DEFAULTS` below takes them from the models (and is mirrored,
+  commented, in conf/relay.yaml; `relay config schema` prints the JSON Schema).
 - An unknown key, a wrong type or a bad value raises `ConfigError` whose message names the
-  key path (`retry.schedule[2]: '5x' is not a duration`); the CLI exits 78 (EX_CONFIG).
+  key path (`retry.schedule[2]: '5x' is not a duration`); every error of a file is found in
+  one pass, one a line; the CLI exits 78 (EX_CONFIG).
 - Relative paths are relative to the config file's folder.
 - Secrets are read from files named in the config and never appear in `repr` or in
   `redacted()` output.
+- The rest of the code reads the frozen dataclasses below (Config, Limits, FeedbackConf...),
+  built from the validated models.
 """
 
 from __future__ import annotations

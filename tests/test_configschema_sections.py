@@ -453,3 +453,24 @@ def test_an_empty_section_keeps_its_defaults() -> None:
     c = from_mapping({"upstream": None, "limits": None, "identities": None}, BASE)
     assert c.upstream.smarthost.port == 587 and c.limits.max_recipients == 1000
     assert c.redacted()["upstream"]["smarthost"]["port"] == 587
+
+
+def test_one_pass_reports_the_parts_read_by_code_too() -> None:
+    assert _error(
+        {
+            "hostname": 5,
+            "zzz": 1,
+            "limitz": {},
+            "local": {"domain": "no domain"},
+            "dkim": {"a.example": {"key_file": "k"}, "b.example": {"selector": "s"}},
+            "shutdown_timeout": "never",
+        }
+    ) == [
+        "hostname: expected a string or null, got int 5",
+        "local.domain: 'no domain' is not a domain",
+        "dkim.a.example.selector: expected a string, got nothing",
+        "dkim.b.example.key_file: required",
+        "shutdown_timeout: 'never' is not a duration (use 30s, 5m, 2h, 7d or seconds)",
+        "zzz: unknown key 'zzz'",
+        "limitz: unknown key 'limitz' (did you mean 'limits'?)",
+    ]
