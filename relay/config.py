@@ -226,35 +226,8 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: expected a string or null, got {_kind(v)}")
         return v
 
-    def boolean(self, name: str) -> bool:
-        v = self.get(name)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(v)}")
-        return v
-
-    def integer(self, name: str, minimum: int = 0) -> int:
-        v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{self.key(name)}: expected a whole number, got {_kind(v)}")
-        if v < minimum:
-            raise ConfigError(f"{self.key(name)}: {v} is below the minimum {minimum}")
-        return v
-
-    def opt_int(self, name: str, minimum: int = 0) -> int | None:
-        return None if self.get(name) is None else self.integer(name, minimum)
-
-    def number(self, name: str, lo: float, hi: float) -> float:
-        v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-            raise ConfigError(f"{self.key(name)}: expected a number from {lo} to {hi}")
-        return float(v)
-
     def duration(self, name: str) -> float:
         return parse_duration(self.get(name), self.key(name))
-
-    def opt_duration(self, name: str) -> float | None:
-        v = self.get(name)
-        return None if v is None else parse_duration(v, self.key(name))
 
     def path_(self, name: str, base: Path) -> Path | None:
         v = self.opt_str(name)
