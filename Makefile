@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test lint typecheck bench fuzz coverage mutate clean install
+.PHONY: run test test-tools screenshots lint typecheck bench fuzz coverage mutate clean install
 
 # The bootstrap runs under a lock, and checks again once it holds it: `make run` and
 # `make test` started together on a fresh clone install once, the second waits.
@@ -21,18 +21,40 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/relay serve -c conf/relay.yaml
 
-test: $(STAMP)
+# The console's browser tests need Debian's chromium, the alert rules' check promtool (in
+# the prometheus package): installed here when absent and we are root (CI); otherwise, or
+# when apt cannot, those tests skip and print why.
+test-tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "make test: installing$$missing (apt)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing; } >/dev/null 2>&1 \
+	      || echo "make test: could not install$$missing: those tests skip"; \
+	  else echo "make test:$$missing absent and not root: those tests skip"; fi; \
+	fi
+
+test: $(STAMP) test-tools
 	$(BIN)/ruff check relay tests bench
 	$(BIN)/ruff format --check relay tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
+# A PNG of each console page into docs/console/ (README "Console"): a daemon with demo mail,
+# driven by Debian's chromium (tests/console_screenshots.py).
+screenshots: $(STAMP) test-tools
+	$(BIN)/python -m tests.console_screenshots docs/console
+
 # A longer run of the fuzzers: the inbound dialogue (tests/test_fuzz_inbound.py; `make test`
-# runs 150 examples) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in
+# runs 150 examples through the socket and 500 against the sans-I/O core, ten times as many
+# against the core here) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in
 # `make test`, each property).
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
-	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) RELAY_CONFIG_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
+	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) RELAY_FUZZ_CORE_EXAMPLES=$$(( $(FUZZ_EXAMPLES) * 10 )) \
+		RELAY_CONFIG_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
 		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py tests/test_opsmisc_config_fuzz.py
 
 # Coverage of the test process and of every daemon subprocess it starts (coverage.py's

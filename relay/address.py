@@ -17,7 +17,7 @@ Rules:
   as U+200B, U+FEFF) and line/paragraph separators; an address shown to a person must be
   the address that is used. (This refuses ZWJ/ZWNJ too, which IDNA2008 allows in a few
   scripts' labels in context.) Whether UTF-8 is allowed at all is the session's question
-  (SMTPUTF8 on MAIL, RFC 6531 §3.4): relay/inbound.py.
+  (SMTPUTF8 on MAIL, RFC 6531 §3.4): relay/inbound/core.py.
 - An address literal is RFC 5321 §4.1.3's: `[1.2.3.4]` a dotted quad, `[IPv6:...]` an
   IPv6 address (checked by `ipaddress` after its characters, so in linear time); no other
   tag is registered with IANA, so a general literal (`[tag:...]`) is refused.

@@ -6,6 +6,7 @@ the spool folder), never the daemon. It serves on relay/ops/http.py (aiohttp, bo
 connections, size and time); others add their routes to `self.http` (the feedback
 endpoints, when they share this listener); any other path gets 404, a method other than
 GET/HEAD on these 405.
+`/console` is the operator console (relay/ops/console, `add_console`).
 `/healthz` answers 200 when every listener is open, the spool's last commit worked, the
 spool folder takes a new file (created, fsynced and removed, off the event loop) and
 neither the disk nor the spool database is critical; 503 otherwise, with a JSON body
@@ -22,7 +23,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -30,6 +31,9 @@ from relay.metrics import Metrics
 from relay.ops.http import HttpLimits, HttpServer, Request, Response
 from relay.spool import ops
 from relay.spool.writer import SpoolWriter
+
+if TYPE_CHECKING:
+    from relay.ops.console.app import Console
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +81,27 @@ class AdminServer:
         self.http = HttpServer("admin", limits, metrics)
         for path in ("/metrics", "/health", "/healthz"):
             self.http.route(path, self._route)
+        self.console: Console | None = None
+
+    def add_console(self, users_file: Path | None, spool_dir: Path) -> None:
+        """The operator console under /console (relay/ops/console)."""
+        from relay.ops.console.app import Console
+
+        self.console = Console(self.writer, self.metrics, self.health_doc, spool_dir, users_file)
+        self.console.install(self.http)
 
     async def start(self, host: str, port: int) -> None:
         await self.http.start(host, port)
+        if self.console is not None:
+            self.console.start()
 
     @property
     def port(self) -> int:
         return self.http.port
 
     async def stop(self) -> None:
+        if self.console is not None:
+            await self.console.stop()
         await self.http.stop()
 
     async def _route(self, req: Request) -> Response:

@@ -1,14 +1,16 @@
 """AUTH PLAIN and LOGIN (RFC 4954, RFC 4616) for the inbound handler, checked off the event
 loop.
 
-aiosmtpd's `authenticator` callback is synchronous: it would run scrypt inside the event loop
-and stall every other session for tens of milliseconds per attempt. Its documented extension
-point is an `auth_<MECHANISM>` coroutine on the handler, which replaces the built-in
-mechanism of that name; `InboundHandler` inherits these two from `AuthMechanisms`.
+Our SMTP server (relay/inbound/transport.py) runs `auth_PLAIN` / `auth_LOGIN`, which
+`InboundHandler` inherits from `AuthMechanisms`: a mechanism asks with `challenge_auth`, may
+answer with `push`, and ends with an `AuthResult` (the shapes aiosmtpd defined, kept). The
+scrypt check runs in a thread: never in the event loop, where it would stall every other
+session for tens of milliseconds per attempt.
 
 Rules:
-- The exchanges are aiosmtpd's (initial response or `334` challenges, `*` aborts, bad base64
-  is `501 5.5.2`); the credentials are checked by `InboundGuard.check_password` in a thread.
+- The exchanges are RFC 4954's (initial response or `334` challenges, `*` aborts, bad base64
+  is `501 5.5.2`: relay/inbound/core.py); the credentials are checked by
+  `InboundGuard.check_password` in a thread.
 - A wrong password gets `535 5.7.8` after the per-IP failure delay; the third on one
   connection (auth.MAX_FAILURES) gets `421 4.7.0` and the connection is closed.
 - An IP banned for AUTH failures (relay/anvil.py) gets `421 4.7.0` and is closed, and no
@@ -23,9 +25,8 @@ import asyncio
 import binascii
 import logging
 from base64 import b64decode
-from typing import TYPE_CHECKING, cast
-
-from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Session
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from relay import auth as auth_
 from relay.guard import AuthBusy, InboundGuard
@@ -33,7 +34,8 @@ from relay.logs import log_event
 
 if TYPE_CHECKING:
     from relay.config import Config
-    from relay.inbound import InboundStats, RelaySMTP
+    from relay.inbound import InboundStats
+    from relay.inbound.transport import InboundProtocol as SMTP
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,25 @@ INVALID = "535 5.7.8 Authentication credentials invalid"
 TOO_MANY = "421 4.7.0 too many authentication failures"
 BANNED = "421 4.7.0 too many authentication failures from your address, try again later"
 BUSY = "454 4.7.0 Temporary authentication failure, try again later"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()  # no answer to a 334 (cancelled, bad base64, too long: answered)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthResult:
+    """The end of a mechanism (RFC 4954 §4): `success`; else `handled` (the reply is out
+    already) or `message` (the reply to send; `535 5.7.8` when None)."""
+
+    success: bool
+    handled: bool = True
+    message: str | None = None
+    auth_data: Any = None
 
 
 def _b64(text: str) -> bytes | None:
@@ -51,8 +72,7 @@ def _b64(text: str) -> bytes | None:
 
 
 class AuthMechanisms:
-    """Mixed into InboundHandler: aiosmtpd takes `auth_PLAIN`/`auth_LOGIN` from the handler
-    in place of its built-in, synchronous ones."""
+    """Mixed into InboundHandler: the AUTH mechanisms our server offers."""
 
     config: Config
     stats: InboundStats
@@ -75,7 +95,7 @@ class AuthMechanisms:
         except ValueError:
             await server.push("501 5.5.2 Can't split auth value")
             return AuthResult(success=False, handled=True)
-        return await self._verify(cast("RelaySMTP", server), "PLAIN", login, password)
+        return await self._verify(server, "PLAIN", login, password)
 
     async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
         login: bytes | None
@@ -92,14 +112,15 @@ class AuthMechanisms:
         password = await server.challenge_auth(server.AuthLoginPasswordChallenge)
         if password is MISSING:
             return AuthResult(success=False, handled=True)
-        return await self._verify(cast("RelaySMTP", server), "LOGIN", login, password)
+        return await self._verify(server, "LOGIN", login, password)
 
     async def _verify(
-        self, proto: RelaySMTP, mechanism: str, login: bytes, password: bytes
+        self, proto: SMTP, mechanism: str, login: bytes, password: bytes
     ) -> AuthResult:
         lst = proto.relay_listener
         users = lst.auth.users if lst.auth is not None else {}
-        session = cast(Session, proto.session)
+        session = proto.session
+        assert session is not None  # a connection that was admitted
         peer = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
         if self.guard.auth_banned(peer):
             return AuthResult(success=False, handled=False, message=BANNED)
@@ -122,7 +143,7 @@ class AuthMechanisms:
                 listener=lst.name,
                 tls=session.ssl is not None,
             )
-            # aiosmtpd stores this as session.auth_data: _namespace makes it `user:<name>`
+            # stored as session.auth_data (transport.py): _namespace makes it `user:<name>`
             return AuthResult(success=True, auth_data=name)
         proto.relay_auth_failures += 1
         self.stats.reject("auth_failed")

@@ -197,6 +197,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     ah.add_argument("-u", "--user", help="print the whole `USER:hash` line")
 
+    ad = sub.add_parser("admin", help="the console's users").add_subparsers(
+        dest="adcmd", required=True
+    )
+    ap = ad.add_parser("passwd", parents=[common], help="a users_file line (password on stdin)")
+    ap.add_argument("name")
+    ap.add_argument("--role", choices=["viewer", "operator"], required=True)
+    ap.add_argument("--file", help="append the line to this admin.users_file (else: printed)")
+
     k = sub.add_parser("dkim", help="DKIM keys").add_subparsers(dest="kcmd", required=True)
     kg = k.add_parser(
         "keygen",
@@ -431,6 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args.config)
     if args.cmd == "auth":  # needs no config
         return _auth_hash(args)
+    if args.cmd == "admin":  # needs no config (relay/ops/console/passwd.py)
+        from relay.ops.console.passwd import passwd
+
+        return passwd(args.name, args.role, args.file)
     if args.cmd == "dkim":  # needs no valid config: it makes keys the config will name
         return _dkim_keygen(args)
     if args.cmd == "config":  # `config schema`: needs no config

@@ -767,6 +767,8 @@ class Config:
     outbox: OutboxConf = field(default_factory=lambda: OutboxConf())
     maildrop_path: Path | None = None  # spool.maildrop; None: <spool_path>/maildrop
     admin_http: HttpBounds = field(default_factory=HttpBounds)  # admin.max_connections...
+    admin_console: bool = True  # admin.console: the operator console (relay/ops/console)
+    admin_users_file: Path | None = None  # admin.users_file: the console's users
     hostname_set: bool = True  # False: `hostname` unset, the system's name (getfqdn) used
 
     def maildrop_dir(self) -> Path:
@@ -1293,6 +1295,7 @@ def _from_mapping(
     local = attempt(lambda: _local(typed.local, hostname, base_dir), Local(hostname or "localhost"))
 
     admin = typed.admin
+    admin_console, admin_users_file = admin.console, admin.users_file
     admin_listen = admin.listen
     admin_http = HttpBounds(
         max_connections=admin.max_connections,
@@ -1333,6 +1336,8 @@ def _from_mapping(
         dsn=dsn,
         admin_listen=admin_listen,
         admin_http=admin_http,
+        admin_console=admin_console,
+        admin_users_file=admin_users_file,
         log=log,
         shutdown_timeout=shutdown_timeout,
         raw=merged,

@@ -184,6 +184,34 @@ class AdminSection(Section):
     listen: t.OptHostPort = "127.0.0.1:9025"
     max_connections: t.Int(1) = 256  # type: ignore[valid-type]
     max_connections_per_ip: t.Int(1) = 32  # type: ignore[valid-type]
+    console: t.Bool = True  # relay/ops/console: on a non-loopback listen it needs users_file
+    users_file: Annotated[t.OptPath, BeforeValidator(lambda v: v or None)] = None
+
+    @model_validator(mode="after")
+    def _console_access(self) -> AdminSection:
+        """The console is open (read-only, no login) only on a loopback listener; elsewhere
+        it needs users (relay/ops/console/auth.py)."""
+        from relay.ops.console.auth import UsersFileError, load_users
+
+        if self.users_file is not None:
+            try:
+                load_users(self.users_file)
+            except UsersFileError as e:
+                raise t.problem(str(e), "users_file") from None
+        if self.console and self.listen is not None and self.users_file is None:
+            host = self.listen[0]
+            try:
+                loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+            except ValueError:
+                loopback = host == "localhost"
+            if not loopback:
+                raise t.problem(
+                    f"admin.listen {host} is not loopback: the console there needs"
+                    " admin.users_file (`relay admin passwd NAME --role operator`), or set"
+                    " admin.console: false",
+                    full=True,
+                )
+        return self
 
 
 def _http_url(url: str) -> str:

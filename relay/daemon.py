@@ -1,8 +1,8 @@
 """Wiring: listeners, spool writer, delivery engine, admin endpoint, signals, sd_notify.
 
 Rules:
-- One event loop. Listeners are `loop.create_server(...)` with aiosmtpd's protocol, never
-  aiosmtpd's Controller (which runs its own thread and loop).
+- One event loop. Listeners are `loop.create_server(...)` with our SMTP protocol
+  (relay/inbound/transport.py), one object per connection.
 - Start order: config -> spool (migrate, recover) -> engine -> listeners -> admin -> READY=1.
 - SIGTERM/SIGINT: new connections get `421 4.3.2`, SMTP transactions in flight finish, the
   engine stops claiming and lets deliveries finish up to `shutdown_timeout`, claims not
@@ -45,7 +45,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup, smtpd_adapter
+from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup
 from relay.admin import AdminServer
 from relay.config import Config, ConfigError, load_config
 from relay.delivery import smtpclient_adapter, views
@@ -261,6 +261,8 @@ class Daemon:
                     fb.max_body,
                 ),
             )
+            if self.config.admin_console:  # README "Console"
+                self.admin.add_console(self.config.admin_users_file, self.config.spool_path)
             # the feedback endpoints share the admin listener unless they have their own
             if fb.listen is None:
                 self._public_routes(self.admin.http)
@@ -958,10 +960,10 @@ def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:
     an SMTP relay spends its CPU on); the standard loop otherwise, or when
     RELAY_EVENT_LOOP=asyncio.
 
-    Inbound STARTTLS (aiosmtpd wraps the connection in asyncio.sslproto.SSLProtocol and
-    swaps it in with transport.set_protocol) works on uvloop's transports too, so a listener
-    with `tls` needs no fallback to the standard loop: tests/test_inbound_auth.py checks it
-    against the daemon as spawned, under uvloop, and under RELAY_EVENT_LOOP=asyncio."""
+    Inbound STARTTLS (`loop.start_tls`, relay/inbound/transport.py) works on uvloop's
+    transports too, so a listener with `tls` needs no fallback to the standard loop:
+    tests/test_inbound_auth.py checks it against the daemon as spawned, under uvloop, and
+    under RELAY_EVENT_LOOP=asyncio."""
     if kind != "asyncio":
         try:
             import uvloop
@@ -987,9 +989,8 @@ def serve(config_path: str | None) -> int:
     setup_logging(config.log.level, config.log.format, config.log.unmask)
     faults.load_env()
     try:
-        smtpd_adapter.check()
         smtpclient_adapter.check()
-    except (smtpd_adapter.AdapterError, smtpclient_adapter.AdapterError) as e:
+    except smtpclient_adapter.AdapterError as e:
         log_event(log, logging.ERROR, "startup_failed", str(e))
         return 70  # EX_SOFTWARE: the installed library is not one we support
     try:

@@ -10,7 +10,7 @@ Rules:
   in case, and a false "new" would send a duplicate.
 - An `Idempotency-Key` header, when present, takes the Message-ID's place in the key (an app
   whose mail library makes a new Message-ID per retry keeps one key); a second message with
-  the same key but other content is refused, never dropped (relay/inbound.py).
+  the same key but other content is refused, never dropped (relay/inbound/handler.py).
 - A message without a Message-ID gets one derived from a hash of its content (headers minus
   trace headers, plus the body), so a byte-identical resubmission gets the same key.
 - A Message-ID key is stored with the message's content fingerprint (`BodyFingerprint`): the

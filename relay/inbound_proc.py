@@ -8,7 +8,7 @@ Rules:
   delivers, and serves admin, metrics and health, on a core of its own. Listener sockets
   are bound with SO_REUSEPORT: the kernel spreads new connections over the processes.
 - An inbound process accepts and spools exactly as the main process does
-  (relay/inbound.py: same checks, same replies, `250` only after the commit), with a spool
+  (relay/inbound/: same checks, same replies, `250` only after the commit), with a spool
   writer of its own. The writers of all processes take turns through an flock on the
   spool's lock file (relay/spool/writer.py), so dedup keys stay one set: a resubmission is
   answered `250` and queued once, whichever process takes it.

@@ -51,11 +51,9 @@ class SessionWatch:
             return False
         final = len(status) < 4 or status[3] == " "
         if status.startswith("354"):
-            self._stop_command_timer()
-            self._start_rate()
+            self.awaiting_data()
         elif final or status.startswith("334"):
-            self._stop_rate()
-            self._start_command_timer()
+            self.awaiting_command()
         if resets_errors(status):
             self.errors = 0
         elif counts_as_error(status):
@@ -63,6 +61,23 @@ class SessionWatch:
             if self.limits.max_errors and self.errors >= self.limits.max_errors:
                 return True
         return False
+
+    def awaiting_command(self) -> None:
+        """A final reply (or a 334) is out: the command timer runs until a line end."""
+        if not self.closed:
+            self._stop_rate()
+            self._start_command_timer()
+
+    def awaiting_data(self) -> None:
+        """Our 354 is out: the DATA rate meter runs."""
+        if not self.closed:
+            self._stop_command_timer()
+            self._start_rate()
+
+    def waiting_on_us(self) -> None:
+        """A decision of ours is pending (the accept step): no client timer runs."""
+        self._stop_command_timer()
+        self._stop_rate()
 
     def received(self, data: bytes) -> None:
         if self.closed:

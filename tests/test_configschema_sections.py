@@ -474,3 +474,15 @@ def test_one_pass_reports_the_parts_read_by_code_too() -> None:
         "zzz: unknown key 'zzz'",
         "limitz: unknown key 'limitz' (did you mean 'limits'?)",
     ]
+
+
+def test_admin_console_needs_users_off_loopback() -> None:
+    assert _error({"admin": {"listen": "0.0.0.0:9025", "max_connections": 0}}) == [
+        "admin.max_connections: 0 is below the minimum 1"
+    ]
+    assert _error({"admin": {"listen": "0.0.0.0:9025"}}) == [
+        "admin.listen 0.0.0.0 is not loopback: the console there needs admin.users_file"
+        " (`relay admin passwd NAME --role operator`), or set admin.console: false"
+    ]
+    c = from_mapping({"admin": {"listen": "0.0.0.0:9025", "console": False}}, BASE)
+    assert c.admin_console is False and c.admin_users_file is None

@@ -181,6 +181,31 @@ async def test_feedback_mail_over_the_cap_is_stored_truncated(start: Start) -> N
     ]
 
 
+async def test_a_large_feedback_mail_is_never_read_whole_into_memory(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27 (MEDIUM): mail to the feedback address was read whole into memory (20 x
+    20 MiB from one outsider: +307 MiB). Now only what is parsed or stored is read; the row
+    still says how much was received."""
+    from relay.feedback import bounces
+    from relay.inbound import handler as inbound  # where the accept step looks it up
+
+    read: list[int] = []
+    real = inbound._head_of
+
+    def spy(incoming: Any, limit: int) -> bytes:
+        data = real(incoming, limit)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(inbound, "_head_of", spy)
+    r = await start({**OUTSIDER, "feedback": {"mail_max_stored": "1KiB"}}, feedback=True)
+    big = NOT_A_REPORT + (b"x" * 998 + b"\r\n") * (6 * 1024)  # 6 MiB, past the parser's 4
+    assert await r.send("d@example.net", [BOUNCES], big) == FEEDBACK_OK
+    assert read == [bounces.MAX_PARSE]
+    assert r.rows("SELECT size, stored, truncated FROM feedback_mail") == [(len(big), 1024, 1)]
+
+
 # --- config -------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""A reused Message-ID through SMTP (issue 26 item 4): in-process (relay/inbound.py on a
+"""A reused Message-ID through SMTP (issue 26 item 4): in-process (relay/inbound/ on a
 real SpoolWriter: replies, rows, the WARNING, the metric, one coalesced alert), and end to
 end (a daemon subprocess and a real aiosmtpd upstream: both messages delivered, a
 resubmission once)."""

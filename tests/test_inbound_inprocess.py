@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.smtp import Envelope, Session
 
 from relay import faults, inbound
 from relay.config import Config, from_mapping
 from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.inbound.session import Envelope, Session
 from relay.spool import db, ops
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.harness import deep_merge
@@ -783,47 +783,40 @@ def test_identity_of(tmp_path: Path) -> None:
 
 def test_namespace_is_the_login_when_authenticated(tmp_path: Path) -> None:
     h = _handler(tmp_path)
-    s: Any = Session(asyncio.new_event_loop())
-    try:
-        assert h._namespace(s) == NS
-        s.authenticated = True
-        s.auth_data = b"b\xc3\xa9b\xff"
-        assert h._namespace(s) == "user:b\u00e9b\ufffd"
+    s: Any = Session()
+    assert h._namespace(s) == NS
+    s.authenticated = True
+    s.auth_data = b"b\xc3\xa9b\xff"
+    assert h._namespace(s) == "user:b\u00e9b\ufffd"
 
-        class Login:
-            login = b"alice"
+    class Login:
+        login = b"alice"
 
-        s.auth_data = Login()
-        assert h._namespace(s) == "user:alice"
-        s.auth_data = None
-        assert h._namespace(s) == NS
-        s.authenticated = False
-        s.auth_data = b"mallory"
-        assert h._namespace(s) == NS
-    finally:
-        s.loop.close()
+    s.auth_data = Login()
+    assert h._namespace(s) == "user:alice"
+    s.auth_data = None
+    assert h._namespace(s) == NS
+    s.authenticated = False
+    s.auth_data = b"mallory"
+    assert h._namespace(s) == NS
 
 
 def test_peer_allowed(tmp_path: Path) -> None:
     h = _handler(tmp_path, {"listen": [{"address": "127.0.0.1:2525", "allow": ["10.1.0.0/16"]}]})
-    loop = asyncio.new_event_loop()
-    try:
-        s: Any = Session(loop)
-        assert not h.peer_allowed(None)
-        s.peer = ("10.1.2.3", 1)
-        assert h.peer_allowed(s)
-        s.peer = ("::ffff:10.1.2.3", 1, 0, 0)  # an IPv4 client on a dual-stack socket
-        assert h.peer_allowed(s)
-        s.peer = ("10.2.0.1", 1)
-        assert not h.peer_allowed(s)
-        s.peer = "not an address"
-        assert not h.peer_allowed(s)
-        s.peer = ""
-        assert not h.peer_allowed(s)
-        s.authenticated = True
-        assert h.peer_allowed(s)
-    finally:
-        loop.close()
+    s: Any = Session()
+    assert not h.peer_allowed(None)
+    s.peer = ("10.1.2.3", 1)
+    assert h.peer_allowed(s)
+    s.peer = ("::ffff:10.1.2.3", 1, 0, 0)  # an IPv4 client on a dual-stack socket
+    assert h.peer_allowed(s)
+    s.peer = ("10.2.0.1", 1)
+    assert not h.peer_allowed(s)
+    s.peer = "not an address"
+    assert not h.peer_allowed(s)
+    s.peer = ""
+    assert not h.peer_allowed(s)
+    s.authenticated = True
+    assert h.peer_allowed(s)
 
 
 async def test_suppressions_refresh_only_when_the_spool_changed(tmp_path: Path) -> None:
@@ -865,20 +858,16 @@ def test_small_helpers() -> None:
     assert inbound._storable("a\udcffb") == "a\\xffb"
     assert inbound._utf8("a@b.c") and not inbound._utf8("a\udcff@b.c")
     assert inbound._valid_domain("example.org") and not inbound._valid_domain("-x.org")
-    loop = asyncio.new_event_loop()
-    try:
-        s: Any = Session(loop)
-        assert inbound._with_protocol(s) == "SMTP"
-        s.extended_smtp = True
-        assert inbound._with_protocol(s) == "ESMTP"
-        assert inbound._with_protocol(s, True) == "UTF8SMTP"
-        s.ssl = {}
-        s.authenticated = True
-        assert inbound._with_protocol(s) == "ESMTPSA"
-        s.ssl = None
-        assert inbound._with_protocol(s, True) == "UTF8SMTPA"
-    finally:
-        loop.close()
+    s: Any = Session()
+    assert inbound._with_protocol(s) == "SMTP"
+    s.extended_smtp = True
+    assert inbound._with_protocol(s) == "ESMTP"
+    assert inbound._with_protocol(s, True) == "UTF8SMTP"
+    s.ssl = {}
+    s.authenticated = True
+    assert inbound._with_protocol(s) == "ESMTPSA"
+    s.ssl = None
+    assert inbound._with_protocol(s, True) == "UTF8SMTPA"
 
 
 def test_inbound_stats_count_reasons() -> None:
@@ -901,7 +890,7 @@ async def test_accept_stream_discards_the_body_when_the_hook_fails(tmp_path: Pat
     tmp = incoming.tmp_path
     assert tmp is not None and tmp.exists()
     faults.arm("inbound.accept", "error", times=1)
-    s: Any = Session(asyncio.get_running_loop())
+    s: Any = Session()
     s.peer = ("127.0.0.1", 1)
     env = Envelope()
     env.mail_from = "app@example.com"

@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from relay import faults, inbound, unsubscribe
+from relay import faults, unsubscribe
 from relay.config import Config, from_mapping
 from relay.feedback.service import FeedbackService
 from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.inbound import handler as inbound
 from relay.message import rfc5322_date
 from relay.metrics import Metrics
 from relay.spool.writer import SpoolWriter

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import trustme
-from aiosmtpd.smtp import Envelope, Session, TLSSetupException
 
 from relay import auth, faults, inbound
 from relay.config import from_mapping
 from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.metrics import Metrics
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
@@ -189,8 +189,8 @@ def qid_of(text: str) -> str:
     return m.group(1)
 
 
-def session_from(peer: Any, loop: asyncio.AbstractEventLoop) -> Any:
-    s: Any = Session(loop)
+def session_from(peer: Any) -> Any:
+    s: Any = Session()
     s.peer = peer
     return s
 
@@ -325,7 +325,7 @@ async def test_the_rcpt_hook_refuses_what_is_not_a_mailbox(start: Start) -> None
     """relay/address.py refuses these paths before the hook; the hook checks again."""
     r = await start()
     h = r.handler
-    s = session_from(("127.0.0.1", 5000), asyncio.get_running_loop())
+    s = session_from(("127.0.0.1", 5000))
     env = Envelope()
     env.mail_from = "app@example.com"
     for bad in ("a@-bad-.org", "@example.org", "a\udcff@example.org", "a@", "example.org"):
@@ -339,7 +339,7 @@ async def test_the_rcpt_hook_refuses_what_is_not_a_mailbox(start: Start) -> None
 async def test_the_mail_hook_refuses_what_is_not_a_mailbox(start: Start) -> None:
     r = await start()
     h = r.handler
-    s = session_from(("127.0.0.1", 5000), asyncio.get_running_loop())
+    s = session_from(("127.0.0.1", 5000))
     for bad in ("a@-bad-.org", "@example.com", "a\udcff@example.com", "a@", "example.com"):
         env = Envelope()
         assert await h.handle_MAIL(h.protocol(), s, env, bad, []) == BAD_SENDER, bad
@@ -478,7 +478,7 @@ async def test_a_peer_that_is_not_a_host_port_pair_is_stored_as_it_is(tmp_path: 
         for n, peer in enumerate(("/run/app.sock", "")):
             incoming = IncomingBody(config.spool_path, config.inline_max)
             await incoming.add(message(f"<peer{n}@app.example>"))
-            s = session_from(peer, asyncio.get_running_loop())
+            s = session_from(peer)
             s.host_name = "client.test"
             env = Envelope()
             env.mail_from = "app@example.com"
@@ -508,10 +508,9 @@ async def test_an_auth_line_over_twice_the_line_limit_is_read_to_its_end(start: 
 
 async def test_a_peer_given_as_a_string_is_checked_as_an_address(start: Start) -> None:
     r = await start({"listen": [{"address": LISTENER, "allow": ["10.1.0.0/16"]}]})
-    loop = asyncio.get_running_loop()
-    assert r.handler.peer_allowed(session_from("10.1.2.3", loop))
-    assert not r.handler.peer_allowed(session_from("10.2.0.1", loop))
-    assert not r.handler.peer_allowed(session_from("/run/app.sock", loop))
+    assert r.handler.peer_allowed(session_from("10.1.2.3"))
+    assert not r.handler.peer_allowed(session_from("10.2.0.1"))
+    assert not r.handler.peer_allowed(session_from("/run/app.sock"))
 
 
 # --- after the first pass of triage (tests/MUTANTS.md) -------------------------------------------

@@ -20,11 +20,11 @@ from typing import Any, cast
 
 import pytest
 import yaml
-from aiosmtpd.smtp import Envelope, Session
 
 from relay import dedup
 from relay.config import from_mapping
 from relay.inbound import InboundHandler, Suppressions
+from relay.inbound.session import Envelope, Session
 from relay.model import RcptState
 from relay.spool import bodies, db, ops
 from relay.spool.incoming import IncomingBody
@@ -468,11 +468,10 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
     writer.start()
     try:
         handler = InboundHandler(cfg, cfg.listen[0], writer, Suppressions())
-        loop = asyncio.get_running_loop()
 
         async def deliver(content: bytes) -> str:
             """What RelaySMTP.smtp_DATA does with the data, after the parser."""
-            session = Session(loop)
+            session = Session()
             session.peer = ("127.0.0.1", 40000)
             session.host_name = "client.test"
             session.extended_smtp = True

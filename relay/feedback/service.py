@@ -256,7 +256,15 @@ class FeedbackService:
         self.on_suppressed(recipient, reason, now, identity)
         return bool(new)
 
-    async def mail(self, data: bytes, *, peer: str, sender: str, rcpts: Sequence[str]) -> int:
+    async def mail(
+        self,
+        data: bytes,
+        *,
+        peer: str,
+        sender: str,
+        rcpts: Sequence[str],
+        size: int | None = None,
+    ) -> int:
         """Feedback mail: parse, apply, keep what cannot be read. Returns the events found."""
         conf = self.config().feedback
         now = self.clock()
@@ -277,7 +285,7 @@ class FeedbackService:
                 error = f"{error} (VERP names {verp[0]}, recipient {verp[1]}: kept, not applied)"
 
         # bounded: cut at mail_max_stored, the oldest dropped past mail_budget (storage.py)
-        row = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error)
+        row = storage.Mail(now, peer, sender, ",".join(rcpts), data, len(events), error, size)
         cap, budget = conf.mail_max_stored, conf.mail_budget
         storage.report(
             await self.writer.run(lambda c: storage.keep(c, row, cap, budget)), self.metrics, peer

@@ -35,9 +35,14 @@ class Mail:
     peer: str
     sender: str
     rcpt: str
-    data: bytes  # as received
+    data: bytes  # as received (its first octets, when the inbound read no more: `size`)
     events: int
     error: str | None
+    size: int | None = None  # octets received; None: len(data)
+
+    @property
+    def received(self) -> int:
+        return len(self.data) if self.size is None else max(self.size, len(self.data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +78,12 @@ def keep(conn: sqlite3.Connection, mail: Mail, cap: int, budget: int) -> Kept:
             mail.peer,
             mail.sender,
             mail.rcpt,
-            len(mail.data),
+            mail.received,
             body,
             mail.events,
             mail.error,
             len(body),
-            int(len(body) < len(mail.data)),
+            int(len(body) < mail.received),
         ),
     ).fetchone()
     mail_id = int(row[0])
@@ -100,7 +105,7 @@ def keep(conn: sqlite3.Connection, mail: Mail, cap: int, budget: int) -> Kept:
             dropped_bytes += int(r[1])
         conn.executemany("DELETE FROM feedback_mail WHERE id = ?", [(i,) for i in ids])
         dropped += len(ids)
-    return Kept(mail_id, len(mail.data), len(body), dropped, dropped_bytes)
+    return Kept(mail_id, mail.received, len(body), dropped, dropped_bytes)
 
 
 def purge(conn: sqlite3.Connection, before: float | None) -> tuple[int, int]:

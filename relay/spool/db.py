@@ -260,6 +260,22 @@ MIGRATIONS: list[str] = [
     UPDATE feedback_mail SET stored = length(body);
     CREATE INDEX feedback_mail_at ON feedback_mail(at, stored);
     """,
+    # 10 -> 11: the console's per-minute series (relay/ops/console/rollup.py): one row a
+    # minute, written by the daemon from the counters it keeps, pruned past 8 days
+    """
+    CREATE TABLE console_minutes (
+        minute      INTEGER PRIMARY KEY,       -- unix time // 60
+        accepted    INTEGER NOT NULL DEFAULT 0,
+        delivered   INTEGER NOT NULL DEFAULT 0,
+        deferred    INTEGER NOT NULL DEFAULT 0,
+        bounced     INTEGER NOT NULL DEFAULT 0,
+        suppressed  INTEGER NOT NULL DEFAULT 0,
+        queue_depth INTEGER NOT NULL DEFAULT 0,
+        p50         REAL,                      -- delivery latency percentiles, seconds
+        p90         REAL,
+        p99         REAL
+    );
+    """,
 ]
 
 

