@@ -242,6 +242,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     cd.add_argument("domain", help="the sending domain")
     cd.add_argument("--ip", help="the address we send from, to check SPF authorises it")
+    cf = sub.add_parser("config", help="about the config file").add_subparsers(
+        dest="fcmd", required=True
+    )
+    cf.add_parser(
+        "schema",
+        help="print the config's JSON Schema (for editors: yaml-language-server's $schema)",
+    )
     _describe(p)
     return p
 
@@ -463,6 +470,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return passwd(args.name, args.role, args.file)
     if args.cmd == "dkim":  # needs no valid config: it makes keys the config will name
         return _dkim_keygen(args)
+    if args.cmd == "config":  # `config schema`: needs no config
+        from relay.config import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return EXIT_OK
     # outside the unit, secrets named by ${CREDENTIALS_DIRECTORY} are read where the unit
     # loads them from (relay/credentials.py)
     from relay import credentials

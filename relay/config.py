@@ -1,13 +1,18 @@
 """The typed, frozen configuration tree.
 
 Rules:
-- One entry point, `load_config(path)` / `from_mapping(data, base_dir)`; defaults live in
-  `DEFAULTS` below (and are mirrored, commented, in conf/relay.yaml).
+- One entry point, `load_config(path)` / `from_mapping(data, base_dir)`; the keys, types and
+  defaults of each section are its pydantic model in relay/config_models.py (value types:
+  relay/config_types.py); `DEFAULTS` below takes them from the models (and is mirrored,
+  commented, in conf/relay.yaml; `relay config schema` prints the JSON Schema).
 - An unknown key, a wrong type or a bad value raises `ConfigError` whose message names the
-  key path (`retry.schedule[2]: '5x' is not a duration`); the CLI exits 78 (EX_CONFIG).
+  key path (`retry.schedule[2]: '5x' is not a duration`); every error of a file is found in
+  one pass, one a line; the CLI exits 78 (EX_CONFIG).
 - Relative paths are relative to the config file's folder.
 - Secrets are read from files named in the config and never appear in `repr` or in
   `redacted()` output.
+- The rest of the code reads the frozen dataclasses below (Config, Limits, FeedbackConf...),
+  built from the validated models.
 """
 
 from __future__ import annotations
@@ -20,19 +25,50 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar, get_args
 from urllib.parse import urlsplit
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
+from relay import config_types as types
 from relay import credentials
+from relay.config_models import (
+    FEEDBACK_PROVIDERS,
+    MAX_HEADER_SIZE,
+    SECTIONS,
+    AdminSection,
+    AlertsSection,
+    AuthSection,
+    DedupSection,
+    DeliverySection,
+    DestinationSection,
+    DsnSection,
+    FeedbackSection,
+    HealthSection,
+    IdentitySection,
+    InboundSection,
+    LanesSection,
+    LimitsSection,
+    ListenerSection,
+    LocalSection,
+    LogSection,
+    MailgunProvider,
+    RetrySection,
+    Section,
+    Sections,
+    SendgridProvider,
+    SesProvider,
+    ShapingSection,
+    TimeoutsSection,
+)
 from relay.delivery import routes as routing
 from relay.dkim_sign import DkimKey
 from relay.lanes import LaneRule
-from relay.logs import redact_url, redact_webhook_url
+from relay.logs import redact_webhook_url
 from relay.shaping import ShapingRule
 from relay.unsubscribe import UnsubscribeConf
 
@@ -50,32 +86,9 @@ DEFAULTS: dict[str, Any] = {
         "maildrop": None,  # None: <spool.path>/maildrop (relay/maildrop.py)
         "reserve": "64MiB",
     },
-    "dedup": {"window": "7d"},
-    "limits": {
-        "max_message_size": "25MiB",
-        "max_recipients": 1000,
-        "session_timeout": "300s",
-        "max_line_length": 65536,  # accepted; over 998 octets re-encoded (relay/longlines.py)
-        "max_command_length": 512,
-        "max_header_size": "1MiB",
-        "max_connections": 500,
-        "max_connections_per_ip": 50,
-        "max_connections_per_ip_allowed": 500,
-        "allowed_reserve": 50,
-        "max_errors": 10,
-        "command_timeout": "60s",
-        "min_data_rate": 500,
-        "min_data_rate_window": "30s",
-    },
-    "auth": {
-        "max_parallel": 2,
-        "max_pending": 100,
-        "failure_delay": "0.5s",
-        "max_failure_delay": "8s",
-        "max_failures_per_ip": 10,
-        "failure_window": "10m",
-        "ban_time": "10m",
-    },
+    "dedup": DedupSection.defaults(),
+    "limits": LimitsSection.defaults(),
+    "auth": AuthSection.defaults(),
     "upstream": {
         "mode": "smarthost",
         "helo": None,
@@ -99,147 +112,47 @@ DEFAULTS: dict[str, Any] = {
             "mta_sts_port": 443,
         },
     },
-    "retry": {
-        "schedule": ["1m", "5m", "30m", "2h"],
-        "max_age": "5d",
-        "min_delay": "1s",
-        "warn_after": "4h",
-    },
-    "timeouts": {"connect": "10s", "command": "30s", "data": "120s"},
+    "retry": RetrySection.defaults(),
+    "timeouts": TimeoutsSection.defaults(),
     "destinations": {"*": {}},
     "identities": {},
-    "shaping": {
-        "window_tz": "UTC",
-        "window_length": None,
-        "identity_by": "sender_domain",
-        "rules": None,
-    },
-    "lanes": {
-        "rules": [],
-        "transactional": {"share": 1.0},
-        "bulk": {"share": 0.5},
-    },
-    "delivery": {"workers": 50, "batch": 200, "poll_interval": "0.25s"},
-    "alerts": {"command": None, "timeout": "10s", "coalesce": "5m", "webhook": None},
-    "health": {
-        "disk_free_warning": "10%",
-        "disk_free_critical": "5%",
-        "queue_age_warning": "30m",
-        "queue_age_critical": "4h",
-        "stall_after": "10m",
-        "failing_after": "5m",
-        "dead_letters_warning": 50,
-    },
-    "dsn": {"enabled": False, "from": None},
-    "local": {"domain": None, "aliases": {}},
-    # each HTTP listener's connection bounds (relay/ops/http.py)
-    "admin": {
-        "listen": "127.0.0.1:9025",
-        "max_connections": 256,
-        "max_connections_per_ip": 32,
-        "console": True,  # relay/ops/console: on a non-loopback listen it needs users_file
-        "users_file": None,
-    },
+    "shaping": ShapingSection.defaults(),
+    "lanes": LanesSection.defaults(),
+    "delivery": DeliverySection.defaults(),
+    "alerts": AlertsSection.defaults(),
+    "health": HealthSection.defaults(),
+    "dsn": DsnSection.defaults(),
+    "local": LocalSection.defaults(),
+    "admin": AdminSection.defaults(),
     "dkim": {},
-    "feedback": {
-        "listen": None,
-        "address": None,
-        "verp": False,
-        "verp_secret_file": None,
-        "max_body": "1MiB",
-        "mail_max_stored": "256KiB",
-        "mail_budget": "64MiB",
-        "rate_per_ip": 20,
-        "rate_window": "1m",
-        "max_connections": 256,
-        "max_connections_per_ip": 32,
-        "providers": {},
-    },
-    "log": {"level": "info", "format": "json", "unmask": False},
+    "feedback": FeedbackSection.defaults(),
+    "log": LogSection.defaults(),
     "shutdown_timeout": "30s",
-    # extra processes that take SMTP on the same ports and spool (relay/inbound_proc.py)
-    "inbound": {"processes": 0},
+    "inbound": InboundSection.defaults(),
 }
 
 # Per-destination keys and their defaults (used for "*" and every named destination; a
 # named destination inherits every key it does not set from "*").
-DESTINATION_DEFAULTS: dict[str, Any] = {
-    "max_connections": 10,
-    "rate": "50/s",
-    "burst": None,
-    "daily_limit": None,
-    "max_messages_per_connection": 100,
-    "connect_timeout": None,
-    "command_timeout": None,
-    "data_timeout": None,
-    "ambiguous": "retry",
-    "circuit_failures": 5,
-    "circuit_cooldown": "60s",
-    "slowdown_cooldown": "60s",
-}
+DESTINATION_DEFAULTS: dict[str, Any] = DestinationSection.defaults()
 
-IDENTITY_DEFAULTS: dict[str, Any] = {"daily_limit": None, "warmup": None, "unsubscribe": None}
+IDENTITY_DEFAULTS: dict[str, Any] = IdentitySection.defaults()
+
+
+_T = TypeVar("_T")
 
 
 class ConfigError(Exception):
     """A configuration problem; the message starts with the offending key path."""
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB|k|K|M|G)?\s*$")
-_SIZE_UNITS = {
-    None: 1,
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "k": 1024,
-    "K": 1024,
-    "KiB": 1024,
-    "M": 1024**2,
-    "MiB": 1024**2,
-    "G": 1024**3,
-    "GiB": 1024**3,
-}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|m|min|h|hour|d|day)\s*$")
-_RATE_UNITS = {
-    "s": 1,
-    "sec": 1,
-    "m": 60,
-    "min": 60,
-    "h": 3600,
-    "hour": 3600,
-    "d": 86400,
-    "day": 86400,
-}
-
-
 def parse_duration(value: object, key: str) -> float:
-    if isinstance(value, bool) or (isinstance(value, float) and value != value):  # NaN
-        raise ConfigError(f"{key}: {value!r} is not a duration")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ConfigError(f"{key}: {value!r} must not be negative")
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a duration (use 30s, 5m, 2h, 7d or seconds)")
+    """Seconds from `30s`, `5m`, `2h`, `7d` or a number (relay.config_types.duration)."""
+    return _keyed(types.duration, value, key)
 
 
 def parse_percent(value: object, key: str) -> float:
     """ "10%" or 10 (percent, 0 to 100)."""
-    v: object = value
-    if isinstance(v, str) and v.endswith("%"):
-        try:
-            v = float(v[:-1])
-        except ValueError:
-            v = value
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 100:
-        raise ConfigError(f"{key}: {value!r} is not a percentage (use 10% or 10)")
-    return float(v)
+    return _keyed(types.percent, value, key)
 
 
 def _read_secret(path: Path, key: str) -> str:
@@ -252,72 +165,25 @@ def _read_secret(path: Path, key: str) -> str:
     return value
 
 
-def _webhook(item: object, base: Path) -> Webhook | None:
-    if item is None:
-        return None
-    r = _Reader(item, "alerts.webhook")
-    url = r.string("url")
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"alerts.webhook.url: {redact_webhook_url(url)!r} is not an http:// or https:// URL"
-        )
-    secret_file = r.path_("secret_file", base)
-    secret = None
-    if secret_file is not None:
-        try:
-            secret = secret_file.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(
-                f"alerts.webhook.secret_file: cannot read {secret_file}: {e.strerror or e}"
-            ) from None
-        if not secret:
-            raise ConfigError(f"alerts.webhook.secret_file: {secret_file} is empty")
-    timeout = 10.0 if r.get("timeout") is None else r.duration("timeout")
-    r.finish()
-    return Webhook(url=url, secret=secret, secret_file=secret_file, timeout=timeout)
-
-
 def parse_size(value: object, key: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        if m:
-            return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a size (use 25MiB, 64KiB or bytes)")
+    return _keyed(types.size, value, key)
 
 
 def parse_rate(value: object, key: str) -> float | None:
     """Tokens per second; None means unlimited."""
-    if value is None or value == "unlimited":
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    if isinstance(value, str):
-        m = _RATE.match(value)
-        if m and float(m.group(1)) > 0:
-            return float(m.group(1)) / _RATE_UNITS[m.group(2)]
-    raise ConfigError(f"{key}: {value!r} is not a rate (use 50/s, 100/m, 3600/h or unlimited)")
+    return _keyed(types.rate, value, key)
 
 
 def parse_hostport(value: object, key: str, default_port: int | None = None) -> tuple[str, int]:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: {value!r} is not a host:port address")
-    host, sep, port_s = value.rpartition(":")
-    if not sep:
-        if default_port is None:
-            raise ConfigError(f"{key}: {value!r} has no port (use host:port)")
-        host, port_s = value, str(default_port)
-    host = host.strip("[]")
+    return _keyed(lambda v: types.hostport(v, default_port), value, key)
+
+
+def _keyed(parse: Callable[[Any], _T], value: object, key: str) -> _T:
+    """`parse(value)`, its ValueError a ConfigError naming `key`."""
     try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError(f"{key}: {port_s!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{key}: port {port} is out of range")
-    if not host:
-        raise ConfigError(f"{key}: {value!r} has no host")
-    return host, port
+        return parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 class _Reader:
@@ -335,8 +201,7 @@ class _Reader:
     def key(self, name: str) -> str:
         # a key from the file is shown escaped: a control character in an unknown key must
         # not break the one-error-a-line message (str.splitlines splits on \x1c-\x1e too)
-        if not name.isprintable():
-            name = name.encode("unicode_escape").decode("ascii")
+        name = _shown(name)
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str) -> Any:
@@ -361,35 +226,8 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: expected a string or null, got {_kind(v)}")
         return v
 
-    def boolean(self, name: str) -> bool:
-        v = self.get(name)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(v)}")
-        return v
-
-    def integer(self, name: str, minimum: int = 0) -> int:
-        v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{self.key(name)}: expected a whole number, got {_kind(v)}")
-        if v < minimum:
-            raise ConfigError(f"{self.key(name)}: {v} is below the minimum {minimum}")
-        return v
-
-    def opt_int(self, name: str, minimum: int = 0) -> int | None:
-        return None if self.get(name) is None else self.integer(name, minimum)
-
-    def number(self, name: str, lo: float, hi: float) -> float:
-        v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-            raise ConfigError(f"{self.key(name)}: expected a number from {lo} to {hi}")
-        return float(v)
-
     def duration(self, name: str) -> float:
         return parse_duration(self.get(name), self.key(name))
-
-    def opt_duration(self, name: str) -> float | None:
-        v = self.get(name)
-        return None if v is None else parse_duration(v, self.key(name))
 
     def path_(self, name: str, base: Path) -> Path | None:
         v = self.opt_str(name)
@@ -419,14 +257,7 @@ class _Reader:
         if not unknown:
             return
         name = unknown[0]
-        if name == "password" or name.endswith("_password"):
-            raise ConfigError(
-                f"{self.key(name)}: unknown key: secrets are never inline; put"
-                " it in a file and name the file with 'password_file'"
-            )
-        close = difflib.get_close_matches(name, sorted(self.used), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{self.key(name)}: unknown key {name!r}{hint}")
+        raise ConfigError(_unknown_key(self.key(name), name, sorted(self.used)))
 
 
 def _domain_ok(domain: str) -> bool:
@@ -439,12 +270,14 @@ def _domain_ok(domain: str) -> bool:
     return True
 
 
-def _kind(v: object) -> str:
-    return "nothing" if v is None else f"{type(v).__name__} {v!r}"
+_kind = types.kind
 
 
 def _merge(base: Any, over: Any) -> Any:
-    """Deep-merge `over` onto `base` for mappings; anything else replaces."""
+    """Deep-merge `over` onto `base` for mappings; anything else replaces. A section left
+    empty (`limits:` with every key commented out is YAML null) keeps its defaults."""
+    if isinstance(base, dict) and over is None:
+        return dict(base)
     if isinstance(base, dict) and isinstance(over, Mapping):
         out = dict(base)
         for k, v in over.items():
@@ -495,12 +328,6 @@ class Listener:
     tls: ListenerTLS | None = None
     require_tls: bool = False  # MAIL (anything but EHLO/NOOP/QUIT) needs STARTTLS first
     auth: ListenerAuth | None = None
-
-
-# limits.max_header_size: at most what the spool keeps in memory as a message's header block
-# (relay/spool/incoming.py HEAD_MAX); at least a few ordinary headers' worth
-MAX_HEADER_SIZE = 1 << 20
-MIN_HEADER_SIZE = 1 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -734,9 +561,6 @@ def parse_aliases(text: str, domain: str, key: str) -> dict[str, tuple[str, ...]
     return entries
 
 
-FEEDBACK_PROVIDERS = ("ses", "postmark", "sendgrid", "mailgun", "generic")
-
-
 @dataclass(frozen=True, slots=True)
 class FeedbackProvider:
     """One provider's webhook: HTTP basic auth whose password is `token`, plus the
@@ -789,7 +613,7 @@ class FeedbackConf:
         return (self.address or "").rpartition("@")[2]
 
 
-def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
+def _dkim(item: object, base: Path, errors: list[str]) -> dict[str, tuple[DkimKey, ...]]:
     """`dkim: {<domain>: {selector, key_file, algorithm?, headers?}}`, or a list of such
     mappings per domain (RSA and Ed25519 side by side, RFC 8463). Each key is read and
     checked now: a missing or unusable key is a config error (exit 78), never a surprise
@@ -802,145 +626,66 @@ def _dkim(item: object, base: Path) -> dict[str, tuple[DkimKey, ...]]:
     for domain, entries in item.items():
         listed = entries if isinstance(entries, list) else [entries]
         for i, entry in enumerate(listed):
-            key = f"dkim.{domain}" + (f"[{i}]" if isinstance(entries, list) else "")
-            r = _Reader(entry, key)
-            selector = r.string("selector")
-            path = r.path_("key_file", base)
-            if path is None:
-                raise ConfigError(f"{key}.key_file: required")
-            algorithm = r.opt_str("algorithm") or "rsa-sha256"
-            headers = r.get("headers")
-            if headers is not None and (
-                not isinstance(headers, list) or not all(isinstance(h, str) for h in headers)
-            ):
-                raise ConfigError(f"{key}.headers: expected a list of header names")
-            r.finish()
+            key = f"dkim.{_shown(str(domain))}" + (f"[{i}]" if isinstance(entries, list) else "")
             try:
-                keys.append(dkim_sign.load_key(str(domain), selector, path, algorithm, headers))
-            except dkim_sign.DkimConfigError as e:
-                raise ConfigError(f"{key}: {e}") from None
+                keys.append(_dkim_key(str(domain), entry, key, base))
+            except ConfigError as e:  # each entry on its own: every bad one reported
+                errors.append(str(e))
     try:
         return dkim_sign.by_domain(keys)
     except dkim_sign.DkimConfigError as e:
         raise ConfigError(str(e)) from None
 
 
-def _mailbox(value: str, key: str) -> None:
-    from relay.address import AddressError, check_mailbox
+def _dkim_key(domain: str, entry: object, key: str, base: Path) -> DkimKey:
+    """One `dkim` entry: {selector, key_file, algorithm?, headers?}, its key loaded."""
+    from relay import dkim_sign
 
-    try:
-        check_mailbox(value)
-    except AddressError as e:
-        raise ConfigError(f"{key}: {value!r}: {e}") from None
-
-
-def _sns_signatures(pr: _Reader, key: str, base: Path) -> tuple[bool, tuple[str, ...], Path | None]:
-    """feedback.providers.ses: verify_signatures, signing_cert_hosts, signing_cert_ca_file."""
-    verify = pr.get("verify_signatures")
-    if verify is None:
-        verify = False
-    if not isinstance(verify, bool):
-        raise ConfigError(f"{key}.verify_signatures: expected true or false, got {_kind(verify)}")
-    hosts = pr.get("signing_cert_hosts") or []
-    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
-        raise ConfigError(f"{key}.signing_cert_hosts: expected a list of host or host:port")
-    ca_file = pr.path_("signing_cert_ca_file", base)
-    if ca_file is not None and not ca_file.is_file():
-        raise ConfigError(f"{key}.signing_cert_ca_file: {ca_file} is not a file")
-    if (hosts or ca_file is not None) and not verify:
-        raise ConfigError(
-            f"{key}: signing_cert_hosts and signing_cert_ca_file need verify_signatures: true"
-        )
-    return verify, tuple(h.lower() for h in hosts), ca_file
-
-
-def _feedback(item: object, base: Path) -> FeedbackConf:
-
-    r = _Reader(item, "feedback")
-    listen_s = r.opt_str("listen")
-    listen = None if not listen_s else parse_hostport(listen_s, "feedback.listen")
-    address = r.opt_str("address")
-    if address is not None:
-        _mailbox(address, "feedback.address")
-        if "+" in address.rpartition("@")[0]:
-            raise ConfigError("feedback.address: no '+' in the local part (VERP adds one)")
-    verp = r.boolean("verp")
-    if verp and address is None:
-        raise ConfigError("feedback.verp: needs feedback.address (the bounce address)")
-    secret_path = r.path_("verp_secret_file", base)
-    verp_secret = None
-    if secret_path is not None:
-        verp_secret = _read_secret(secret_path, "feedback.verp_secret_file").encode()
-    max_body = parse_size(r.get("max_body"), "feedback.max_body")
-    mail_max_stored = parse_size(r.get("mail_max_stored"), "feedback.mail_max_stored")
-    if mail_max_stored < 1024:
-        raise ConfigError("feedback.mail_max_stored: at least 1KiB (the headers of a report)")
-    mail_budget = parse_size(r.get("mail_budget"), "feedback.mail_budget")
-    if mail_budget < mail_max_stored:
-        raise ConfigError(
-            f"feedback.mail_budget: {mail_budget} bytes is below feedback.mail_max_stored"
-            f" ({mail_max_stored}): one stored mail must fit"
-        )
-    rate_per_ip = r.integer("rate_per_ip", 0)
-    rate_window = r.duration("rate_window")
-    if rate_window <= 0:
-        raise ConfigError("feedback.rate_window: must be more than 0s")
-    http = _http_bounds(r)
-    raw = r.get("providers") or {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError("feedback.providers: expected a mapping of provider names")
-    providers: dict[str, FeedbackProvider] = {}
-    for name, conf in raw.items():
-        key = f"feedback.providers.{name}"
-        if name not in FEEDBACK_PROVIDERS:
-            close = difflib.get_close_matches(str(name), FEEDBACK_PROVIDERS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{key}: unknown provider{hint}; known: {', '.join(FEEDBACK_PROVIDERS)}"
-            )
-        pr = _Reader(conf, key)
-        token_path = pr.path_("token_file", base)
-        if token_path is None:
-            raise ConfigError(f"{key}.token_file: required (the webhook's basic-auth password)")
-        token = _read_secret(token_path, f"{key}.token_file").strip()
-        signing = public = None
-        if name == "mailgun":
-            sp = pr.path_("signing_key_file", base)
-            if sp is None:
-                raise ConfigError(f"{key}.signing_key_file: required (Mailgun signs every call)")
-            signing = _read_secret(sp, f"{key}.signing_key_file").strip().encode()
-        if name == "sendgrid":
-            pp = pr.path_("public_key_file", base)
-            if pp is not None:
-                public = _read_secret(pp, f"{key}.public_key_file").strip().encode()
-        verify, ca_file = False, None
-        cert_hosts: tuple[str, ...] = ()
-        if name == "ses":
-            verify, cert_hosts, ca_file = _sns_signatures(pr, key, base)
-        pr.finish()
-        providers[str(name)] = FeedbackProvider(
-            str(name), token, signing, public, verify, cert_hosts, ca_file
-        )
+    r = _Reader(entry, key)
+    selector = r.string("selector")
+    path = r.path_("key_file", base)
+    if path is None:
+        raise ConfigError(f"{key}.key_file: required")
+    algorithm = r.opt_str("algorithm") or "rsa-sha256"
+    headers = r.get("headers")
+    if headers is not None and (
+        not isinstance(headers, list) or not all(isinstance(h, str) for h in headers)
+    ):
+        raise ConfigError(f"{key}.headers: expected a list of header names")
     r.finish()
+    try:
+        return dkim_sign.load_key(domain, selector, path, algorithm, headers)
+    except dkim_sign.DkimConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _feedback(fb: FeedbackSection) -> FeedbackConf:
+    providers: dict[str, FeedbackProvider] = {}
+    for name in FEEDBACK_PROVIDERS:
+        p = getattr(fb.providers, name)
+        if p is None:
+            continue
+        providers[name] = FeedbackProvider(
+            name,
+            p.token,
+            p.signing_key if isinstance(p, MailgunProvider) else None,
+            p.public_key if isinstance(p, SendgridProvider) else None,
+            bool(p.verify_signatures) if isinstance(p, SesProvider) else False,
+            p.signing_cert_hosts if isinstance(p, SesProvider) else (),
+            p.signing_cert_ca_file if isinstance(p, SesProvider) else None,
+        )
     return FeedbackConf(
-        listen,
-        address,
-        verp,
-        verp_secret,
-        max_body,
+        fb.listen,
+        fb.address,
+        fb.verp,
+        fb.verp_secret,
+        fb.max_body,
         providers,
-        mail_max_stored=mail_max_stored,
-        mail_budget=mail_budget,
-        rate_per_ip=rate_per_ip,
-        rate_window=rate_window,
-        http=http,
-    )
-
-
-def _http_bounds(r: _Reader) -> HttpBounds:
-    return HttpBounds(
-        max_connections=r.integer("max_connections", 1),
-        max_connections_per_ip=r.integer("max_connections_per_ip", 1),
+        mail_max_stored=fb.mail_max_stored,
+        mail_budget=fb.mail_budget,
+        rate_per_ip=fb.rate_per_ip,
+        rate_window=fb.rate_window,
+        http=HttpBounds(fb.max_connections, fb.max_connections_per_ip),
     )
 
 
@@ -1173,6 +918,46 @@ def hostname_problem(name: str) -> str | None:
     return None
 
 
+# the sections still read by hand: their JSON Schema, in outline (relay.yaml's comments and
+# the README say the rest)
+_HAND_SCHEMAS: dict[str, dict[str, Any]] = {
+    "upstreams": {"type": ["object", "null"]},
+    "routes": {"type": ["array", "null"], "items": {"type": "object"}},
+    "dkim": {"type": "object"},
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """The config file's JSON Schema (`relay config schema`), for editors: keys, types,
+    defaults and descriptions; an unknown key is flagged as the loader would."""
+    fields: dict[str, Any] = {}
+    for name in dict.fromkeys([*DEFAULTS, "fleet", "outbox", "upstreams", "routes"]):
+        default = DEFAULTS.get(name)
+        if name in SECTIONS:
+            fields[name] = (SECTIONS[name] | None, Field(default))
+        elif name == "hostname":
+            fields[name] = (types.OptStr, Field(default))
+        elif name == "shutdown_timeout":
+            fields[name] = (types.Duration, Field(default))
+        elif name == "destinations":
+            fields[name] = (dict[str, DestinationSection | None], Field(default))
+        elif name == "listen":
+            fields[name] = (list[ListenerSection], Field(default, min_length=1))
+        elif name == "identities":
+            fields[name] = (dict[str, IdentitySection], Field(default))
+        else:
+            schema = _HAND_SCHEMAS.get(name, {"type": ["object", "null"]})
+            fields[name] = (Annotated[Any, WithJsonSchema(schema)], Field(default))
+    model = create_model(
+        "RelayConfig",
+        __config__=ConfigDict(extra="forbid", title="relay.yaml"),
+        __doc__="relay's config file (README: Configuration; CONTRACT.md: Config)",
+        **fields,
+    )
+    out: dict[str, Any] = model.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **out}
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     p = Path(path or os.environ.get("RELAY_CONFIG") or DEFAULT_PATH)
     try:
@@ -1195,32 +980,150 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     return from_mapping(data or {}, p.resolve().parent, path=p.resolve())
 
 
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-
-
 def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
-    """The config tree, or one ConfigError listing every error of the file (one a line):
-    after an error the offending key is set aside (its default applies) and the file is
-    read again, so errors in other places are found in the same run."""
+    """The config tree, or one ConfigError listing every error of the file (one a line).
+
+    The sections on the library (relay/config_models.py) are validated once each, every
+    error at once; a section with errors gets its defaults so that the rest can be read.
+    The sections still read by hand (`_from_mapping`) report one error at a time: after an
+    error the offending key is set aside (its default applies) and they are read again.
+    """
     # a NUL reaches no file name, host or header: os and socket calls raise ValueError on it
     nul = [f"{k}: a NUL character is not allowed in a config value" for k in _nul_keys(data)]
     if nul:
         raise ConfigError("\n".join(nul))
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
     errors: list[str] = []
-    current = copy.deepcopy(data)
-    for _ in range(50):
+    merged = _merge(DEFAULTS, data)
+    typed = _sections(merged, base_dir, errors)
+    destinations = _destinations(
+        {"*": {}, **data["destinations"]}
+        if isinstance(data.get("destinations"), Mapping)
+        else merged["destinations"],
+        typed.timeouts.model_dump(),
+        errors,
+    )
+    identities = _identities(merged["identities"], base_dir, errors)
+    listeners = _listeners(merged["listen"], base_dir, errors)
+    config = _from_mapping(data, base_dir, path, typed, destinations, identities, listeners, errors)
+    if errors:
+        errors.sort(key=_place)
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return config
+
+
+# the order errors are listed in: the order the file is read in (sections, then unknown keys)
+_SECTION_ORDER = (
+    *("config", "hostname", "listen", "spool", "fleet", "outbox", "dedup", "limits", "auth"),
+    *("upstream", "upstreams", "routes", "retry", "timeouts", "destinations", "identities"),
+    *("shaping", "lanes", "delivery", "alerts", "health", "dsn", "local", "admin", "feedback"),
+    *("dkim", "log", "shutdown_timeout", "inbound"),
+)
+
+
+def _place(msg: str) -> int:
+    """Where an error is listed: its section's place in _SECTION_ORDER (unknown keys last)."""
+    section = re.split(r"[.\[:]", msg, maxsplit=1)[0]
+    return _SECTION_ORDER.index(section) if section in _SECTION_ORDER else len(_SECTION_ORDER)
+
+
+def _sections(merged: Mapping[str, Any], base_dir: Path, errors: list[str]) -> Sections:
+    """Each section on the library validated once; its errors (all of them) appended."""
+    out: dict[str, Section] = {}
+    for name, model in SECTIONS.items():
+        value = merged.get(name)
         try:
-            config = _from_mapping(current, base_dir, path)
-        except ConfigError as e:
-            msg = str(e)
-            errors.append(msg)
-            if not isinstance(current, dict) or not _set_aside(current, msg):
-                break
-            continue
-        if errors:
-            break
-        return config
-    raise ConfigError("\n".join(dict.fromkeys(errors)))
+            out[name] = model.model_validate(
+                {} if value is None else value, context={"base": base_dir}
+            )
+        except ValidationError as e:
+            errors.extend(_messages(e, model, name))
+            out[name] = model()
+    return Sections(**out)  # type: ignore[arg-type]
+
+
+def _messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
+    """pydantic's errors in the contract's words: `key.path: problem`. A key left out whose
+    place an unknown key that looks like it takes is reported as that misspelling."""
+    errs = e.errors()
+    extras = {
+        (err["loc"][:-1], str(err["loc"][-1])) for err in errs if err["type"] == "extra_forbidden"
+    }
+    misspelt: dict[tuple[Any, ...], str] = {}  # the unknown key's loc -> the key it stands for
+    for err in errs:
+        *parent, name = err["loc"] or ("",)
+        if err["type"] == types.ERROR_TYPE and err["input"] is None and isinstance(name, str):
+            others = [x for p, x in extras if p == tuple(parent)]
+            close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
+            if close:
+                misspelt[(*parent, close[0])] = name
+    out = []
+    for err in errs:
+        loc = err["loc"]
+        key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{_shown(p)}" for p in loc)
+        kind = err["type"]
+        ctx = err.get("ctx") or {}
+        if kind == types.ERROR_TYPE:
+            *parent, name = loc or ("",)
+            if any(at[:-1] == tuple(parent) and meant == name for at, meant in misspelt.items()):
+                continue  # reported as the misspelling
+            if "key" in ctx:
+                key = f"{key}.{ctx['key']}"
+            out.append(ctx["msg"] if ctx.get("full") else f"{key}: {ctx['msg']}")
+        elif kind == "extra_forbidden":
+            name = str(loc[-1])
+            if loc in misspelt:
+                out.append(f"{key}: unknown key {name!r} (did you mean {misspelt[loc]!r}?)")
+            else:
+                at = _model_at(model, loc[:-1])
+                hook = getattr(at, "unknown_key", None)  # a section's own wording
+                if hook is not None:
+                    out.append(f"{key}: {hook(name)}")
+                else:
+                    out.append(_unknown_key(key, name, _fields(at)))
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            out.append(f"{key}: expected a mapping, got {_kind(err['input'])}")
+        else:  # not expected: every relay type words its own errors
+            out.append(f"{key}: {err['msg']}")
+    return out
+
+
+def _shown(name: str) -> str:
+    """A key from the file as an error shows it: escaped, since a control character in an
+    unknown key must not break the one-error-a-line message (str.splitlines splits on
+    \x1c-\x1e too)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
+def _model_at(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section model at `loc` below `model` (for the keys an unknown key may mean)."""
+    for part in loc:
+        f = model.model_fields.get(str(part)) if model is not None else None
+        if f is None:
+            return None
+        kinds = [f.annotation, *get_args(f.annotation)]
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    return model
+
+
+def _fields(model: type[BaseModel] | None) -> list[str]:
+    if model is None:
+        return []
+    return sorted(f.alias or n for n, f in model.model_fields.items())
+
+
+def _unknown_key(key: str, name: str, known: list[str]) -> str:
+    """`key: unknown key 'name'`, with the known key it looks like; a password is never
+    inline (README "Secrets")."""
+    if name == "password" or name.endswith("_password"):
+        return (
+            f"{key}: unknown key: secrets are never inline; put"
+            " it in a file and name the file with 'password_file'"
+        )
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{key}: unknown key {name!r}{hint}"
 
 
 def _nul_keys(node: object, key: str = "") -> list[str]:
@@ -1230,7 +1133,7 @@ def _nul_keys(node: object, key: str = "") -> list[str]:
     out: list[str] = []
     if isinstance(node, Mapping):
         for k, v in node.items():
-            sub = f"{key}.{k}" if key else str(k)
+            sub = f"{key}.{_shown(str(k))}" if key else _shown(str(k))
             out += _nul_keys(k, sub) + _nul_keys(v, sub)
     elif isinstance(node, list):
         for i, v in enumerate(node):
@@ -1238,318 +1141,178 @@ def _nul_keys(node: object, key: str = "") -> list[str]:
     return out
 
 
-def _set_aside(data: dict[str, Any], msg: str) -> bool:
-    """Remove the key an error message names (`retry.schedule[2]: ...` removes
-    retry.schedule) from `data`; False when the message names none that is there."""
-    keypath = msg.split(":", 1)[0].strip().strip('"')
-    # list indexes are skipped: removing the key that holds the list sets the whole list
-    # aside (its default applies), which keeps the other indexes' meaning
-    parts = [m.group(1) for m in _PATH_PART.finditer(keypath) if m.group(1) is not None]
-    node: Any = data
-    trail: list[tuple[dict[str, Any], str]] = []
-    for part in parts:
-        if isinstance(node, dict) and part in node:
-            trail.append((node, part))
-            node = node[part]
-        else:
-            break
-    if not trail:
-        return False
-    parent, key = trail[-1]
-    del parent[key]
-    return True
+def _from_mapping(
+    data: object,
+    base_dir: Path,
+    path: Path | None,
+    typed: Sections,
+    destinations: dict[str, Destination],
+    identities: dict[str, Identity],
+    listeners: tuple[Listener, ...],
+    errors: list[str],
+) -> Config:
+    """The Config from the validated sections and the parts read here (hostname, routes,
+    local, dkim, shutdown_timeout, unknown top-level keys); each part's error appended to
+    `errors` and a default used in its place, so that one pass finds every error."""
 
+    def attempt(read: Callable[[], _T], fallback: _T) -> _T:
+        try:
+            return read()
+        except ConfigError as e:
+            errors.append(str(e))
+            return fallback
 
-def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Config:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config: expected a mapping at the top, got {_kind(data)}")
+    assert isinstance(data, Mapping)  # from_mapping checked
     merged: dict[str, Any] = _merge(DEFAULTS, data)
     if "destinations" in data and isinstance(data["destinations"], Mapping):
         merged["destinations"] = {"*": {}, **dict(data["destinations"])}
     top = _Reader(merged, "")
 
-    hostname = top.opt_str("hostname") or socket.getfqdn()
-    hostname_set = bool(top.opt_str("hostname"))
+    given_name = attempt(lambda: top.opt_str("hostname"), None)
+    hostname = given_name or socket.getfqdn()
+    hostname_set = bool(given_name)
 
-    listen_raw = top.get("listen")
-    if not isinstance(listen_raw, list) or not listen_raw:
-        raise ConfigError("listen: expected a non-empty list of listeners")
-    listeners = tuple(
-        _listener(item, f"listen[{i}]", base_dir) for i, item in enumerate(listen_raw)
-    )
+    top.get("listen")  # read by _listeners
 
-    spool = _Reader(top.get("spool"), "spool")
-    spool_path = spool.path_("path", base_dir)
-    if spool_path is None:
-        raise ConfigError("spool.path: required")
-    inline_max = parse_size(spool.get("inline_max"), "spool.inline_max")
-    retention = spool.duration("retention")
-    spool_reserve = parse_size(spool.get("reserve"), "spool.reserve")
-    spool_pg = _spool_backend(spool, base_dir)
-    maildrop_path = spool.path_("maildrop", base_dir) or spool_path / "maildrop"
-    fl = _Reader(top.get("fleet"), "fleet")
-    fleet = FleetConf(node=fl.opt_str("node") or None, lease=fl.opt_duration("lease") or 30.0)
-    if fleet.lease < 3:
-        raise ConfigError("fleet.lease: at least 3s (it is renewed every lease/3)")
-    fl.finish()
-    spool.finish()
-    ob = _Reader(top.get("outbox"), "outbox")
+    sp = typed.spool
+    spool_path = sp.path or base_dir  # never None: its model requires it
+    inline_max = sp.inline_max
+    retention = sp.retention
+    spool_reserve = sp.reserve
+    spool_pg = None if sp.backend == "sqlite" else PgSpool(sp.dsn or "", sp.password_file)
+    maildrop_path = sp.maildrop or spool_path / "maildrop"
+    fleet = FleetConf(node=typed.fleet.node or None, lease=typed.fleet.lease or 30.0)
+    ob = typed.outbox
     outbox = OutboxConf(
-        enabled=ob.get("enabled") is not None and ob.boolean("enabled"),
-        poll_interval=ob.opt_duration("poll_interval") or 1.0,
-        batch=ob.opt_int("batch", 1) or 100,
+        enabled=bool(ob.enabled), poll_interval=ob.poll_interval or 1.0, batch=ob.batch or 100
     )
     if outbox.enabled and spool_pg is None:
         raise ConfigError(
             "outbox.enabled: the outbox is a table of a PostgreSQL spool"
             " (spool.backend: postgresql)"
         )
-    ob.finish()
 
-    dedup = _Reader(top.get("dedup"), "dedup")
-    dedup_window = dedup.duration("window")
-    dedup.finish()
+    # the sections on the library (relay/config_models.py), validated by from_mapping
+    for name in SECTIONS:
+        top.get(name)
+    dedup_window = typed.dedup.window
+    limits = Limits(**typed.limits.model_dump())
+    auth_limits = AuthLimits(**typed.auth.model_dump())
 
-    lim = _Reader(top.get("limits"), "limits")
-    limits = Limits(
-        max_message_size=parse_size(lim.get("max_message_size"), "limits.max_message_size"),
-        max_recipients=lim.integer("max_recipients", 1),
-        session_timeout=lim.duration("session_timeout"),
-        max_line_length=lim.integer("max_line_length", 78),
-        max_command_length=lim.integer("max_command_length", 512),
-        max_header_size=parse_size(lim.get("max_header_size"), "limits.max_header_size"),
-        max_connections=lim.integer("max_connections", 1),
-        max_connections_per_ip=lim.integer("max_connections_per_ip", 1),
-        max_connections_per_ip_allowed=lim.integer("max_connections_per_ip_allowed", 1),
-        allowed_reserve=lim.integer("allowed_reserve", 0),
-        max_errors=lim.integer("max_errors", 0),
-        command_timeout=lim.duration("command_timeout"),
-        min_data_rate=parse_size(lim.get("min_data_rate"), "limits.min_data_rate"),
-        min_data_rate_window=lim.duration("min_data_rate_window"),
+    up = typed.upstream
+    smh, mx = up.smarthost, up.mx
+    upstream = Upstream(
+        mode=up.mode,
+        helo=up.helo or hostname,
+        smarthost=Smarthost(
+            host=smh.host,
+            port=smh.port,
+            tls=smh.tls,
+            verify=smh.verify,
+            ca_file=smh.ca_file,
+            username=smh.username,
+            password_file=smh.password_file,
+            password=smh.password,
+        ),
+        mx=MxMode(
+            port=mx.port,
+            tls=mx.tls,
+            verify=mx.verify,
+            nameservers=mx.nameservers,
+            dns_timeout=mx.dns_timeout,
+            mta_sts=mx.mta_sts,
+            ca_file=mx.ca_file,
+            mta_sts_port=mx.mta_sts_port,
+        ),
     )
-    if limits.allowed_reserve >= limits.max_connections:
-        raise ConfigError(
-            f"limits.allowed_reserve: {limits.allowed_reserve} must be below"
-            f" limits.max_connections ({limits.max_connections})"
-        )
-    if not MIN_HEADER_SIZE <= limits.max_header_size <= MAX_HEADER_SIZE:
-        raise ConfigError(
-            f"limits.max_header_size: {limits.max_header_size} must be between"
-            f" {MIN_HEADER_SIZE} (1KiB) and {MAX_HEADER_SIZE} (1MiB)"
-        )
-    if limits.command_timeout <= 0:
-        raise ConfigError("limits.command_timeout: must be more than 0")
-    if limits.min_data_rate and limits.min_data_rate_window <= 0:
-        raise ConfigError("limits.min_data_rate_window: must be more than 0")
-    lim.finish()
-
-    au = _Reader(top.get("auth"), "auth")
-    auth_limits = AuthLimits(
-        max_parallel=au.integer("max_parallel", 1),
-        max_pending=au.integer("max_pending", 0),
-        failure_delay=au.duration("failure_delay"),
-        max_failure_delay=au.duration("max_failure_delay"),
-        max_failures_per_ip=au.integer("max_failures_per_ip", 0),
-        failure_window=au.duration("failure_window"),
-        ban_time=au.duration("ban_time"),
-    )
-    au.finish()
-
-    upstream = _upstream(top.get("upstream"), base_dir, hostname)
     smart = upstream.smarthost
-    try:
-        route_table = routing.parse(
-            top.get("upstreams"),
-            top.get("routes"),
-            mode=upstream.mode,
-            smarthost=routing.UpstreamHost(
-                name="smarthost",
-                host=smart.host,
-                port=smart.port,
-                tls=smart.tls,
-                verify=smart.verify,
-                ca_file=smart.ca_file,
-                username=smart.username,
-                password=smart.password,
-            ),
-            base=base_dir,
-            read_secret=_read_secret,
-        )
-    except routing.RouteConfigError as e:
-        raise ConfigError(str(e)) from None
 
-    rt = _Reader(top.get("retry"), "retry")
-    sched = rt.get("schedule")
-    if not isinstance(sched, list) or not sched:
-        raise ConfigError("retry.schedule: expected a non-empty list of durations")
-    retry = Retry(
-        schedule=tuple(parse_duration(s, f"retry.schedule[{i}]") for i, s in enumerate(sched)),
-        max_age=rt.duration("max_age"),
-        min_delay=rt.duration("min_delay"),
-        warn_after=rt.duration("warn_after"),
-    )
-    rt.finish()
-
-    to = _Reader(top.get("timeouts"), "timeouts")
-    timeouts = {k: to.duration(k) for k in ("connect", "command", "data")}
-    to.finish()
-
-    dests_raw = top.get("destinations")
-    if not isinstance(dests_raw, Mapping):
-        raise ConfigError("destinations: expected a mapping")
-    star = _destination("*", dests_raw.get("*") or {}, {}, timeouts)
-    destinations = {"*": star}
-    for name, d in dests_raw.items():
-        if name != "*":
-            destinations[str(name).lower()] = _destination(
-                str(name), d or {}, dests_raw.get("*") or {}, timeouts
-            )
-
-    ids_raw = top.get("identities")
-    if not isinstance(ids_raw, Mapping):
-        raise ConfigError("identities: expected a mapping")
-    identities = {str(k).lower(): _identity(str(k), v, base_dir) for k, v in ids_raw.items()}
-
-    sh = _Reader(top.get("shaping"), "shaping")
-    tzname = sh.string("window_tz")
-    try:
-        import zoneinfo
-
-        zoneinfo.ZoneInfo(tzname)
-    except Exception:
-        raise ConfigError(f"shaping.window_tz: {tzname!r} is not a known time zone") from None
-    rules_raw = sh.get("rules")
-    if rules_raw is not None and not isinstance(rules_raw, list):
-        raise ConfigError("shaping.rules: expected a list of rules")
-    rules: list[ShapingRule] = []
-    if rules_raw is not None:
-        from relay.shaping import parse_rule
-
-        for i, rule_raw in enumerate(rules_raw):
-            rkey = f"shaping.rules[{i}]"
-            if not isinstance(rule_raw, Mapping):
-                raise ConfigError(f"{rkey}: expected a mapping with match, action and for")
-            rule = dict(rule_raw)
-            if rule.get("for") is not None:  # a duration: 30s, 2h, or seconds
-                rule["for"] = parse_duration(rule["for"], f"{rkey}.for")
-            try:
-                rules.append(parse_rule(rule))
-            except ValueError as e:
-                raise ConfigError(f"{rkey}: {e}") from None
-    shaping = ShapingConf(
-        window_tz=tzname,
-        window_length=sh.opt_duration("window_length"),
-        identity_by=sh.string("identity_by", ("sender_domain", "sender")),
-        rules=tuple(rules),
-    )
-    sh.finish()
-
-    ln = _Reader(top.get("lanes"), "lanes")
-    lane_rules = ln.get("rules")
-    if not isinstance(lane_rules, list):
-        raise ConfigError("lanes.rules: expected a list")
-    from relay.lanes import parse_lane_rules
-
-    try:  # parsed here so that a bad rule is a config error, not a crash at start
-        parsed_lanes = parse_lane_rules(lane_rules)
-    except ValueError as e:
-        raise ConfigError(re.sub(r"^lane rule (\d+)", r"lanes.rules[\1]", str(e))) from None
-    shares = {}
-    for lane in ("transactional", "bulk"):
-        lr = _Reader(ln.get(lane), f"lanes.{lane}")
-        shares[lane] = lr.number("share", 0.0, 1.0)
-        lr.finish()
-    lanes = LanesConf(rules=parsed_lanes, shares=shares)
-    ln.finish()
-
-    dl = _Reader(top.get("delivery"), "delivery")
-    delivery = Delivery(
-        workers=dl.integer("workers", 1),
-        batch=dl.integer("batch", 1),
-        poll_interval=dl.duration("poll_interval"),
-    )
-    dl.finish()
-
-    al = _Reader(top.get("alerts"), "alerts")
-    alerts = Alerts(
-        command=al.opt_str("command"),
-        timeout=al.duration("timeout"),
-        coalesce=al.duration("coalesce"),
-        webhook=_webhook(al.get("webhook"), base_dir),
-    )
-    al.finish()
-
-    he = _Reader(top.get("health"), "health")
-    health = Health(
-        disk_free_warning=parse_percent(he.get("disk_free_warning"), "health.disk_free_warning"),
-        disk_free_critical=parse_percent(he.get("disk_free_critical"), "health.disk_free_critical"),
-        queue_age_warning=he.duration("queue_age_warning"),
-        queue_age_critical=he.duration("queue_age_critical"),
-        stall_after=he.duration("stall_after"),
-        failing_after=he.duration("failing_after"),
-        dead_letters_warning=he.integer("dead_letters_warning", 1),
-    )
-    if health.disk_free_critical > health.disk_free_warning:
-        raise ConfigError("health.disk_free_critical: must not be above health.disk_free_warning")
-    if health.queue_age_critical < health.queue_age_warning:
-        raise ConfigError("health.queue_age_critical: must not be below health.queue_age_warning")
-    he.finish()
-
-    ds = _Reader(top.get("dsn"), "dsn")
-    dsn = Dsn(enabled=ds.boolean("enabled"), sender=ds.opt_str("from"))
-    ds.finish()
-
-    lo = _Reader(top.get("local"), "local")
-    local_domain = lo.opt_str("domain") or hostname
-    if not _domain_ok(local_domain):
-        raise ConfigError(f"local.domain: {local_domain!r} is not a domain")
-    raw_aliases = lo.get("aliases")
-    if isinstance(raw_aliases, str):  # an aliases(5) file
-        apath = lo.path_("aliases", base_dir)
-        assert apath is not None
+    def routes() -> routing.Routing:
         try:
-            atext = apath.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"local.aliases: cannot read {apath}: {e.strerror or e}") from None
-        aliases = parse_aliases(atext, local_domain, f"local.aliases ({apath})")
-    elif isinstance(raw_aliases, Mapping):
-        lines = []
-        for k, v in raw_aliases.items():
-            vals = v if isinstance(v, list) else [v]
-            if not all(isinstance(x, str) for x in vals):
-                raise ConfigError(f"local.aliases.{k}: expected an address or a list of them")
-            lines.append(f"{k}: {', '.join(vals)}")
-        aliases = parse_aliases("\n".join(lines), local_domain, "local.aliases")
-    else:
-        raise ConfigError("local.aliases: expected a mapping or a file name")
-    local = Local(local_domain, aliases)
-    lo.finish()
+            return routing.parse(
+                top.get("upstreams"),
+                top.get("routes"),
+                mode=upstream.mode,
+                smarthost=routing.UpstreamHost(
+                    name="smarthost",
+                    host=smart.host,
+                    port=smart.port,
+                    tls=smart.tls,
+                    verify=smart.verify,
+                    ca_file=smart.ca_file,
+                    username=smart.username,
+                    password=smart.password,
+                ),
+                base=base_dir,
+                read_secret=_read_secret,
+            )
+        except routing.RouteConfigError as e:
+            raise ConfigError(str(e)) from None
 
-    ad = _Reader(top.get("admin"), "admin")
-    admin_addr = ad.opt_str("listen")
-    admin_listen = None if not admin_addr else parse_hostport(admin_addr, "admin.listen")
-    admin_http = _http_bounds(ad)
-    admin_console, admin_users_file = _console_access(ad, admin_listen, base_dir)
-    ad.finish()
+    route_table = attempt(routes, routing.Routing({}, ()))
 
-    feedback = _feedback(top.get("feedback"), base_dir)
-    dkim_keys = _dkim(top.get("dkim"), base_dir)
+    retry = Retry(**typed.retry.model_dump())
+    timeouts = typed.timeouts.model_dump()
 
-    lg = _Reader(top.get("log"), "log")
-    log = LogConf(
-        level=lg.string("level", ("debug", "info", "warning", "error")),
-        format=lg.string("format", ("json", "text")),
-        unmask=lg.boolean("unmask"),
+    top.get("destinations")  # read by _destinations
+
+    top.get("identities")  # read by _identities
+
+    sg = typed.shaping
+    shaping = ShapingConf(
+        window_tz=sg.window_tz,
+        window_length=sg.window_length,
+        identity_by=sg.identity_by,
+        rules=tuple(sg.rules or ()),
     )
-    lg.finish()
+    lanes = LanesConf(
+        rules=typed.lanes.rules,
+        shares={"transactional": typed.lanes.transactional.share, "bulk": typed.lanes.bulk.share},
+    )
 
-    shutdown_timeout = top.duration("shutdown_timeout")
-    ib = _Reader(top.get("inbound"), "inbound")
-    inbound_processes = ib.integer("processes", 0)
-    if inbound_processes > 64:
-        raise ConfigError("inbound.processes: at most 64")
-    ib.finish()
-    top.finish()
+    delivery = Delivery(**typed.delivery.model_dump())
+
+    al = typed.alerts
+    wh = al.webhook
+    alerts = Alerts(
+        command=al.command,
+        timeout=al.timeout,
+        coalesce=al.coalesce,
+        webhook=None
+        if wh is None
+        else Webhook(
+            url=wh.url,
+            secret=wh.secret,
+            secret_file=wh.secret_file,
+            timeout=10.0 if wh.timeout is None else wh.timeout,
+        ),
+    )
+
+    health = Health(**typed.health.model_dump())
+    dsn = Dsn(**typed.dsn.model_dump())
+
+    top.get("local")
+    local = attempt(lambda: _local(typed.local, hostname, base_dir), Local(hostname or "localhost"))
+
+    admin = typed.admin
+    admin_console, admin_users_file = admin.console, admin.users_file
+    admin_listen = admin.listen
+    admin_http = HttpBounds(
+        max_connections=admin.max_connections,
+        max_connections_per_ip=admin.max_connections_per_ip,
+    )
+
+    feedback = _feedback(typed.feedback)
+    no_keys: dict[str, tuple[DkimKey, ...]] = {}
+    dkim_keys = attempt(lambda: _dkim(top.get("dkim"), base_dir, errors), no_keys)
+
+    log = LogConf(**typed.log.model_dump())
+
+    shutdown_timeout = attempt(lambda: top.duration("shutdown_timeout"), 30.0)
+    inbound_processes = typed.inbound.processes
+    for name in top.data:  # every unknown key, not the first
+        if name not in top.used:
+            errors.append(_unknown_key(_shown(str(name)), str(name), sorted(top.used)))
 
     return Config(
         path=path,
@@ -1594,346 +1357,168 @@ def _from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Con
     )
 
 
-def _spool_backend(spool: _Reader, base: Path) -> PgSpool | None:
-    backend = spool.string("backend", ("sqlite", "postgresql"))
-    dsn = spool.opt_str("dsn")
-    password_file = spool.path_("password_file", base)
-    if backend == "sqlite":
-        if dsn is not None or password_file is not None:
-            raise ConfigError("spool.dsn: only with spool.backend: postgresql")
-        return None
-    if not dsn:
-        raise ConfigError("spool.dsn: required with spool.backend: postgresql")
-    if not dsn.startswith(("postgresql://", "postgres://")) and "=" not in dsn:
-        raise ConfigError("spool.dsn: expected a libpq URL (postgresql://...) or key=value list")
-    _check_dsn_port(dsn)
-    if password_file is not None and not password_file.is_file():
-        raise ConfigError(f"spool.password_file: {password_file} is not a readable file")
-    return PgSpool(dsn, password_file)
-
-
-def _check_dsn_port(dsn: str) -> None:
-    """A DSN whose URL or port libpq could never use is a config error now, not a crash
-    of whatever reads it first (the message never shows the DSN: it may hold a password)."""
-    from urllib.parse import urlsplit
-
-    ports: list[str] = []
-    if dsn.startswith(("postgresql://", "postgres://")):
+def _local(lo: LocalSection, hostname: str, base_dir: Path) -> Local:
+    """local: the domain bare local parts are qualified with, and the aliases (a mapping,
+    or an aliases(5) file)."""
+    local_domain = lo.domain or hostname
+    if not _domain_ok(local_domain):
+        raise ConfigError(f"local.domain: {local_domain!r} is not a domain")
+    raw_aliases = lo.aliases
+    if isinstance(raw_aliases, str):  # an aliases(5) file
+        apath = _keyed(lambda v: _aliases_path(v, base_dir), raw_aliases, "local.aliases")
         try:
-            netloc = urlsplit(dsn).netloc
-        except ValueError as e:
-            raise ConfigError(f"spool.dsn: not a valid URL ({e})") from None
-        # libpq's multi-host form: host1:5432,[::1]:5433
-        for hostport in netloc.rpartition("@")[2].split(","):
-            tail = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
-            ports.append(tail.partition(":")[2])
+            atext = apath.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"local.aliases: cannot read {apath}: {e.strerror or e}") from None
+        aliases = parse_aliases(atext, local_domain, f"local.aliases ({apath})")
+    elif isinstance(raw_aliases, Mapping):
+        lines = []
+        for k, v in raw_aliases.items():
+            vals = v if isinstance(v, list) else [v]
+            if not all(isinstance(x, str) for x in vals):
+                raise ConfigError(f"local.aliases.{k}: expected an address or a list of them")
+            lines.append(f"{k}: {', '.join(vals)}")
+        aliases = parse_aliases("\n".join(lines), local_domain, "local.aliases")
     else:
-        m = re.search(r"(?:^|\s)port\s*=\s*'?([^'\s]*)", dsn)
-        ports = m.group(1).split(",") if m else []
-    for p in ports:
-        if p and not (p.isascii() and p.isdigit() and 0 < int(p) < 65536):
-            raise ConfigError(f"spool.dsn: port {p!r} is not a number from 1 to 65535")
+        raise ConfigError("local.aliases: expected a mapping or a file name")
+    return Local(local_domain, aliases)
 
 
-def _listener(item: object, key: str, base: Path) -> Listener:
-    r = _Reader(item, key)
-    addr = r.string("address")
-    host, port = parse_hostport(addr, f"{key}.address")
-    allow_raw = r.get("allow")
-    if allow_raw is None:
-        allow_raw = ["127.0.0.0/8", "::1/128"]  # loopback only unless configured
-    if not isinstance(allow_raw, list):
-        raise ConfigError(f"{key}.allow: expected a list of networks")
-    nets = []
-    for i, n in enumerate(allow_raw):
+def _aliases_path(value: str, base_dir: Path) -> Path:
+    from pydantic import TypeAdapter
+
+    try:
+        out = TypeAdapter(types.OptPath).validate_python(value, context={"base": base_dir})
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["ctx"]["msg"]) from None
+    assert out is not None
+    return Path(out)
+
+
+def _listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener, ...]:
+    """`listen`: each listener validated once (its certificate and users file read)."""
+    if not isinstance(raw, list) or not raw:
+        errors.append("listen: expected a non-empty list of listeners")
+        return ()
+    out = []
+    for i, item in enumerate(raw):
+        key = f"listen[{i}]"
+        if item is None:
+            item = {}
         try:
-            nets.append(ipaddress.ip_network(str(n), strict=False))
-        except ValueError:
-            raise ConfigError(f"{key}.allow[{i}]: {n!r} is not a network") from None
-    lane = r.opt_str("lane")
-    if lane not in (None, "transactional", "bulk"):
-        raise ConfigError(f"{key}.lane: {lane!r} is not one of transactional, bulk")
-    tls = None if r.get("tls") is None else _listener_tls(r.get("tls"), f"{key}.tls", base)
-    require_tls = False if r.get("require_tls") is None else r.boolean("require_tls")
-    if require_tls and tls is None:
-        raise ConfigError(f"{key}.require_tls: needs {key}.tls (a certificate to offer)")
-    auth = None if r.get("auth") is None else _listener_auth(r.get("auth"), f"{key}.auth", base)
-    if auth is not None and tls is None and not auth.allow_plaintext:
-        raise ConfigError(
-            f"{key}.auth: AUTH is only offered over TLS: configure {key}.tls,"
-            f" or set {key}.auth.allow_plaintext: true (loopback only)"
+            m = ListenerSection.model_validate(item, context={"base": base_dir, "key": key})
+        except ValidationError as e:
+            errors.extend(_messages(e, ListenerSection, key))
+            continue
+        host, port = types.hostport(m.address)
+        tls, auth = m.tls, m.auth
+        out.append(
+            Listener(
+                name=m.address,
+                namespace=m.namespace or m.address,
+                host=host,
+                port=port,
+                allow=m.allow,
+                lane=m.lane,
+                tls=None
+                if tls is None
+                else ListenerTLS(
+                    cert_file=tls.cert_file,  # type: ignore[arg-type]
+                    key_file=tls.key_file,  # type: ignore[arg-type]
+                    context=tls.context,
+                    mode=tls.mode,
+                ),
+                require_tls=bool(m.require_tls),
+                auth=None
+                if auth is None
+                else ListenerAuth(
+                    users_file=auth.users_file,  # type: ignore[arg-type]
+                    allow_plaintext=bool(auth.allow_plaintext),
+                    users=auth.users,
+                ),
+            )
         )
-    namespace = r.opt_str("namespace")
-    if namespace is not None and not (
-        0 < len(namespace) <= 100 and namespace.isascii() and namespace.isprintable()
-    ):
-        raise ConfigError(f"{key}.namespace: 1 to 100 printable ASCII characters")
-    r.finish()
-    return Listener(
-        name=addr,
-        namespace=namespace or addr,
-        host=host,
-        port=port,
-        allow=tuple(nets),
-        lane=lane,
-        tls=tls,
-        require_tls=require_tls,
-        auth=auth,
-    )
+    return tuple(out)
 
 
-def _listener_tls(data: object, key: str, base: Path) -> ListenerTLS:
-    r = _Reader(data, key)
-    mode = "starttls" if r.get("mode") is None else r.string("mode", ("starttls", "implicit"))
-    files: dict[str, Path] = {}
-    for name in ("cert_file", "key_file"):
-        path = r.path_(name, base)
-        if path is None:
-            raise ConfigError(f"{key}.{name}: required")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"{key}.{name}: cannot read {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{key}.{name}: {path} is not a PEM file") from None
-        if name == "cert_file":
-            try:  # parses every certificate in the file; a leaf is fine here
-                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
-                    cadata=text
-                )
-            except (ssl.SSLError, ValueError):
-                raise ConfigError(f"{key}.{name}: {path} holds no valid PEM certificate") from None
-        files[name] = path
-    r.finish()
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certs
-    try:
-        # an encrypted key would prompt on the terminal: answer with no password instead
-        ctx.load_cert_chain(files["cert_file"], files["key_file"], password=lambda: b"")
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(
-            f"{key}.key_file: {files['key_file']} is not an unencrypted PEM private key for"
-            f" {key}.cert_file ({getattr(e, 'reason', None) or e})"
-        ) from None
-    return ListenerTLS(
-        cert_file=files["cert_file"], key_file=files["key_file"], context=ctx, mode=mode
-    )
-
-
-def _listener_auth(data: object, key: str, base: Path) -> ListenerAuth:
-    from relay.auth import UsersFileError, load_users
-
-    r = _Reader(data, key)
-    path = r.path_("users_file", base)
-    if path is None:
-        raise ConfigError(f"{key}.users_file: required")
-    allow_plaintext = False if r.get("allow_plaintext") is None else r.boolean("allow_plaintext")
-    r.finish()
-    try:
-        users = load_users(path)
-    except UsersFileError as e:
-        raise ConfigError(f"{key}.users_file: {e}") from None
-    return ListenerAuth(users_file=path, allow_plaintext=allow_plaintext, users=users)
-
-
-def _readable(path: Path | None, key: str) -> Path | None:
-    if path is not None and not os.access(path, os.R_OK):
-        raise ConfigError(f"{key}: cannot read {path}")
-    return path
-
-
-def _nameservers(items: list[str]) -> list[str]:
-    from relay.delivery.mx import parse_nameserver  # the resolver's own parser
-
-    for i, spec in enumerate(items):
-        try:
-            parse_nameserver(spec)
-        except ValueError as e:
-            raise ConfigError(f"upstream.mx.nameservers[{i}]: {spec!r}: {e}") from None
-    return items
-
-
-def _upstream(data: object, base: Path, hostname: str) -> Upstream:
-    r = _Reader(data, "upstream")
-    mode = r.string("mode", ("smarthost", "mx"))
-    helo = r.opt_str("helo") or hostname
-    s = _Reader(r.get("smarthost"), "upstream.smarthost")
-    pw_file = s.path_("password_file", base)
-    password = None
-    if pw_file is not None:
-        try:
-            password = pw_file.read_text(encoding="utf-8").strip("\r\n")
-        except OSError as e:
-            raise ConfigError(
-                f"upstream.smarthost.password_file: cannot read {pw_file}: {e.strerror}"
-            ) from None
-    smarthost = Smarthost(
-        host=s.string("host"),
-        port=s.integer("port", 1),
-        tls=s.string("tls", ("none", "opportunistic", "starttls", "implicit")),
-        verify=s.boolean("verify"),
-        ca_file=_readable(s.path_("ca_file", base), "upstream.smarthost.ca_file"),
-        username=s.opt_str("username"),
-        password_file=pw_file,
-        password=password,
-    )
-    if smarthost.username and password is None:
-        raise ConfigError("upstream.smarthost.password_file: required when username is set")
-    s.finish()
-    m = _Reader(r.get("mx"), "upstream.mx")
-    ns_raw = m.get("nameservers")
-    if ns_raw is not None and (
-        not isinstance(ns_raw, list) or not all(isinstance(x, str) for x in ns_raw)
-    ):
-        raise ConfigError("upstream.mx.nameservers: expected a list of host[:port] strings")
-    mx = MxMode(
-        port=m.integer("port", 1),
-        tls=m.string("tls", ("none", "opportunistic", "starttls")),
-        verify=m.boolean("verify"),
-        nameservers=None if ns_raw is None else tuple(_nameservers(ns_raw)),
-        dns_timeout=m.duration("dns_timeout"),
-        mta_sts=m.boolean("mta_sts"),
-        ca_file=_readable(m.path_("ca_file", base), "upstream.mx.ca_file"),
-        mta_sts_port=m.integer("mta_sts_port", 1),
-    )
-    m.finish()
-    r.finish()
-    return Upstream(mode=mode, helo=helo, smarthost=smarthost, mx=mx)
+def _destinations(
+    raw: object, timeouts: Mapping[str, float], errors: list[str]
+) -> dict[str, Destination]:
+    """`destinations`: "*" and each named one (which inherits every key it does not set from
+    "*"), each validated once; errors appended."""
+    if not isinstance(raw, Mapping):
+        errors.append("destinations: expected a mapping")
+        raw = {}
+    star_raw = raw.get("*") or {}
+    star = _destination("*", star_raw, {}, timeouts, errors)
+    default = _destination("*", {}, {}, timeouts, [])
+    assert default is not None  # the defaults are valid
+    out = {"*": star or default}
+    inherited = star_raw if star is not None else {}  # a bad "*" is reported once
+    for name, d in raw.items():
+        if name != "*":
+            dest = _destination(str(name), d or {}, inherited, timeouts, errors)
+            out[str(name).lower()] = dest or out["*"]
+    return out
 
 
 def _destination(
-    name: str, data: object, star: object, timeouts: Mapping[str, float]
-) -> Destination:
+    name: str,
+    data: object,
+    star: Mapping[str, Any],
+    timeouts: Mapping[str, float],
+    errors: list[str],
+) -> Destination | None:
     key = f"destinations.{name}" if re.fullmatch(r"[\w.-]+", name) else f'destinations."{name}"'
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{key}: expected a mapping")
-    inherited = dict(star) if isinstance(star, Mapping) else {}
-    r = _Reader({**DESTINATION_DEFAULTS, **inherited, **data}, key)
-    rate = parse_rate(r.get("rate"), r.key("rate"))
-    burst_v = r.get("burst")
-    if burst_v is None:
-        burst = max(1.0, rate) if rate else 1.0
-    elif isinstance(burst_v, int | float) and not isinstance(burst_v, bool) and burst_v >= 1:
-        burst = float(burst_v)
-    else:
-        raise ConfigError(f"{r.key('burst')}: expected a number >= 1")
-    dest = Destination(
-        name=name.lower(),
-        max_connections=r.integer("max_connections", 1),
-        rate=rate,
-        burst=burst,
-        daily_limit=r.opt_int("daily_limit", 0),
-        max_messages_per_connection=r.integer("max_messages_per_connection", 1),
-        connect_timeout=r.opt_duration("connect_timeout") or timeouts["connect"],
-        command_timeout=r.opt_duration("command_timeout") or timeouts["command"],
-        data_timeout=r.opt_duration("data_timeout") or timeouts["data"],
-        ambiguous=r.string("ambiguous", ("retry", "assume-delivered")),
-        circuit_failures=r.integer("circuit_failures", 1),
-        circuit_cooldown=r.duration("circuit_cooldown"),
-        slowdown_cooldown=r.duration("slowdown_cooldown"),
-    )
-    r.finish()
-    return dest
-
-
-def _identity(name: str, data: object, base: Path) -> Identity:
-    key = f"identities.{name}"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{key}: expected a mapping")
-    r = _Reader({**IDENTITY_DEFAULTS, **data}, key)
-    daily = r.opt_int("daily_limit", 0)
-    w = r.get("warmup")
-    warm = None
-    if w is not None:
-        wr = _Reader(
-            {"schedule": None, "initial": 500, "factor": 2.0, "ceiling": None, **w}
-            if isinstance(w, Mapping)
-            else w,
-            f"{key}.warmup",
-        )
-        start = wr.get("start")
-        try:
-            if start is None:
-                raise ValueError
-            start_date = dt.date.fromisoformat(str(start))
-        except ValueError:
-            raise ConfigError(f"{key}.warmup.start: {start!r} is not a date (YYYY-MM-DD)") from None
-        sched = wr.get("schedule")
-        if sched is not None and (
-            not isinstance(sched, list)
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sched)
-        ):
-            raise ConfigError(f"{key}.warmup.schedule: expected a list of whole numbers")
-        warm = WarmupConf(
-            start=start_date,
-            schedule=None if sched is None else tuple(sched),
-            initial=wr.integer("initial", 1),
-            factor=wr.number("factor", 1.0, 100.0),
-            ceiling=wr.opt_int("ceiling", 1),
-        )
-        wr.finish()
-    unsub = _unsubscribe(r.get("unsubscribe"), f"{key}.unsubscribe", base)
-    r.finish()
-    return Identity(name=name.lower(), daily_limit=daily, warmup=warm, unsubscribe=unsub)
-
-
-def _unsubscribe(item: object, key: str, base: Path) -> UnsubscribeConf | None:
-    from relay.unsubscribe import MIN_SECRET
-
-    if item is None:
+        errors.append(f"{key}: expected a mapping")
         return None
-    r = _Reader(item, key)
-    url = r.opt_str("url")
-    if url is not None:
-        if not url.lower().startswith(("https://", "http://")):
-            raise ConfigError(f"{key}.url: {redact_url(url)!r} is not an https:// URL")
-        if not url.rstrip("/").endswith("/u"):
-            raise ConfigError(
-                f"{key}.url: {redact_url(url)!r} must end in /u (the relay serves POST/GET"
-                " /u/<token>)"
-            )
-    mailto = r.opt_str("mailto")
-    if mailto is not None:
-        _mailbox(mailto, f"{key}.mailto")
-    if url is None and mailto is None:
-        raise ConfigError(f"{key}: give url, mailto or both")
-    sp = r.path_("secret_file", base)
-    if sp is None:
-        raise ConfigError(f"{key}.secret_file: required (the key that signs unsubscribe links)")
-    secret = _read_secret(sp, f"{key}.secret_file").strip().encode()
-    if len(secret) < MIN_SECRET:
-        raise ConfigError(
-            f"{key}.secret_file: {sp} holds {len(secret)} bytes; at least {MIN_SECRET}"
-            " (e.g. `head -c 32 /dev/urandom | base64`)"
+    try:
+        d = DestinationSection.model_validate({**star, **data})
+    except ValidationError as e:
+        errors.extend(_messages(e, DestinationSection, key))
+        return None
+    rate = d.rate
+    return Destination(
+        name=name.lower(),
+        max_connections=d.max_connections,
+        rate=rate,
+        burst=d.burst if d.burst is not None else (max(1.0, rate) if rate else 1.0),
+        daily_limit=d.daily_limit,
+        max_messages_per_connection=d.max_messages_per_connection,
+        connect_timeout=d.connect_timeout or timeouts["connect"],
+        command_timeout=d.command_timeout or timeouts["command"],
+        data_timeout=d.data_timeout or timeouts["data"],
+        ambiguous=d.ambiguous,
+        circuit_failures=d.circuit_failures,
+        circuit_cooldown=d.circuit_cooldown,
+        slowdown_cooldown=d.slowdown_cooldown,
+    )
+
+
+def _identities(raw: object, base_dir: Path, errors: list[str]) -> dict[str, Identity]:
+    """`identities`: each validated once (its secret files read); errors appended."""
+    if not isinstance(raw, Mapping):
+        errors.append("identities: expected a mapping")
+        return {}
+    out = {}
+    for name, data in raw.items():
+        key = f"identities.{_shown(str(name))}"
+        if not isinstance(data, Mapping):
+            errors.append(f"{key}: expected a mapping")
+            continue
+        try:
+            ident = IdentitySection.model_validate(data, context={"base": base_dir})
+        except ValidationError as e:
+            errors.extend(_messages(e, IdentitySection, key))
+            continue
+        w, u = ident.warmup, ident.unsubscribe
+        out[str(name).lower()] = Identity(
+            name=str(name).lower(),
+            daily_limit=ident.daily_limit,
+            warmup=None
+            if w is None
+            else WarmupConf(w.start, w.schedule, w.initial, w.factor, w.ceiling),
+            unsubscribe=None if u is None else UnsubscribeConf(u.url, u.mailto, u.secret),
         )
-    r.finish()
-    return UnsubscribeConf(url=url, mailto=mailto, secret=secret)
-
-
-def _console_access(
-    ad: _Reader, listen: tuple[str, int] | None, base: Path
-) -> tuple[bool, Path | None]:
-    """admin.console and admin.users_file: the console is open (read-only, no login) only
-    on a loopback listener; elsewhere it needs users (relay/ops/console/auth.py)."""
-    import ipaddress
-
-    from relay.ops.console.auth import UsersFileError, load_users
-
-    on = ad.boolean("console")
-    path = ad.path_("users_file", base) if ad.get("users_file") else None
-    if path is not None:
-        try:
-            load_users(path)
-        except UsersFileError as e:
-            raise ConfigError(f"admin.users_file: {e}") from None
-    if on and listen is not None and path is None:
-        try:
-            loopback = ipaddress.ip_address(listen[0].strip("[]")).is_loopback
-        except ValueError:
-            loopback = listen[0] == "localhost"
-        if not loopback:
-            raise ConfigError(
-                f"admin.listen {listen[0]} is not loopback: the console there needs"
-                " admin.users_file (`relay admin passwd NAME --role operator`), or set"
-                " admin.console: false"
-            )
-    return on, path
+    return out

@@ -184,15 +184,42 @@ def config_rows(meanings: dict[str, Any] | None = None) -> list[ConfigRow]:
     return rows
 
 
+def schema_keys() -> set[str]:
+    """Every key path of the config's JSON Schema (`relay config schema`), in this page's
+    notation: `listen[].address`, `destinations.<name>.rate`."""
+    from relay.config import json_schema
+
+    schema = json_schema()
+    defs = schema.get("$defs", {})
+    out: set[str] = set()
+
+    def walk(node: Any, key: str, depth: int = 0) -> None:
+        if not isinstance(node, dict) or depth > 12:
+            return
+        if "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+        if key:
+            out.add(key)
+        for alt in node.get("anyOf", []):
+            walk(alt, key, depth + 1)
+        for k, v in (node.get("properties") or {}).items():
+            walk(v, f"{key}.{k}" if key else k, depth + 1)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and key:
+            walk(extra, f"{key}.<name>", depth + 1)
+        if isinstance(node.get("items"), dict) and key:
+            walk(node["items"], f"{key}[]", depth + 1)
+
+    walk(schema, "")
+    return out
+
+
 def stale_config_meanings(meanings: dict[str, Any]) -> list[str]:
-    """Meanings of keys the code no longer has (config_extra: a key never read)."""
-    known = {k for k, _ in config_keys()}
-    stale = [k for k in (meanings.get("config") or {}) if k not in known]
-    stale += [k for k in (meanings.get("config_types") or {}) if k not in known]
-    source = (ROOT / "relay" / "config.py").read_text(encoding="utf-8")
-    for key in meanings.get("config_extra") or {}:
-        if f'"{key.split(".")[-1].removeprefix("listen[]")}"' not in source:
-            stale.append(key)
+    """Meanings of keys the config no longer has (neither in DEFAULTS nor in its schema)."""
+    known = {k for k, _ in config_keys()} | schema_keys()
+    stale = []
+    for section in ("config", "config_types", "config_extra"):
+        stale += [k for k in (meanings.get(section) or {}) if k not in known]
     return stale
 
 

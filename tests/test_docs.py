@@ -170,6 +170,17 @@ def test_no_meaning_names_what_the_code_no_longer_has() -> None:
     assert docsgen.stale_event_meanings(m, docsgen.log_events(m)) == []
 
 
+def test_a_meaning_for_a_key_the_config_does_not_have_is_stale() -> None:
+    m = docsgen_meanings()
+    m["config_extra"] = {**m["config_extra"], "spool.colour": ["string", "no such key"]}
+    m["config"] = {**m["config"], "limits.max_smiles": "no such key either"}
+    assert docsgen.stale_config_meanings(m) == ["limits.max_smiles", "spool.colour"]
+    # the schema's paths, in the reference's notation
+    assert {"listen[].tls.mode", "destinations.<name>.rate", "outbox.batch"} <= (
+        docsgen.schema_keys()
+    )
+
+
 def test_every_log_event_is_in_the_reference() -> None:
     from relay.logs import EVENTS
 

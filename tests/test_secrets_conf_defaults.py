@@ -86,3 +86,23 @@ def test_the_file_loads_to_the_defaults() -> None:
         if f.compare and getattr(shown, f.name) != getattr(empty, f.name)
     ]
     assert differ == []
+
+
+def test_the_defaults_are_the_schema_defaults() -> None:
+    """DEFAULTS, which the tests above hold conf/relay.yaml to, is what `relay config schema`
+    shows editors: the same default for every top-level key and every key of a section the
+    schema describes key by key (relay/config_models.py)."""
+    from relay.config import json_schema
+
+    schema = json_schema()
+    differ = []
+    for name, default in DEFAULTS.items():
+        prop = schema["properties"][name]
+        if prop.get("default") != default:
+            differ.append(name)
+        refs = [o["$ref"] for o in [prop, *prop.get("anyOf", [])] if "$ref" in o]
+        for ref in refs:
+            props = schema["$defs"][ref.rsplit("/", 1)[1]]["properties"]
+            shown = {k: v for k, v in props.items() if k in default}  # some are not shown
+            differ += [f"{name}.{k}" for k, v in shown.items() if v.get("default") != default[k]]
+    assert differ == []
