@@ -78,7 +78,7 @@ from relay.metrics import Metrics
 from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch, TooManyErrors
 from relay.spool import bodies, ops
 from relay.spool.incoming import IncomingBody
-from relay.spool.writer import SpoolError, SpoolWriter
+from relay.spool.writer import Grouped, SpoolError, SpoolWriter
 
 log = logging.getLogger(__name__)
 
@@ -880,7 +880,8 @@ class InboundHandler(AuthMechanisms):
             refusal = self.gate()
             if refusal is not None:  # the spool went bad while the client sent its data
                 raise SpoolError(refusal)
-            result = await self.writer.run(lambda c: ops.accept(c, msg, window))
+            # grouped: the accepts of one writer batch are three statements on PostgreSQL
+            result = await self.writer.run(Grouped(ops.accept_many, (msg, window)))
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
