@@ -5,17 +5,21 @@
     .venv/bin/python bench/pg_writer.py --profile            # and a cProfile of the writer
     .venv/bin/python bench/pg_writer.py --record             # claims and records as well
 
-No SMTP: 20 (--concurrency) asyncio tasks each run the daemon's accept job for one 2 KiB
-message with one recipient, --messages times in all, through one SpoolWriter on a fresh
-schema (RELAY_TEST_PG, default postgresql://root@127.0.0.1:5432/test), as the inbound
-sessions do. With --record, after the accepts, claim passes of 100 and one record job per
-claimed recipient (delivered, with its attempt log and counters), 20 at a time, as the
-engine's workers do. Prints messages/s, the writer's batches (jobs per batch, commit time),
-the jobs it ran grouped, and the statements the server ran per message (from
-pg_stat_statements when the server has it loaded, else psycopg's own count of the
-statements sent, with their time in the driver). --profile: cProfile of the writer thread,
-the top 25 functions by their own time. The same script runs on an older tree (it only
-uses ops.accept / ops.record when the grouped jobs do not exist there).
+No SMTP: 20 (--concurrency) asyncio tasks per node each run the daemon's accept job for
+one 2 KiB message with one recipient, --messages in all, through one SpoolWriter per node
+(--nodes: writers of their own, one connection each, on one fresh schema of RELAY_TEST_PG,
+default postgresql://root@127.0.0.1:5432/test), as the inbound sessions do. With --record,
+after the accepts, each node runs claim passes of 100 and one record job per claimed
+recipient (delivered, with its attempt log and counters), 20 at a time, at most 400
+claimed and not recorded (the engine's delivery.batch 100, x 4).
+
+Prints messages/s, the writers' batches (jobs per batch, time per batch), the jobs run
+grouped, the WAL written per message, the statements the writers sent per message with
+their time in psycopg's execute (by statement), the statements prepared on the server
+with their generic and custom plans, and, when the server has pg_stat_statements loaded
+(bench/pg_private.sh), the server's execution time by statement. --profile: cProfile of
+the first writer's thread, the top 25 functions by their own time. The same script runs
+on an older tree (it uses ops.accept / ops.record when the grouped jobs do not exist).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def instrument(counted: Counted) -> None:
 
 
 def message(i: int, run: str) -> ops.NewMessage:
-    qid = ops.new_queue_id()
+    qid = f"{run.upper()}{i:08X}"  # unique: new_queue_id's 20 random bits collide here
     return ops.NewMessage(
         queue_id=qid,
         message_id=f"<{run}.{i}@bench>",
@@ -102,7 +106,7 @@ def accept_job(msg: ops.NewMessage) -> Any:
     return lambda c: ops.accept(c, msg, 3600.0)
 
 
-def record_job(cl: ops.Claim) -> Any:
+def record_job(cl: ops.Claim, owner: str) -> Any:
     log = ops.AttemptLog("delivered", "250 ok", cl.destination, "127.0.0.1", 0.01)
     out = ops.RcptUpdate(
         cl.rcpt_id,
@@ -119,35 +123,45 @@ def record_job(cl: ops.Claim) -> Any:
     try:
         from relay.delivery import attempt
 
-        rec = attempt._Record((out,), now, day, "bench", None, [], 60.0, ())
+        rec = attempt._Record((out,), now, day, owner, None, [], 60.0, ())
         return writer_mod.Grouped(attempt.record_jobs, rec)
     except AttributeError:
-        return lambda c: ops.record(c, [out], now, day, owner="bench")
+        return lambda c: ops.record(c, [out], now, day, owner=owner)
 
 
-async def run(w: writer_mod.SpoolWriter, args: argparse.Namespace) -> dict[str, float]:
+async def run(ws: list[writer_mod.SpoolWriter], args: argparse.Namespace) -> dict[str, float]:
+    """Accepts spread over the writers (the nodes), then each node's claim and record loop."""
     run_id = uuid.uuid4().hex[:8]
-    sem = asyncio.Semaphore(args.concurrency)
+    sems = [asyncio.Semaphore(args.concurrency) for _ in ws]
 
-    async def one(job: Any) -> None:
-        async with sem:
-            await w.run(job)
+    async def one(k: int, job: Any) -> None:
+        async with sems[k]:
+            await ws[k].run(job)
 
-    out: dict[str, float] = {}
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(accept_job(message(i, run_id))) for i in range(args.messages)))
-    out["accept_s"] = time.perf_counter() - t0
-    if args.record:
-        t0 = time.perf_counter()
-        tasks = []
-        while True:
+    async def node(k: int) -> None:
+        w, owner = ws[k], f"bench{k}"
+        tasks: list[asyncio.Future[None]] = []
+        while True:  # at most 4 passes in flight, as the engine (delivery.batch x 4)
             claims = await w.run(
-                lambda c: ops.claim_due(c, time.time(), 100, owner="bench", lease_until=1e12)
+                lambda c: ops.claim_due(c, time.time(), 100, owner=owner, lease_until=1e12)
             )
             if not claims:
                 break
-            tasks += [asyncio.ensure_future(one(record_job(cl))) for cl in claims]
+            tasks += [asyncio.ensure_future(one(k, record_job(cl, owner))) for cl in claims]
+            if len(tasks) >= 400:
+                await asyncio.gather(*tasks[:100])
+                tasks = tasks[100:]
         await asyncio.gather(*tasks)
+
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    await asyncio.gather(
+        *(one(i % len(ws), accept_job(message(i, run_id))) for i in range(args.messages))
+    )
+    out["accept_s"] = time.perf_counter() - t0
+    if args.record:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(node(k) for k in range(len(ws))))
         out["record_s"] = time.perf_counter() - t0
     return out
 
@@ -158,6 +172,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--nodes", type=int, default=1, help="writers (nodes) on the one schema")
     args = ap.parse_args()
     schema = f"bench_writer_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(PG_BASE, autocommit=True) as c:
@@ -170,7 +185,10 @@ def main() -> None:
     counted = Counted()
     instrument(counted)
     prof = cProfile.Profile()
-    w = writer_mod.SpoolWriter(Path(f"/tmp/{schema}"), PgSpool(dsn))
+    ws = [
+        writer_mod.SpoolWriter(Path(f"/tmp/{schema}-{k}"), PgSpool(dsn)) for k in range(args.nodes)
+    ]
+    w = ws[0]
     if args.profile:
         real_run = w._run
 
@@ -182,31 +200,47 @@ def main() -> None:
                 prof.disable()
 
         w._run = profiled  # type: ignore[method-assign]
-    w.start()
+    for x in ws:
+        x.start()
     try:
         if has_pss:
             with psycopg.connect(PG_BASE, autocommit=True) as c:
                 c.execute("SELECT pg_stat_statements_reset()")
         counted.n, counted.seconds, counted.by = 0, 0.0, {}
-        b0, j0, s0 = w.batches, w.jobs, w.commit_seconds_total
-        t = asyncio.run(run(w, args))
-        batches, jobs = w.batches - b0, w.jobs - j0
-        busy = w.commit_seconds_total - s0
+        b0, j0, s0 = (
+            sum(getattr(x, a) for x in ws) for a in ("batches", "jobs", "commit_seconds_total")
+        )
+        lsn0 = w.run_sync(lambda c: c.execute("SELECT pg_current_wal_lsn()").fetchone()[0])
+        t = asyncio.run(run(ws, args))
+        wal = w.run_sync(
+            lambda c: c.execute("SELECT pg_current_wal_lsn() - ?::pg_lsn", (lsn0,)).fetchone()[0]
+        )
+        batches = sum(x.batches for x in ws) - b0
+        jobs = sum(x.jobs for x in ws) - j0
+        busy = sum(x.commit_seconds_total for x in ws) - s0
+        prepared = w.run_sync(
+            lambda c: c.execute(
+                "SELECT generic_plans, custom_plans, statement FROM pg_prepared_statements"
+                " ORDER BY generic_plans + custom_plans DESC"
+            ).fetchall()
+        )
     finally:
-        w.close()
+        for x in ws:
+            x.close()
         with psycopg.connect(PG_BASE, autocommit=True) as c:
             c.execute(f"DROP SCHEMA {schema} CASCADE")
     n = args.messages
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{n} messages, {args.concurrency} at a time; load average {load}")
+    print(f"{n} messages, {args.nodes} node(s), {args.concurrency} at a time each; load {load}")
     print(f"accept: {t['accept_s']:.2f} s = {n / t['accept_s']:,.0f} messages/s")
     if "record_s" in t:
         print(f"claim + record: {t['record_s']:.2f} s = {n / t['record_s']:,.0f} recipients/s")
     print(
         f"writer: {batches} batches, {jobs / max(batches, 1):.1f} jobs per batch,"
         f" {busy / max(batches, 1) * 1000:.2f} ms per batch,"
-        f" busy {busy:.2f} s; grouped jobs: {getattr(w, 'grouped', 0)}"
+        f" busy {busy:.2f} s; grouped jobs: {sum(getattr(x, 'grouped', 0) for x in ws)}"
     )
+    print(f"WAL written: {int(wal):,} bytes = {int(wal) / n:,.0f} per message")
     print(
         f"statements sent by the writer: {counted.n} = {counted.n / n:.2f} per message;"
         f" time in psycopg's execute: {counted.seconds:.2f} s"
@@ -214,6 +248,9 @@ def main() -> None:
     )
     for key, (calls, secs) in sorted(counted.by.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"  {calls:7d} {secs:7.2f} s  {secs / calls * 1e6:7.0f} us  {key}")
+    print(f"prepared on the server (psycopg's prepare_threshold): {len(prepared)} statements")
+    for generic, custom, stmt in prepared[:8]:
+        print(f"  generic {generic:6d} custom {custom:6d}  {' '.join(stmt.split())[:60]}")
     if has_pss:
         with psycopg.connect(PG_BASE, autocommit=True) as c:
             rows = c.execute(
