@@ -242,7 +242,8 @@ def main() -> None:
     )
     print(f"WAL written: {int(wal):,} bytes = {int(wal) / n:,.0f} per message")
     print(
-        f"statements sent by the writer: {counted.n} = {counted.n / n:.2f} per message;"
+        "statements the writers executed (BEGIN, SAVEPOINT, RELEASE: sent with the next):"
+        f" {counted.n} = {counted.n / n:.2f} per message;"
         f" time in psycopg's execute: {counted.seconds:.2f} s"
         f" ({counted.seconds / max(busy, 1e-9):.0%} of the writer's busy time)"
     )

@@ -5,11 +5,13 @@ alone."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import psycopg
 import pytest
 
 from relay.config import PgSpool
@@ -586,3 +588,42 @@ def test_a_failed_write_back_keeps_what_it_was_to_look_at(
     with pytest.raises(RuntimeError):
         asyncio.run(box.once(cfg))
     assert box._touched == {"Q1"}
+
+
+def test_begin_and_savepoints_go_with_the_next_statement(conn: pg.PgConnection) -> None:
+    """BEGIN and SAVEPOINT wait for the next statement (one round trip): the server sees no
+    transaction until then; the transaction then behaves as if they had been sent alone."""
+    pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+
+    def state() -> str:
+        with psycopg.connect(conn.dsn, autocommit=True) as c:
+            row = c.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+            return str(row[0]) if row else "?"
+
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("SAVEPOINT job")
+    assert conn.in_transaction and state() == "idle"  # nothing sent yet
+    conn.execute("INSERT INTO runtime (name, value, updated_at) VALUES ('a', '1', 1)")
+    assert state() == "idle in transaction"
+    conn.execute("RELEASE job")
+    conn.execute("SAVEPOINT job")
+    with pytest.raises(sqlite3.IntegrityError):  # the savepoint went with it, and holds
+        conn.execute("INSERT INTO runtime (name, value, updated_at) VALUES ('a', '2', 2)")
+    conn.execute("ROLLBACK TO job")
+    conn.execute("RELEASE job")
+    conn.execute("COMMIT")
+    assert not conn.in_transaction
+    assert [tuple(r) for r in conn.execute("SELECT name, value FROM runtime")] == [("a", "1")]
+
+
+def test_a_deferred_statement_that_fails_fails_the_commit_it_went_with(
+    conn: pg.PgConnection,
+) -> None:
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO runtime (name, value, updated_at) VALUES ('b', '1', 1)")
+    conn.execute("RELEASE job")  # no such savepoint: the error comes with the COMMIT
+    with pytest.raises(sqlite3.OperationalError):
+        conn.execute("COMMIT")
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+    assert conn.execute("SELECT count(*) FROM runtime WHERE name = 'b'").fetchone()[0] == 0

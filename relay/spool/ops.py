@@ -369,7 +369,7 @@ def claim_due(
     for prio in sorted(set(LANE_PRIORITY.values()) - full):
         if len(rows) >= limit:
             break
-        rows += conn.execute(
+        select = (
             "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
             " coalesce(r.retry_base, m.created_at), m.lane,"
             " m.identity, r.dedup_key FROM recipients r INDEXED BY recipients_due"
@@ -377,18 +377,25 @@ def claim_due(
             f" WHERE r.state IN {_DUE_INDEXED} AND r.lane_prio = ? AND r.next_attempt_at <= ?"
             + where
             + " ORDER BY r.next_attempt_at LIMIT ?"
-            + lock,
-            [prio, *params, limit - len(rows)],
-        ).fetchall()
+        )
+        if lock:
+            # PostgreSQL: the rows taken and marked in one statement (one round trip), in
+            # the order of the select (`n`: its row number), not one execution per row
+            rows += [
+                r[1:]
+                for r in conn.execute(
+                    f"WITH c AS ({select}{lock}), n AS (SELECT row_number() OVER () AS n, *"
+                    f" FROM c), u AS (UPDATE recipients SET state = '{RcptState.SENDING}',"
+                    " updated_at = ?, lease_owner = ?, lease_until = ? FROM c"
+                    " WHERE recipients.id = c.id) SELECT * FROM n ORDER BY n",
+                    [prio, *params, limit - len(rows), now, owner, lease_until],
+                ).fetchall()
+            ]
+        else:
+            rows += conn.execute(select, [prio, *params, limit - len(rows)]).fetchall()
     if not rows:
         return []
-    if lock:  # PostgreSQL: one statement for the pass, not one execution per recipient
-        conn.execute(
-            f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
-            " lease_owner = ?, lease_until = ? WHERE id = ANY(?)",
-            (now, owner, lease_until, [r[0] for r in rows]),
-        )
-    else:
+    if not lock:
         conn.executemany(
             f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
             " lease_owner = ?, lease_until = ? WHERE id = ?",
