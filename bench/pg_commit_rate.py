@@ -1,6 +1,6 @@
 """PostgreSQL's commit rate on this machine against batch size (bench/README.md, "Sizing").
 
-    .venv/bin/python bench/pg_commit_rate.py        # 1, 10, 100, 1000 rows; 1 and 4 clients
+    .venv/bin/python bench/pg_commit_rate.py        # 1, 10, 100, 1000 rows; 1, 4, 16 clients
     .venv/bin/python bench/pg_commit_rate.py --seconds 5 --clients 1,2,8
 
 Each client is a connection of its own (a thread) that commits, for --seconds per
@@ -71,7 +71,7 @@ def measure(schema: str, batch: int, clients: int, seconds: float) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,10,100,1000")
-    ap.add_argument("--clients", default="1,4")
+    ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
     schema = f"bench_commit_{uuid.uuid4().hex[:12]}"

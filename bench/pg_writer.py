@@ -28,8 +28,10 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import os
 import pstats
+import subprocess
 import sys
 import threading
 import time
@@ -166,6 +168,73 @@ async def run(ws: list[writer_mod.SpoolWriter], args: argparse.Namespace) -> dic
     return out
 
 
+async def child(args: argparse.Namespace) -> None:
+    """One node of --procs: its writer on the shared schema, from the start time on."""
+    sep = "&" if "?" in PG_BASE else "?"
+    w = writer_mod.SpoolWriter(
+        Path(f"/tmp/{args.child}-{os.getpid()}"),
+        PgSpool(f"{PG_BASE}{sep}options=-c%20search_path%3D{args.child}"),
+    )
+    w.start()
+    try:
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        t = await asyncio.to_thread(lambda: asyncio.run(run([w], args)))
+        print(json.dumps({"accept_end": args.start_at + t["accept_s"], "end": time.time()}))
+    finally:
+        w.close()
+
+
+def fleet(args: argparse.Namespace) -> None:
+    """The simulation of a fleet on one database (bench/README.md, "Sizing"): for each
+    process count P of --procs, P processes (nodes: a writer each, no SMTP) start at
+    the same moment on one fresh schema, each accepts --messages / P messages, 20 at a
+    time, then claims and records what it finds due (any node's, as a fleet does), until
+    nothing is left. Rates: all messages over the time from the start to the last node's
+    last accept (accept) and to the last node's end (accept + claim + record)."""
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| nodes | messages | accepts/s (all nodes) | accepted, claimed and recorded/s |")
+    print("|---:|---:|---:|---:|")
+    for procs in (int(p) for p in args.procs.split(",")):
+        schema = f"bench_writer_{uuid.uuid4().hex[:12]}"
+        sep = "&" if "?" in PG_BASE else "?"
+        with psycopg.connect(PG_BASE, autocommit=True) as c:
+            c.execute(f"CREATE SCHEMA {schema}")
+        try:
+            pg.connect(f"{PG_BASE}{sep}options=-c%20search_path%3D{schema}").close()  # migrate
+            start = time.time() + 2.0 + 0.2 * procs
+            each = args.messages // procs
+            kids = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        schema,
+                        "--start-at",
+                        str(start),
+                        "--messages",
+                        str(each),
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--record",
+                    ],
+                    stdout=subprocess.PIPE,
+                )
+                for _ in range(procs)
+            ]
+            outs = [
+                json.loads((k.communicate()[0] or b"{}").decode().strip().splitlines()[-1])
+                for k in kids
+            ]
+        finally:
+            with psycopg.connect(PG_BASE, autocommit=True) as c:
+                c.execute(f"DROP SCHEMA {schema} CASCADE")
+        n = each * procs
+        acc = n / (max(o["accept_end"] for o in outs) - start)
+        end = n / (max(o["end"] for o in outs) - start)
+        print(f"| {procs} | {n:,} | {acc:,.0f} | {end:,.0f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=5000)
@@ -173,7 +242,16 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--nodes", type=int, default=1, help="writers (nodes) on the one schema")
+    ap.add_argument("--procs", default="", help="e.g. 1,2,4: a process per node (see fleet())")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # schema, for --procs
+    ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.procs:
+        fleet(args)
+        return
+    if args.child:
+        asyncio.run(child(args))
+        return
     schema = f"bench_writer_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(PG_BASE, autocommit=True) as c:
         c.execute(f"CREATE SCHEMA {schema}")
