@@ -627,3 +627,34 @@ def test_a_deferred_statement_that_fails_fails_the_commit_it_went_with(
     if conn.in_transaction:
         conn.execute("ROLLBACK")
     assert conn.execute("SELECT count(*) FROM runtime WHERE name = 'b'").fetchone()[0] == 0
+
+
+def test_a_record_finds_its_recipients_by_id_not_by_scanning_those_in_flight(
+    conn: pg.PgConnection,
+) -> None:
+    """With 2,000 recipients in flight, the record statement's plan (the generic one
+    psycopg's prepared statement ends up with) reaches the 20 it records by primary key;
+    written plainly it scanned every recipient in flight through recipients_waiting."""
+    conn.execute("BEGIN")
+    ops.accept_many(
+        conn, [(_msg(f"Q{i}", NOW, (f"r{i}@x.org", f"k{i}", None)), WINDOW) for i in range(2000)]
+    )
+    ids = [c.rcpt_id for c in ops.claim_due(conn, NOW, 2000, owner="n1", lease_until=NOW + 30)]
+    conn.execute("COMMIT")
+    assert len(ids) == 2000
+    raw = conn._conn
+    raw.execute("SET plan_cache_mode = force_generic_plan")
+    held = " AND (r.lease_owner = ? OR r.lease_owner IS NULL) RETURNING r.id"
+    n = len(pg.translate(ops._RECORD_MANY + held).split("%s"))
+    sql = (
+        pg.translate(ops._RECORD_MANY + held)
+        .replace("%s", "{}")
+        .format(*(f"${i}" for i in range(1, n)))
+    )
+    raw.execute(f"PREPARE rec AS {sql}")
+    params = (
+        "ARRAY[" + ",".join(map(str, ids[:20])) + "]::bigint[], '{}'::text[], '{}'::int[],"
+        " '{}'::float8[], '{}'::text[], '{}'::text[], '{}'::float8[], '{}'::text[], 'n1'"
+    )
+    plan = "\n".join(r[0] for r in raw.execute(f"EXPLAIN EXECUTE rec({params})"))
+    assert "recipients_pkey" in plan and "recipients_waiting" not in plan, plan

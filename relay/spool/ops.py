@@ -608,6 +608,11 @@ def _record_each(
     return changed
 
 
+# `(state = 'sending') IS TRUE`, not `state = 'sending'`: the same test, but not one an index
+# answers, so the rows are found by their ids (the primary key). Written plainly, PostgreSQL
+# planned a scan of every recipient in flight through recipients_waiting (state is its
+# first column) for each record, whatever their number: 3.5 ms against 0.7 ms per record
+# of 20 outcomes with 400 in flight (bench/pg_writer.py, pg_stat_statements).
 _RECORD_MANY = (
     "UPDATE recipients r SET state = u.state, attempts = r.attempts + u.inc,"
     " next_attempt_at = u.next_at, last_reply = coalesce(u.reply, r.last_reply),"
@@ -616,7 +621,7 @@ _RECORD_MANY = (
     " FROM unnest(?::bigint[], ?::text[], ?::integer[], ?::double precision[], ?::text[],"
     " ?::text[], ?::double precision[], ?::text[])"
     " AS u(id, state, inc, next_at, reply, reason, at, upstream_id)"
-    f" WHERE r.id = u.id AND r.state = '{RcptState.SENDING}'"
+    f" WHERE r.id = u.id AND (r.state = '{RcptState.SENDING}') IS TRUE"
 )
 
 
