@@ -460,6 +460,14 @@ class Envelope:
 def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str, Envelope]:
     ids = list(set(msg_ids))
     out: dict[str, Envelope] = {}
+    if db.dialect(conn) == "postgresql":  # one text for any number: a prepared statement
+        for row in conn.execute(
+            "SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
+            " listener FROM messages WHERE id = ANY(?)",
+            (ids,),
+        ):
+            out[row[0]] = Envelope(*row)
+        return out
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
         q = ",".join("?" * len(chunk))
