@@ -901,6 +901,18 @@ def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:
 
 def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
     paths: list[str] = []
+    if db.dialect(conn) == "postgresql":
+        # three statements for any number (a prune's 5,000 were 20,000 round trips, seconds
+        # during which the writer took no other job), the body paths in the order of `ids`
+        ids = list(dict.fromkeys(ids))
+        conn.execute("DELETE FROM attempts WHERE msg_id = ANY(?)", (ids,))
+        conn.execute("DELETE FROM recipients WHERE msg_id = ANY(?)", (ids,))
+        gone = dict(
+            conn.execute(
+                "DELETE FROM messages WHERE id = ANY(?) RETURNING id, body_path", (ids,)
+            ).fetchall()
+        )
+        return [gone[qid] for qid in ids if gone.get(qid)]
     for qid in ids:
         row = conn.execute("SELECT body_path FROM messages WHERE id = ?", (qid,)).fetchone()
         if row is None:
