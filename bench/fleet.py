@@ -9,7 +9,10 @@ Scenarios (names for --only):
           message per session (as Postfix's smtp-source sends), with the upstream sink
           running. Acceptance = N / (time to the last 250); end to end = N / (time until
           the sink has counted all N). The backends alternate (A B, B A, ...) for --rounds
-          rounds; medians, and PostgreSQL/SQLite ratios.
+          rounds; medians, and PostgreSQL/SQLite ratios. Per round also the CPU per
+          message (/proc) of the relay with its inbound processes and, on PostgreSQL,
+          of the server processes serving it (found by application_name, which is the
+          schema's name): where the extra CPU of the PostgreSQL spool goes.
   drain   PostgreSQL, 1, 2 and 3 relay processes (--procs; daemons, each with its own
           fleet.node, port and local spool dir) on one spool: all of them started,
           --drain messages (default 3/5 of --messages) submitted to the first one while
