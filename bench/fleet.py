@@ -9,7 +9,10 @@ Scenarios (names for --only):
           message per session (as Postfix's smtp-source sends), with the upstream sink
           running. Acceptance = N / (time to the last 250); end to end = N / (time until
           the sink has counted all N). The backends alternate (A B, B A, ...) for --rounds
-          rounds; medians, and PostgreSQL/SQLite ratios.
+          rounds; medians, and PostgreSQL/SQLite ratios. Per round also the CPU per
+          message (/proc) of the relay with its inbound processes and, on PostgreSQL,
+          of the server processes serving it (found by application_name, which is the
+          schema's name): where the extra CPU of the PostgreSQL spool goes.
   drain   PostgreSQL, 1, 2 and 3 relay processes (--procs; daemons, each with its own
           fleet.node, port and local spool dir) on one spool: all of them started,
           --drain messages (default 3/5 of --messages) submitted to the first one while
@@ -411,9 +414,51 @@ def load(kind: str, port: int, n: int, sessions: int, size: int) -> tuple[float,
 
 
 def with_search_path(base: str, schema: str) -> str:
-    """tests/pgserver.py's DSN for one schema."""
+    """tests/pgserver.py's DSN for one schema; the schema's name is the connections'
+    application_name, so that their server processes can be found (cpu_of_backends)."""
     sep = "&" if "?" in base else "?"
-    return f"{base}{sep}options={quote(f'-c search_path={schema}')}"
+    return f"{base}{sep}options={quote(f'-c search_path={schema}')}&application_name={schema}"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (Linux /proc), 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of_tree(pid: int) -> float:
+    """CPU of a process and of its children (the relay's inbound processes)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu_seconds(p)
+        todo += kids.get(p, [])
+    return total
+
+
+def cpu_of_backends(dsn: str) -> float:
+    """CPU of the server processes serving connections of this DSN's schema (the server
+    runs on this machine; its shared processes, WAL writer and checkpointer, not counted)."""
+    name = dsn.rsplit("application_name=", 1)[-1]
+    with psycopg.connect(PG_BASE, autocommit=True, connect_timeout=5) as c:
+        pids = [
+            r[0]
+            for r in c.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (name,)
+            )
+        ]
+    return sum(cpu_seconds(p) for p in pids)
 
 
 @contextmanager
@@ -587,10 +632,15 @@ def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[st
         with pg_schema() if backend == "postgresql" else _no_schema() as dsn:
             relay = Relay(work, f"single-{backend}-r{rnd}", sink.port, dsn, a.inbound_processes)
             try:
+                cpu0 = cpu_of_tree(relay.proc.pid), (cpu_of_backends(dsn) if dsn else 0.0)
                 t0 = time.monotonic()
                 took, ok, errors = load(a.tools, relay.port, n, a.sessions, a.size)
                 t_end = sink.wait(ok, max(120.0, n / 10))
                 got = sink.settled_count()
+                # CPU per message, read before the stop: the relay (and its inbound
+                # processes), and on PostgreSQL its server processes
+                cpu_relay = cpu_of_tree(relay.proc.pid) - cpu0[0]
+                cpu_pg = (cpu_of_backends(dsn) if dsn is not None else 0.0) - cpu0[1]
             finally:
                 logs[relay.name] = relay.stop()
     finally:
@@ -606,6 +656,8 @@ def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[st
         "e2e_s": round(t_end - t0, 3),
         "accept_per_s": round(ok / took, 1),
         "e2e_per_s": round(ok / (t_end - t0), 1),
+        "cpu_ms_relay": round(cpu_relay / max(ok, 1) * 1000, 3),
+        "cpu_ms_pg": round(cpu_pg / max(ok, 1) * 1000, 3),
         "load_errors": errors[:20],
         "logs": logs,
     }
@@ -817,7 +869,9 @@ def main() -> int:
                     say(
                         f"round {rnd} {backend:<10} accepted {r['accepted']} in"
                         f" {r['accept_s']:.2f} s = {r['accept_per_s']:.0f}/s; sink has"
-                        f" {r['sink_count']} after {r['e2e_s']:.2f} s = {r['e2e_per_s']:.0f}/s"
+                        f" {r['sink_count']} after {r['e2e_s']:.2f} s = {r['e2e_per_s']:.0f}/s;"
+                        f" CPU per message: relay {r['cpu_ms_relay']:.2f} ms, its PostgreSQL"
+                        f" backends {r['cpu_ms_pg']:.2f} ms"
                     )
             med = {
                 b: {

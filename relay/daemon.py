@@ -285,6 +285,7 @@ class Daemon:
             await self._start_inbound(loop)
         if self.config.outbox.enabled:  # README "The transactional outbox"
             self.outbox = Outbox(lambda: self.config, self.writer, self.engine.wake)
+            self.engine.on_recorded = self.outbox.touched
             self.outbox.start()
         self._pickup_task = loop.create_task(self.pickup.run(), name="maildrop")
         await self.check_health()

@@ -21,11 +21,16 @@ Rules:
   invalid key) is `rejected` with last_error, logged at ERROR (`outbox_rejected`), alerted
   (event `outbox_rejected`, recorded in the same transaction), and never retried: the
   application fixes it and inserts a new row.
-- Write-back: every pass, each `queued` row whose recipients changed gets their progress:
+- Write-back: each pass, the `queued` rows whose recipients changed get their progress:
   attempts (the most of any recipient), next_attempt_at (the soonest), upstream_id (the ids
   the upstream gave), last_error (per recipient not delivered); `delivered` when every
   recipient is, `failed` when every recipient is final and one is not delivered (bounced,
   failed, suppressed) or the message was deleted from the queue by an operator.
+- The write-back is incremental: a pass looks only at the rows of the messages this node
+  queued or recorded outcomes for since the last pass (the engine tells it, `touched`), and
+  every FULL_PASS seconds (and at the start) at every queued row, for what other nodes,
+  the CLI and expired leases changed. Looking at every queued row each pass joined and
+  aggregated the whole open outbox every poll_interval, whatever had changed.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +57,7 @@ from relay.spool.writer import SpoolWriter
 log = logging.getLogger("relay.outbox")
 
 NAMESPACE = "outbox"  # the dedup namespace of outbox rows (SMTP clients: listener:/user:)
+FULL_PASS = 30.0  # seconds between write-back passes over every queued row
 
 
 class Rejected(ValueError):
@@ -211,7 +217,7 @@ WRITE_BACK = f"""
                  FILTER (WHERE r.state <> '{_DELIVERED}'
                          AND coalesce(r.last_reply, r.reason) IS NOT NULL) AS err
           FROM relay_outbox o LEFT JOIN recipients r ON r.msg_id = o.queue_id
-         WHERE o.state = 'queued'
+         WHERE o.state = 'queued' {{only}}
          GROUP BY o.id
     ), new AS (
         SELECT id,
@@ -236,10 +242,20 @@ WRITE_BACK = f"""
 """
 
 
-def write_back(conn: Any) -> list[tuple[int, str, str, str | None]]:
+def write_back(
+    conn: Any, queue_ids: list[str] | None = None
+) -> list[tuple[int, str, str, str | None]]:
     """The spool's progress of queued rows into their status columns (only rows whose
-    progress changed are written); returns the rows that reached a final state."""
-    rows = conn.execute(WRITE_BACK).fetchall()
+    progress changed are written); returns the rows that reached a final state. With
+    `queue_ids`: only the rows of those messages (an incremental pass)."""
+    if queue_ids is None:
+        rows = conn.execute(WRITE_BACK.format(only="")).fetchall()
+    elif not queue_ids:
+        return []
+    else:
+        rows = conn.execute(
+            WRITE_BACK.format(only="AND o.queue_id = ANY(?)"), (queue_ids,)
+        ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows if r[1] != "queued"]
 
 
@@ -253,6 +269,15 @@ class Outbox:
         self.writer = writer
         self.on_queued = on_queued
         self.task: asyncio.Task[None] | None = None
+        self._touched: set[str] = set()  # queue ids whose progress may have changed
+        self._next_full = 0.0  # monotonic time of the next full write-back pass
+        self.clock = time.monotonic
+
+    def touched(self, queue_ids: Iterable[str]) -> None:
+        """Messages whose recipients this node changed (the engine's records): written
+        back at the next pass. Cheap (a set), and a message not of the outbox costs one
+        index lookup of the pass's statement."""
+        self._touched.update(queue_ids)
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name="outbox")
@@ -305,7 +330,18 @@ class Outbox:
             )
         if taken.accepted:
             self.on_queued()
-        done = await self.writer.run(write_back)
+        self.touched(qid for _row, qid, _n in taken.accepted)
+        ids: list[str] | None = None
+        if self.clock() >= self._next_full:
+            self._next_full = self.clock() + FULL_PASS
+        else:
+            ids = sorted(self._touched)
+        touched, self._touched = self._touched, set()
+        try:
+            done = await self.writer.run(functools.partial(write_back, queue_ids=ids))
+        except BaseException:
+            self._touched |= touched  # written back at the next pass
+            raise
         for row_id, state, qid, err in done:
             log_event(
                 log,

@@ -30,6 +30,7 @@ from relay.logs import log_event
 from relay.model import RcptState
 from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import bodies, ops
+from relay.spool.writer import Grouped
 from relay.upstream_ids import upstream_id
 
 if TYPE_CHECKING:
@@ -404,6 +405,41 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
         e.job_done(n)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Record:
+    """One `record` job: outcomes, the room they release, the alerts they raise."""
+
+    outcomes: tuple[ops.RcptUpdate, ...]
+    now: float
+    day: str
+    node: str | None
+    release: dict[str, int] | None
+    evs: list[alerts.Event]
+    coalesce: float
+    sinks: Sequence[str]
+
+
+def record_jobs(c: Any, recs: list[_Record]) -> list[None]:
+    """The record jobs of one writer batch: their outcomes in one `ops.record_many`, the
+    room they release summed per node and scope (releasing a then b is releasing a + b),
+    then their alerts. Hot rows are locked in `record`'s order, then the node's holds."""
+    by_node: dict[str | None, list[_Record]] = {}
+    for r in recs:
+        by_node.setdefault(r.node, []).append(r)
+    for node, mine in by_node.items():
+        ops.record_many(c, [(r.outcomes, r.now, r.day) for r in mine], owner=node)
+        release: dict[str, int] = {}
+        for r in mine:
+            for scope, n in (r.release or {}).items():
+                release[scope] = release.get(scope, 0) + n
+        if release and node is not None:
+            ops.ceiling_release(c, node, dict(sorted(release.items())))
+    for r in recs:
+        for ev in r.evs:
+            alerts.record(c, ev, r.now, r.coalesce, r.sinks)
+    return [None] * len(recs)
+
+
 async def record(
     e: Engine, outcomes: Sequence[ops.RcptUpdate], release: dict[str, int] | None = None
 ) -> None:
@@ -416,17 +452,17 @@ async def record(
     conf = e.config.alerts
     sinks = alerts.sinks_of(conf)
 
-    def job(c: Any) -> None:
-        ops.record(c, outcomes, now, day, owner=e.node)
-        if release:
-            ops.ceiling_release(c, e.node, release)
-        for ev in evs:
-            alerts.record(c, ev, now, conf.coalesce, sinks)
+    # grouped: the records of one writer batch are a few statements on PostgreSQL
+    job = Grouped(
+        record_jobs, _Record(tuple(outcomes), now, day, e.node, release, evs, conf.coalesce, sinks)
+    )
 
     while True:
         try:
             faults.hit("engine.record")
             await e.writer.run(job)
+            if e.on_recorded is not None:
+                e.on_recorded(o.msg_id for o in outcomes)
             return
         except Exception as ex:
             log_event(

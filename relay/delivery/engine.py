@@ -37,7 +37,7 @@ import socket
 import time
 import zoneinfo
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from relay import __version__, alerts, shaping
@@ -56,7 +56,7 @@ from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
-from relay.delivery.routes import UpstreamHost
+from relay.delivery.routes import Route, UpstreamHost
 from relay.lanes import LANE_PRIORITY
 from relay.logs import log_event
 from relay.metrics import Metrics
@@ -78,7 +78,22 @@ _Claimed = tuple[
     dict[str, ops.Envelope],
     dict[str, tuple[float, str]],
     dict[tuple[str, str], tuple[str, float] | None],  # (address, identity)
+    list[tuple[str, Route | None]],  # each claim's destination and route
+    dict[str, int] | None,  # fleet: the ceiling room taken for the pass
 ]
+
+
+def _destination(
+    conf: Config, cl: ops.Claim, env: ops.Envelope | None, via: dict[tuple[str, ...], str]
+) -> tuple[str, Route | None]:
+    """Where a claimed recipient goes this pass: its domain on an MX route, else the
+    upstream `via` chose for its route; (its domain, None) without an envelope (skipped)."""
+    if env is None:
+        return cl.destination, None
+    route = conf.routing.match(
+        sender=env.sender, recipient=cl.address, client=env.client, listener=env.listener
+    )
+    return (cl.destination if route.mx else via[route.via]), route
 
 
 def _retry_later(job: Job, now: float, e: Exception) -> list[ops.RcptUpdate]:
@@ -125,6 +140,8 @@ class Engine:
         self.clock = clock
         self.rng = rng or random.Random()
         self.on_dead_letter = on_dead_letter
+        # told the queue ids of every record committed (the outbox's incremental write-back)
+        self.on_recorded: Callable[[Iterable[str]], None] | None = None
         self.is_suppressed = is_suppressed
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
         self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
@@ -467,6 +484,15 @@ class Engine:
             self._next_expiry_pass = now + EXPIRY_PASS
             expired_before = now - self.config.retry.max_age
 
+        # the upstream each route sends through now, chosen once for this pass: the claim
+        # takes its ceiling room for it and dispatch sends there (one choice, two places)
+        conf = self.config
+        via = {
+            r.via: dispatch.first_open(self, r.via, now) for r in conf.routing.routes if not r.mx
+        }
+        day = self.ledger.day_of(now)
+        until = now + self.lease
+
         def claim(c: Any) -> _Claimed:
             # operator commands in the same transaction: a `queue flush` makes recipients
             # due and kicks the circuit in one commit, and the kick is applied (below)
@@ -488,10 +514,19 @@ class Engine:
                 for cl in claims
                 if self.is_suppressed(cl.address, cl.identity) is not None
             }
-            return cmds, claims, envs, ops.suspensions(c, now), stored
+            dests = [_destination(conf, cl, envs.get(cl.msg_id), via) for cl in claims]
+            grants = None
+            if self.fleet:
+                # a fleet's daily ceilings: the room this pass may use, taken in the claim's
+                # own transaction (relay/delivery/ledger.py); if it fails, nothing is claimed
+                wants = self._ceiling_wants(conf, claims, dests, now)
+                if wants:
+                    grants = ops.ceiling_take(c, self.node, day, wants, until)
+            return cmds, claims, envs, ops.suspensions(c, now), stored, dests, grants
 
         # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
-        cmds, claims, envs, susp, stored = await self.writer.run(claim, lazy=True)
+        cmds, claims, envs, susp, stored, dests, grants = await self.writer.run(claim, lazy=True)
+        self.ledger.grants = grants
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
             operator.command(self, action, name, now)
@@ -505,14 +540,10 @@ class Engine:
             if st.suspend_reason.startswith("operator") and st.name not in susp:
                 st.suspended_until, st.suspend_reason = 0.0, ""
         jobs: dict[tuple[str, str, int], Job] = {}
-        for cl in claims:
+        for cl, (dname, route) in zip(claims, dests, strict=True):
             env = envs.get(cl.msg_id)
-            if env is None:
+            if env is None or route is None:
                 continue
-            route = self.config.routing.match(
-                sender=env.sender, recipient=cl.address, client=env.client, listener=env.listener
-            )
-            dname = cl.destination if route.mx else dispatch.first_open(self, route.via, now)
             # feedback.verp: an envelope sender per recipient, so one transaction each
             verp = self.verp_sender(cl.msg_id, cl.rcpt_id) if env.sender else None
             # ... and so does a List-Unsubscribe that names its one recipient
@@ -532,13 +563,6 @@ class Engine:
                 )
             job.claims.append(cl)
         immediate: list[ops.RcptUpdate] = []
-        if self.fleet:
-            try:
-                await self._take_ceilings(jobs.values(), now)
-            except Exception as e:  # never strand a claim: wait a minute and try again
-                log_event(log, logging.ERROR, "engine_error", "ceiling room not taken", exc=e)
-                immediate.extend(u for job in jobs.values() for u in _retry_later(job, now, e))
-                jobs = {}
         for job in jobs.values():
             try:
                 immediate.extend(dispatch.dispatch(self, job, now, stored))
@@ -552,36 +576,39 @@ class Engine:
                     exc=e,
                 )
                 immediate.extend(_retry_later(job, now, e))
+        left: dict[str, int] | None = None
         if self.ledger.grants is not None:
-            # room taken for this pass and not used (suppressed, suspended, split) goes back
-            left = {s: n for s, n in self.ledger.grants.items() if n > 0}
+            # room taken for this pass and not used (suppressed, suspended, split) goes back,
+            # in the commit of this pass's immediate outcomes when there are any
+            left = {s: n for s, n in self.ledger.grants.items() if n > 0} or None
             self.ledger.grants = None
-            if left:
-                await self.writer.run(
-                    functools.partial(ops.ceiling_release, node=self.node, scopes=left)
-                )
         if immediate:
-            await attempt.record(self, immediate)
+            await attempt.record(self, immediate, left)
+        elif left:
+            await self.writer.run(
+                functools.partial(ops.ceiling_release, node=self.node, scopes=left)
+            )
         return len(claims)
 
-    async def _take_ceilings(self, jobs: Iterable[Job], now: float) -> None:
-        """A fleet counts its daily ceilings in the database: the room this pass may use,
-        taken in one transaction before dispatch (relay/delivery/ledger.py)."""
+    def _ceiling_wants(
+        self,
+        conf: Config,
+        claims: Sequence[ops.Claim],
+        dests: Sequence[tuple[str, Route | None]],
+        now: float,
+    ) -> dict[str, tuple[int, int]]:
+        """(limit, recipients) per fleet-wide ceiling scope for the claims of a pass, each
+        under the destination it goes to (pure over the config: runs in the writer)."""
         wants: dict[str, tuple[int, int]] = {}
-        for job in jobs:
-            st = self.dest(job.destination)
-            ident = self.config.identity(job.identity)
+        for cl, (dname, route) in zip(claims, dests, strict=True):
+            if route is None:
+                continue
+            ident = conf.identity(cl.identity)
             for scope, _name, limit in self.ledger.limits(
-                st.name, st.conf.daily_limit, job.identity, ident, now
+                dname, conf.destination(dname).daily_limit, cl.identity, ident, now
             ):
-                wants[scope] = (limit, wants.get(scope, (limit, 0))[1] + len(job.claims))
-        if not wants:
-            return
-        day = self.ledger.day_of(now)
-        until = now + self.lease
-        self.ledger.grants = await self.writer.run(
-            lambda c: ops.ceiling_take(c, self.node, day, wants, until)
-        )
+                wants[scope] = (limit, wants.get(scope, (limit, 0))[1] + 1)
+        return wants
 
     def job_queued(self, n: int) -> None:
         self._inflight += n

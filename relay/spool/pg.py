@@ -163,9 +163,32 @@ def _wrap(e: psycopg.Error) -> sqlite3.Error:
     return err
 
 
+# statements whose answer nobody reads: sent with the next statement, in one round trip
+DEFERRED = frozenset({"BEGIN", "SAVEPOINT job", "RELEASE job"})
+
+
+class _Deferred:
+    """What execute() returns for a DEFERRED statement (sent later, with the next)."""
+
+    rowcount = -1
+    statusmessage = None
+
+    def fetchone(self) -> None:
+        return None
+
+    def fetchall(self) -> list[Any]:
+        return []
+
+
 class PgConnection:
     """The subset of sqlite3.Connection the spool uses, on a psycopg connection in
-    autocommit mode (transactions are the explicit BEGIN ... COMMIT the spool issues)."""
+    autocommit mode (transactions are the explicit BEGIN ... COMMIT the spool issues).
+
+    BEGIN and the writer's SAVEPOINT/RELEASE (DEFERRED) are not sent on their own: they
+    wait for the next statement and go with it in one pipeline (psycopg's pipeline mode:
+    one round trip), so a job costs the server no wake-up of its own for its savepoint and
+    a batch none for its BEGIN. An error of a deferred statement surfaces at the statement
+    it went with, where the writer handles it as that statement's own."""
 
     dialect = DIALECT
 
@@ -173,6 +196,7 @@ class PgConnection:
         self.dsn = dsn
         self._password = password
         self._lock = threading.Lock()  # one statement at a time (CLI threads, tests)
+        self._deferred: list[str] = []
         self._conn = self._open()
 
     def _open(self) -> psycopg.Connection[Any]:
@@ -191,9 +215,20 @@ class PgConnection:
         query = translate(sql)
         with self._lock:
             if query == "BEGIN" and self._conn.broken:
+                self._deferred.clear()
                 self._conn = self._open()
+            if query in DEFERRED and not params:
+                self._deferred.append(query)
+                return _Deferred()
             try:
-                cur = self._conn.execute(query, params)
+                if self._deferred:
+                    deferred, self._deferred = self._deferred, []
+                    with self._conn.pipeline():
+                        for q in deferred:
+                            self._conn.execute(q)
+                        cur = self._conn.execute(query, params)
+                else:
+                    cur = self._conn.execute(query, params)
             except psycopg.Error as e:
                 raise _wrap(e) from e
             if cur.statusmessage == "ROLLBACK" and query.strip().upper() == "COMMIT":
@@ -207,16 +242,23 @@ class PgConnection:
         with self._lock:
             cur = self._conn.cursor()
             try:
-                cur.executemany(query, seq)
+                deferred, self._deferred = self._deferred, []
+                with self._conn.pipeline():
+                    for q in deferred:
+                        self._conn.execute(q)
+                    cur.executemany(query, seq)
             except psycopg.Error as e:
                 raise _wrap(e) from e
             return cur
 
     def close(self) -> None:
+        self._deferred.clear()
         self._conn.close()
 
     @property
     def in_transaction(self) -> bool:
+        if "BEGIN" in self._deferred:
+            return True
         return self._conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
 
 

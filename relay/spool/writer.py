@@ -19,6 +19,14 @@ Rules:
   queue) run beside the writer on a read-only connection of their own, so they never hold
   up a commit (SQLite's WAL lets readers and the writer run at once). PostgreSQL: through
   the writer as any job.
+- Grouped jobs (PostgreSQL): a job made as `Grouped(many, arg)` may run together with the
+  other jobs of the batch built on the same `many`, in one call `many(conn, [args...])`
+  under one SAVEPOINT, at the place of the first of them: a batch of accepted messages is
+  a few statements, not a few per message (each statement is a round trip to the server).
+  `many` must give each job the result it would have had run alone, in order. If the
+  group fails, it is rolled back and its jobs run one by one as any job (so one bad job
+  still fails alone). SQLite runs every job alone: its statements are calls in this
+  thread, there is no round trip to save.
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -36,8 +44,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from relay import faults
 from relay.spool import db
@@ -58,6 +67,38 @@ JOB_TRIES = 3  # a job that lost a lock race on PostgreSQL runs again (db.retrya
 LOCK_NAME = "write.lock"
 
 
+@dataclass(frozen=True, slots=True)
+class Grouped(Generic[T]):
+    """A job the writer may run with the other jobs of its batch on the same `many` (see
+    the rules); alone it is `many(conn, [arg])[0]`."""
+
+    many: Callable[[Any, list[Any]], list[T]]
+    arg: Any
+
+    def __call__(self, conn: Any) -> T:
+        return self.many(conn, [self.arg])[0]
+
+
+def plan(batch: list[Item], grouping: bool) -> list[list[Item]]:
+    """The batch in the order its units run: a unit is one job, or every Grouped job on
+    one `many` (at the place of the first of them) when `grouping`."""
+    if not grouping:
+        return [[item] for item in batch]
+    units: list[list[Item]] = []
+    groups: dict[Any, list[Item]] = {}
+    for item in batch:
+        job = item[0]
+        if isinstance(job, Grouped):
+            unit = groups.get(job.many)
+            if unit is None:
+                unit = groups[job.many] = []
+                units.append(unit)
+            unit.append(item)
+        else:
+            units.append([item])
+    return units
+
+
 class SpoolError(Exception):
     """The spool could not durably take a write (the caller answers 4xx)."""
 
@@ -75,6 +116,7 @@ class SpoolWriter:
         self.last_commit_seconds = 0.0
         self.commit_seconds_total = 0.0
         self.failures = 0
+        self.grouped = 0  # jobs run in a group (PostgreSQL), for tests and the bench
         self.healthy = True
         self.on_commit: Callable[[float, int], None] | None = None
         self._reader: sqlite3.Connection | None = None  # read(): opened at first use
@@ -196,27 +238,13 @@ class SpoolWriter:
             self.healthy = False
             _resolve_all([(item, None, e) for item in batch if _take(item)])
             return
-        for item in batch:
-            if not _take(item):  # its caller gave up (cancelled): not run
+        grouping = db.dialect(conn) == "postgresql"
+        for unit in plan(batch, grouping):
+            taken = [item for item in unit if _take(item)]  # not run: its caller gave up
+            if len(taken) > 1 and self._run_group(conn, taken, results):
                 continue
-            for attempt in range(JOB_TRIES):
-                try:
-                    conn.execute("SAVEPOINT job")
-                    faults.hit("spool.job")
-                    res = item[0](conn)
-                    conn.execute("RELEASE job")
-                    results.append((item, res, None))
-                    break
-                except Exception as e:
-                    try:
-                        conn.execute("ROLLBACK TO job")
-                        conn.execute("RELEASE job")
-                    except sqlite3.Error:
-                        pass
-                    if attempt + 1 < JOB_TRIES and db.retryable(e):
-                        continue  # a deadlock victim: the peer has its locks now
-                    results.append((item, None, e))
-                    break
+            for item in taken:
+                self._run_one(conn, item, results)
         try:
             faults.hit("spool.commit")
             conn.execute("COMMIT")
@@ -242,6 +270,58 @@ class SpoolWriter:
             except Exception:  # metrics must never break the spool
                 log.exception("on_commit hook failed")
         _resolve_all(results)
+
+    def _run_group(
+        self,
+        conn: sqlite3.Connection,
+        items: list[Item],
+        results: list[tuple[Item, Any, BaseException | None]],
+    ) -> bool:
+        """Run Grouped jobs in one call; False (nothing done) when it failed."""
+        many = items[0][0].many  # type: ignore[attr-defined]
+        try:
+            conn.execute("SAVEPOINT job")
+            faults.hit("spool.job")
+            res = many(conn, [item[0].arg for item in items])  # type: ignore[attr-defined]
+            if len(res) != len(items):
+                raise RuntimeError(f"{many!r} gave {len(res)} results for {len(items)} jobs")
+            conn.execute("RELEASE job")
+        except Exception as e:
+            try:
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+            except sqlite3.Error:
+                pass
+            log.debug("a group of %d jobs failed (%s); running them one by one", len(items), e)
+            return False
+        results.extend((item, r, None) for item, r in zip(items, res, strict=True))
+        self.grouped += len(items)
+        return True
+
+    def _run_one(
+        self,
+        conn: sqlite3.Connection,
+        item: Item,
+        results: list[tuple[Item, Any, BaseException | None]],
+    ) -> None:
+        for attempt in range(JOB_TRIES):
+            try:
+                conn.execute("SAVEPOINT job")
+                faults.hit("spool.job")
+                res = item[0](conn)
+                conn.execute("RELEASE job")
+                results.append((item, res, None))
+                return
+            except Exception as e:
+                try:
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
+                except sqlite3.Error:
+                    pass
+                if attempt + 1 < JOB_TRIES and db.retryable(e):
+                    continue  # a deadlock victim: the peer has its locks now
+                results.append((item, None, e))
+                return
 
 
 def _take(item: Item) -> bool:
