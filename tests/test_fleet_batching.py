@@ -22,7 +22,8 @@ from tests.pgserver import pg_dsn  # noqa: F401 (fixture)
 WINDOW = 3600.0
 
 
-def _msg(qid: str, at: float, *rcpts: tuple[str, str, str | None]) -> ops.NewMessage:
+def _msg(qid: str, at: float, *rcpts: tuple[str, ...] | tuple[str, str, None]) -> ops.NewMessage:
+    """Recipients as (address, dedup key, content hash[, content fingerprint])."""
     return ops.NewMessage(
         queue_id=qid,
         message_id=f"<{qid}@x>",
@@ -37,7 +38,7 @@ def _msg(qid: str, at: float, *rcpts: tuple[str, str, str | None]) -> ops.NewMes
         body=b"body " + qid.encode(),
         body_path=None,
         recipients=tuple(
-            ops.NewRecipient(addr, addr.rpartition("@")[2], key, h) for addr, key, h in rcpts
+            ops.NewRecipient(r[0], r[0].rpartition("@")[2], r[1], r[2], *r[3:]) for r in rcpts
         ),
         listener="smtp" if qid != "Q5" else None,
     )
@@ -62,7 +63,7 @@ def _dump(conn: Any) -> tuple[list[Any], ...]:
         [
             tuple(r)
             for r in conn.execute(
-                "SELECT key, msg_id, created_at, content_hash FROM dedup ORDER BY key"
+                "SELECT key, msg_id, created_at, content_hash, fingerprint FROM dedup ORDER BY key"
             )
         ],
     )
@@ -106,6 +107,24 @@ CASES: list[tuple[str, list[tuple[str, str, float, str | None]], list[ops.NewMes
             _msg("Q3", NOW + 0.2, ("b@x.org", "k2", "h3")),
             _msg("Q4", NOW + 0.3, ("e@x.org", "k5", "h5")),
             _msg("Q5", NOW + 0.4, ("e@x.org", "k5", "h6")),
+        ],
+    ),
+    (
+        "Message-IDs reused for other content (fingerprints): queued under the variant key",
+        [],
+        [
+            _msg("Q1", NOW, ("a@x.org", "k1", None, "fpA"), ("b@x.org", "k2", None, "fpA")),
+            _msg("Q2", NOW + 0.1, ("a@x.org", "k1", None, "fpB")),  # other content: queued
+            _msg("Q3", NOW + 0.2, ("b@x.org", "k2", None, "fpA")),  # same content: duplicate
+            _msg("Q4", NOW + 0.3, ("a@x.org", "k1", None, "fpB")),  # Q2 again: duplicate
+        ],
+    ),
+    (
+        "fresh keys stored with their fingerprints",
+        [],
+        [
+            _msg("Q1", NOW, ("a@x.org", "k1", None, "fpA")),
+            _msg("Q2", NOW + 0.1, ("b@x.org", "k2", None, "fpB")),
         ],
     ),
     (

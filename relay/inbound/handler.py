@@ -65,7 +65,7 @@ from relay.message import (
 from relay.metrics import Metrics
 from relay.spool import bodies, ops
 from relay.spool.incoming import IncomingBody
-from relay.spool.writer import SpoolError, SpoolWriter
+from relay.spool.writer import Grouped, SpoolError, SpoolWriter
 
 log = logging.getLogger("relay.inbound")  # the name its log lines have always carried
 
@@ -488,7 +488,14 @@ class InboundHandler(AuthMechanisms):
             refusal = self.gate()
             if refusal is not None:  # the spool went bad while the client sent its data
                 raise SpoolError(refusal)
-            result = await self.writer.run(self._accept_job(msg, window, mid, now))
+            # grouped: the accepts of one writer batch are three statements on PostgreSQL
+            result = await self.writer.run(Grouped(ops.accept_many, (msg, window)))
+            if result.reused:  # the alert: its own small job, after the accept's commit
+                try:
+                    await self.writer.run(self._reuse_alert_job(msg, result, mid, now))
+                except (SpoolError, OSError, sqlite3.Error) as e:
+                    # the message is safe; only the alert is not recorded (logged below too)
+                    log.warning("%s: reuse alert not recorded: %s", msg.queue_id, e)
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -550,15 +557,14 @@ class InboundHandler(AuthMechanisms):
         self.on_queued()
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
-    def _accept_job(
-        self, msg: ops.NewMessage, window: float, mid: str, now: float
-    ) -> Callable[[sqlite3.Connection], ops.AcceptResult]:
-        """ops.accept, and in the same transaction the alert of a reused Message-ID (one
-        per client namespace and `alerts.coalesce` window: a burst makes one alert)."""
+    def _reuse_alert_job(
+        self, msg: ops.NewMessage, result: ops.AcceptResult, mid: str, now: float
+    ) -> Callable[[sqlite3.Connection], None]:
+        """The alert of a reused Message-ID (one per client namespace and `alerts.coalesce`
+        window: a burst makes one alert)."""
         conf = self.config.alerts
 
-        def job(c: sqlite3.Connection) -> ops.AcceptResult:
-            result = ops.accept(c, msg, window)
+        def job(c: sqlite3.Connection) -> None:
             if result.reused:
                 rcpt, first = result.reused[0]
                 ev = alerts.Event(
@@ -573,7 +579,6 @@ class InboundHandler(AuthMechanisms):
                     },
                 )
                 alerts.record(c, ev, now, conf.coalesce, alerts.sinks_of(conf))
-            return result
 
         return job
 

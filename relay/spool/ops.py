@@ -207,12 +207,12 @@ def accept_many(
     """`accept` of several (message, dedup window) pairs, with the results they would have
     had accepted one after the other in this order, in three statements whatever their
     number (the writer's group of a batch on PostgreSQL, relay/spool/writer.py): read every
-    dedup key, take the fresh ones, insert the messages and their recipients. The decisions
-    between the read and the take are `accept`'s, made here in memory: a key an earlier
-    message of the batch takes is a duplicate for a later one. A key another node takes
-    between the read and the take is a duplicate, as in `accept`. What cannot be decided
-    that way (windows that differ, one key taken twice in one batch: a window shorter than
-    the batch) runs as `accept` one by one. SQLite: always one by one."""
+    dedup key, take them, insert the messages and their recipients: the common case, where
+    every key of the batch is new. A key another node takes between the read and the take
+    is a duplicate, as in `accept`. A batch with any key seen within the window or twice in
+    the batch (a duplicate, an Idempotency-Key conflict, a Message-ID reused for other
+    content: README "Dedup"), or with windows that differ, runs as `accept` one by one, so
+    those decisions live in one place. SQLite: always one by one."""
     windows = {w for _m, w in items}
     if len(items) < 2 or len(windows) != 1 or db.dialect(conn) != "postgresql":
         return [accept(conn, m, w) for m, w in items]
@@ -226,54 +226,40 @@ def accept_many(
     }
     results: list[AcceptResult | None] = [None] * len(items)
     plans: list[tuple[int, list[NewRecipient], list[str]]] = []
-    takes: dict[str, tuple[str, float, str | None]] = {}  # key -> (queue id, at, hash)
+    # key -> (queue id, at, content hash, fingerprint)
+    takes: dict[str, tuple[str, float, str | None, str | None]] = {}
     for i, (msg, _w) in enumerate(items):
         cutoff = msg.created_at - window
         fresh: list[NewRecipient] = []
-        dupes: list[str] = []
-        conflicts: list[str] = []
-        seen: set[str] = set()
         for r in msg.recipients:
-            if r.dedup_key in seen:
-                dupes.append(r.address)
-                continue
-            seen.add(r.dedup_key)
             row = known.get(r.dedup_key)
-            if row is not None and row[0] > cutoff:
-                if r.content_hash is not None and row[1] is not None and row[1] != r.content_hash:
-                    conflicts.append(r.address)
-                else:
-                    dupes.append(r.address)
-            else:
-                fresh.append(r)
-        if conflicts:
-            results[i] = AcceptResult(None, (), tuple(dupes), tuple(conflicts))
-            continue
-        if not fresh:
-            results[i] = AcceptResult(None, (), tuple(dupes))
-            continue
-        for r in fresh:
-            if r.dedup_key in takes:  # taken twice in this batch: not one INSERT
+            if r.dedup_key in takes or (row is not None and row[0] > cutoff):
+                # a key seen before or twice in this batch: a duplicate, an Idempotency-Key
+                # conflict or a Message-ID reused for other content (README "Dedup") is
+                # `accept`'s to decide, one message after the other (nothing written yet)
                 return [accept(conn, m, w) for m, w in items]
-            takes[r.dedup_key] = (msg.queue_id, msg.created_at, r.content_hash)
-            known[r.dedup_key] = (msg.created_at, r.content_hash)
-        plans.append((i, fresh, dupes))
+            fresh.append(r)
+            takes[r.dedup_key] = (msg.queue_id, msg.created_at, r.content_hash, r.fingerprint)
+        plans.append((i, fresh, []))
     won: set[str] = set()
     if takes:
         order = sorted(takes)  # one lock order for every node (a fleet's inserts never cross)
         won = {
             row[0]
             for row in conn.execute(
-                "INSERT INTO dedup (key, msg_id, created_at, content_hash)"
-                " SELECT * FROM unnest(?::text[], ?::text[], ?::double precision[], ?::text[])"
+                "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
+                " SELECT * FROM unnest(?::text[], ?::text[], ?::double precision[], ?::text[],"
+                " ?::text[])"
                 " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-                " created_at = excluded.created_at, content_hash = excluded.content_hash"
+                " created_at = excluded.created_at, content_hash = excluded.content_hash,"
+                " fingerprint = excluded.fingerprint"
                 " WHERE dedup.created_at <= excluded.created_at - ? RETURNING key",
                 (
                     order,
                     [takes[k][0] for k in order],
                     [takes[k][1] for k in order],
                     [takes[k][2] for k in order],
+                    [takes[k][3] for k in order],
                     window,
                 ),
             )
