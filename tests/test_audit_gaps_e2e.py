@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,9 @@ def test_a_spool_error_during_a_feedback_post_is_503_and_the_retry_is_applied_on
     doc = {"type": "bounce", "recipient": rcpt, "upstream_id": "4FAUDIT01", "id": "evt-audit-1"}
     metric = 'relay_feedback_events_total{provider="generic",type="bounce"}'
     faults.write_text("spool.commit locked\n")  # every commit fails: "database is locked"
+    # relay/faults.py rereads the file at most every 50 ms: a POST sent sooner could still
+    # commit (and then be a duplicate, not a 503, afterwards)
+    time.sleep(0.3)
     r.wait_until(lambda: _post(r, doc)[0] == 503, timeout=10, what="503 while the spool fails")
     assert r.metric(metric) == 0
     faults.write_text("")  # the spool works again; the provider retries
