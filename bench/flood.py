@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from relay import auth  # noqa: E402
+from relay.inbound import auth  # noqa: E402
 from tests.harness import (  # noqa: E402
     RelayProcess,
     Upstream,

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 
-from relay.config import PgSpool  # noqa: E402
+from relay.config.tree import PgSpool  # noqa: E402
 from relay.spool import ops, pg  # noqa: E402
 from relay.spool import writer as writer_mod  # noqa: E402
 

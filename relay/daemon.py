@@ -10,20 +10,20 @@ Rules:
 - SIGHUP: reload the config; a bad one is logged and the old one kept. Listener addresses
   and the spool path need a restart; limits, destinations, lanes, retry, log level reload,
   and so do a listener's TLS certificate and AUTH users file (for new connections, on
-  implicit-TLS listeners too: relay/tls_listener.py).
+  implicit-TLS listeners too: relay/inbound/tls_listener.py).
 - Before the loop starts, the soft RLIMIT_NOFILE is raised to the hard limit; a
-  `limits.max_connections` that cannot fit under it exits 78 (relay/fdlimit.py).
+  `limits.max_connections` that cannot fit under it exits 78 (relay/inbound/fdlimit.py).
 - One InboundGuard for every listener: connection counts, AUTH checks and bans are per
   daemon, not per listener.
-- Health (relay/health.py) is measured every second: listeners, the spool (writable, commit
+- Health (relay/ops/health.py) is measured every second: listeners, the spool (writable, commit
   latency, the database file still the one we opened), free disk, each destination, the
   queue (oldest waiting, stall; every 5 s), dead letters per hour. A transition is logged
-  and raised as an alert (relay/alerts.py); the model is served at /health and /healthz
+  and raised as an alert (relay/ops/alerts.py); the model is served at /health and /healthz
   and written to `<spool>/health.json` for `relay status`. Inbound answers `451 4.3.0`
   once the spool database was deleted or replaced under us, and `452 4.3.1` while the disk
   is critically full (at MAIL, before anything is accepted that could not be kept).
-- The maildrop (relay/maildrop.py) is created at start when missing and imported at start
-  and every second (relay/pickup.py); its `maildrop` health check warns when a file waits
+- The maildrop (relay/spool/maildrop.py) is created at start when missing and imported at start
+  and every second (relay/spool/pickup.py); its `maildrop` health check warns when a file waits
   there over a minute. The importer stops first at shutdown, while the listeners still
   answer the submission in flight.
 """
@@ -45,25 +45,26 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from relay import __version__, alerts, faults, fdlimit, health, maildrop, pickup
-from relay.admin import AdminServer
-from relay.config import Config, ConfigError, load_config
+from relay import __version__
+from relay.authenticity.unsubscribe import UnsubscribeHandler
+from relay.cli.sendmail import Target
+from relay.config.tree import Config, ConfigError, load_config
 from relay.delivery import smtpclient_adapter, views
+from relay.delivery.dsn import queue_dsn
 from relay.delivery.engine import Engine
-from relay.dsn import queue_dsn
 from relay.feedback.service import FeedbackService
-from relay.guard import InboundGuard
-from relay.inbound import InboundHandler, InboundStats, Suppressions
-from relay.inbound_proc import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
-from relay.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
-from relay.metrics import Metrics
+from relay.inbound import InboundHandler, InboundStats, Suppressions, fdlimit
+from relay.inbound.guard import InboundGuard
+from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
+from relay.ops import alerts, faults, health
+from relay.ops.admin import AdminServer
 from relay.ops.http import HttpLimits, HttpServer
-from relay.outbox import Outbox
-from relay.sdnotify import Notifier, watchdog_loop
-from relay.sendmail import Target
-from relay.spool import bodies, db, ops
+from relay.ops.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
+from relay.ops.metrics import Metrics
+from relay.ops.sdnotify import Notifier, watchdog_loop
+from relay.spool import bodies, db, maildrop, ops, pickup
+from relay.spool.outbox import Outbox
 from relay.spool.writer import SpoolWriter
-from relay.unsubscribe import UnsubscribeHandler
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,7 @@ class Daemon:
         log_event(log, logging.INFO, "shutdown", "stopped cleanly")
 
     async def _make_maildrop(self) -> None:
-        """The maildrop folder, with its mode, when missing (relay/maildrop.py). A failure
+        """The maildrop folder, with its mode, when missing (relay/spool/maildrop.py). A failure
         is logged, never fatal: the daemon still takes SMTP; relay-sendmail then exits 75
         when it cannot reach us."""
         folder = self.config.maildrop_dir()
@@ -403,8 +404,8 @@ class Daemon:
         """At start, `relay check-dns` for every DKIM signing domain, logged (never blocks
         start, never stops it): a key not yet published, a broken SPF or a missing DMARC
         shows in the journal the moment the relay starts signing."""
-        from relay import checkdns
-        from relay.dkim_sign import public_record
+        from relay.authenticity import checkdns
+        from relay.authenticity.dkim import public_record
 
         ns = self.config.upstream.mx.nameservers
         for domain, keys in self.config.dkim.items():
@@ -589,7 +590,7 @@ class Daemon:
         self.notifier.ready()
         return True
 
-    # --- inbound processes (relay/inbound_proc.py) ------------------------------------------
+    # --- inbound processes (relay/inbound/processes.py) ------------------------------------------
 
     async def _start_inbound(self, loop: asyncio.AbstractEventLoop) -> None:
         """`inbound.processes` processes take SMTP on the configured ports and spool; each

@@ -92,7 +92,7 @@ def backend_writer(request: pytest.FixtureRequest, spool_dir: object) -> object:
     """A SpoolWriter (not started) on the backend `request.param` names."""
     from pathlib import Path
 
-    from relay.config import PgSpool
+    from relay.config.tree import PgSpool
     from relay.spool.writer import SpoolWriter
 
     if request.param == "sqlite":

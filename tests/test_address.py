@@ -1,4 +1,4 @@
-"""relay/address.py: RFC 5321 §4.1.2 paths, parsed in linear time into the exact text that is
+"""relay/mail/address.py: RFC 5321 §4.1.2 paths, parsed in linear time into the exact text that is
 stored and sent upstream."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.address import (
+from relay.mail.address import (
     AddressError,
     Path,
     check_domain,
@@ -274,7 +274,7 @@ def test_printable_table(text: str, shown: str) -> None:
 
 
 # The reply text names what is wrong: an operator reads it in the app's log. One row per
-# refusal in relay/address.py (the message wording mutants of `make mutate`).
+# refusal in relay/mail/address.py (the message wording mutants of `make mutate`).
 @pytest.mark.parametrize(
     ("arg", "message"),
     [

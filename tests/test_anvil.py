@@ -1,6 +1,6 @@
-"""Pure tables for the inbound limits: relay/anvil.py (connections, AUTH failures and bans,
-log-once), relay/session_limits.py (which replies are errors, the DATA rate meter),
-relay/fdlimit.py, and their config keys."""
+"""Pure tables for the inbound limits: relay/inbound/anvil.py (connections, AUTH failures and bans,
+log-once), relay/inbound/session_limits.py (which replies are errors, the DATA rate meter),
+relay/inbound/fdlimit.py, and their config keys."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from relay import anvil, fdlimit
-from relay.config import ConfigError, from_mapping
-from relay.session_limits import DataRate, counts_as_error, resets_errors
+from relay.config.tree import ConfigError, from_mapping
+from relay.inbound import anvil, fdlimit
+from relay.inbound.session_limits import DataRate, counts_as_error, resets_errors
 
 LIMITS = anvil.ConnectionLimits(max_connections=10, per_ip=3, per_ip_allowed=8, allowed_reserve=2)
 

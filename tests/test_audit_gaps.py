@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import alerts, longlines
-from relay import auth as auth_
-from relay.config import load_config
-from relay.guard import AuthBusy, InboundGuard
+from relay.config.tree import load_config
+from relay.inbound import auth as auth_
+from relay.inbound import longlines
+from relay.inbound.guard import AuthBusy, InboundGuard
+from relay.ops import alerts
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
 from tests.webhook import Receiver

@@ -80,7 +80,7 @@ def test_a_spool_error_during_a_feedback_post_is_503_and_the_retry_is_applied_on
     doc = {"type": "bounce", "recipient": rcpt, "upstream_id": "4FAUDIT01", "id": "evt-audit-1"}
     metric = 'relay_feedback_events_total{provider="generic",type="bounce"}'
     faults.write_text("spool.commit locked\n")  # every commit fails: "database is locked"
-    # relay/faults.py rereads the file at most every 50 ms: a POST sent sooner could still
+    # relay/ops/faults.py rereads the file at most every 50 ms: a POST sent sooner could still
     # commit (and then be a duplicate, not a 503, afterwards)
     time.sleep(0.3)
     r.wait_until(lambda: _post(r, doc)[0] == 503, timeout=10, what="503 while the spool fails")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from relay import auth
+from relay.inbound import auth
 
 
 @pytest.fixture()

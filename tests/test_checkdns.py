@@ -1,4 +1,4 @@
-"""`relay check-dns` (relay/checkdns.py) against a real DNS server on loopback."""
+"""`relay check-dns` (relay/authenticity/checkdns.py) against a real DNS server on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from relay.checkdns import (
+from relay.authenticity.checkdns import (
     Check,
     _expand,
     _MacroContext,

@@ -13,7 +13,7 @@ from typing import cast
 
 import pytest
 
-from relay import cli
+from relay.cli import main as cli
 from relay.spool import db, ops
 from tests.pgserver import BACKENDS, open_backend
 

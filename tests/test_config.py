@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from relay.config import (
+from relay.config.tree import (
     EX_CONFIG,
     ConfigError,
     from_mapping,

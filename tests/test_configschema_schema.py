@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
-from relay.config import ConfigError, from_mapping, json_schema
-from relay.config_types import duration, percent, rate, size
+from relay.config.tree import ConfigError, from_mapping, json_schema
+from relay.config.values import duration, percent, rate, size
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "relay.yaml"
 SCHEMA = json_schema()

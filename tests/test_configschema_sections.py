@@ -1,4 +1,4 @@
-"""Config sections on the library (relay/config_models.py): every error of a section in one
+"""Config sections on the library (relay/config/models.py): every error of a section in one
 validation, in the contract's words (`key.path: problem`), unknown keys named with a
 suggestion, and the frozen dataclasses the rest of the code reads, unchanged."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from relay.config import DEFAULTS, DESTINATION_DEFAULTS, ConfigError, Limits, from_mapping
-from relay.config_models import SECTIONS, DestinationSection
+from relay.config.models import SECTIONS, DestinationSection
+from relay.config.tree import DEFAULTS, DESTINATION_DEFAULTS, ConfigError, Limits, from_mapping
 
 BASE = Path("/nonexistent-base")
 

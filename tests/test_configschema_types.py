@@ -1,4 +1,4 @@
-"""The config's value types (relay/config_types.py): each parser's table, and the same
+"""The config's value types (relay/config/values.py): each parser's table, and the same
 values through pydantic, whose errors carry the parser's own text (the contract's wording)
 and whose JSON Schema accepts what the parser accepts."""
 
@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from relay import config_types as t
+from relay.config import values as t
 
 
 class _M(BaseModel):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from relay.metrics import Metrics
 from relay.ops.console import auth, rollup
 from relay.ops.console.html import chart, h, table
+from relay.ops.metrics import Metrics
 from relay.spool import db
 from tests.pgserver import pg_dsn  # noqa: F401 - fixture
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from relay.metrics import Metrics
 from relay.ops.console.app import Console
+from relay.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "contrib" / "prometheus" / "relay-alerts.yml"

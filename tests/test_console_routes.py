@@ -17,11 +17,11 @@ from urllib.parse import urlencode
 import pytest
 import yaml
 
-from relay.config import ConfigError, load_config
-from relay.metrics import Metrics
+from relay.config.tree import ConfigError, load_config
 from relay.ops.console import auth
 from relay.ops.console.app import Console
 from relay.ops.http import Request
+from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter
 from tests.harness import RelayProcess, free_port, make_message, send
 

@@ -1,4 +1,4 @@
-"""relay/dataflow.py: the streamed DATA parser gives, for any split of the input into
+"""relay/inbound/dataflow.py: the streamed DATA parser gives, for any split of the input into
 blocks, exactly what the whole-buffer path gave (aiosmtpd's line-by-line DATA, then
 un-dot-stuffing and line-ending normalisation), and finds the end of the data where RFC 5321
 says, never at a bare-LF/CR "." line."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.dataflow import DataParser, DataState
-from relay.message import normalize_line_endings
+from relay.inbound.dataflow import DataParser, DataState
+from relay.mail.message import normalize_line_endings
 
 
 def reference(stream: bytes) -> tuple[bytes, bytes] | None:
@@ -102,7 +102,7 @@ def test_longest_line_is_that_of_the_normalised_message(
     pieces: list[bytes], cuts: list[int]
 ) -> None:
     # `longest` decides whether a message is re-encoded for lines over 998 octets
-    # (relay/longlines.py): exact whenever it is over 998, whatever the blocks and the
+    # (relay/inbound/longlines.py): exact whenever it is over 998, whatever the blocks and the
     # transparency dots, NULs and bare line ends that change line lengths on the way
     stream = b"".join(pieces) + b"\r\n.\r\n"
     expected = reference(stream)

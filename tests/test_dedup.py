@@ -1,5 +1,5 @@
-"""Pure tests of relay/dedup.py (dedup keys, Message-ID normalization, content Message-IDs)
-and relay/message.py (line endings, header block, header parsing, the trace header)."""
+"""Pure tests of relay/spool/dedup.py (dedup keys, Message-ID normalization, content Message-IDs)
+and relay/mail/message.py (line endings, header block, header parsing, the trace header)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import dedup
-from relay.message import (
+from relay.mail.message import (
     TRACE_HEADERS,
     header,
     normalize_line_endings,
@@ -19,6 +18,7 @@ from relay.message import (
     received_header,
     split_message,
 )
+from relay.spool import dedup
 
 # --- Message-ID and address normalization ---------------------------------------------------
 

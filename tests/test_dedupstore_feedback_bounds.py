@@ -1,6 +1,6 @@
 """Feedback storage that cannot fill the disk (issue 27 item 5): the per-mail cap (stored
 truncated, noted), the total budget (oldest dropped, counted), the per-client rate limit on
-mail to the feedback and unsubscribe addresses (relay/anvil.py's MessageRate, 450 4.7.1),
+mail to the feedback and unsubscribe addresses (relay/inbound/anvil.py's MessageRate, 450 4.7.1),
 `relay feedback purge`, the config keys, and the spool's disk reserve (relay/spool/reserve.py
 and the `disk` health check)."""
 
@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import anvil, health
-from relay.config import ConfigError, from_mapping
+from relay.config.tree import ConfigError, from_mapping
 from relay.feedback import storage
-from relay.metrics import Metrics
+from relay.inbound import anvil
+from relay.ops import health
+from relay.ops.metrics import Metrics
 from relay.spool import db, reserve
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_inbound_mutants_accept import (

@@ -1,4 +1,4 @@
-"""Dedup that knows content: the fingerprint (relay/dedup.py, pure), and the spool's accept
+"""Dedup that knows content: the fingerprint (relay/spool/dedup.py, pure), and the spool's accept
 (relay/spool/ops.py) on SQLite and PostgreSQL: a Message-ID key hit with another
 fingerprint is queued under a variant key, the same content stays a duplicate, keys stored
 before fingerprints existed keep the old rule, an Idempotency-Key keeps its own."""
@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import dedup
-from relay.spool import db, ops
+from relay.spool import db, dedup, ops
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
 

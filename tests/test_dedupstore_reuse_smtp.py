@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from relay.inbound import InboundStats
-from relay.metrics import Metrics
+from relay.ops.metrics import Metrics
 from tests.harness import RelayProcess, Upstream, make_message, send
 from tests.test_inbound_inprocess import QUEUED, Start, message
 from tests.test_inbound_inprocess import start as start  # a fixture, re-exported

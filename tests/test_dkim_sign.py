@@ -1,4 +1,5 @@
-"""DKIM signing (relay/dkim_sign.py): keys made by `keygen`, loaded by `load_key`, signatures
+"""DKIM signing (relay/authenticity/dkim.py): keys made by `keygen`, loaded by `load_key`,
+signatures
 made by `sign` and checked by dkimpy's verifier against the TXT record `keygen` printed, as a
 receiver would; what breaks a signature and what relaxed canonicalisation lets through; key
 formats and the refusals; which keys sign which From domain."""
@@ -21,8 +22,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
-from relay import dkim_sign
-from relay.dkim_sign import (
+from relay.authenticity import dkim as dkim_sign
+from relay.authenticity.dkim import (
     DEFAULT_HEADERS,
     DkimConfigError,
     DkimKey,

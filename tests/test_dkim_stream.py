@@ -1,5 +1,5 @@
 """Changing the header block of a large stored message without loading it: DKIM
-(relay/dkim_sign.py `RelaxedBodyHash`, relay/delivery/outbound.py), the one-click headers,
+(relay/authenticity/dkim.py `RelaxedBodyHash`, relay/delivery/outbound.py), the one-click headers,
 a route's From rewrite (relay/delivery/rewrite.py). The streamed body hash is dkimpy's for
 any body and any split into blocks, the signature over a header block plus a streamed body
 is the one over the whole message, and a message stored in a file goes out as the same
@@ -21,12 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import dkim_sign
-from relay.config import Config, from_mapping
+from relay.authenticity import dkim as dkim_sign
+from relay.authenticity.dkim import DkimSignError, RelaxedBodyHash
+from relay.config.tree import Config, from_mapping
 from relay.delivery import outbound, rewrite
 from relay.delivery.jobs import Job
 from relay.delivery.routes import Rewrite
-from relay.dkim_sign import DkimSignError, RelaxedBodyHash
 from relay.spool import ops
 from relay.spool.bodies import StoredBody
 

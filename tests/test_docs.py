@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from relay import docsgen
+from relay.cli import docsgen
 from tests import doccheck
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_generated_pages_match_the_code() -> None:
         for rel, text in docsgen.render_all().items()
         if not (ROOT / rel).exists() or (ROOT / rel).read_text(encoding="utf-8") != text
     ]
-    assert stale == [], "run `make docs` (python -m relay.docsgen) and commit the result"
+    assert stale == [], "run `make docs` (python -m relay.cli.docsgen) and commit the result"
 
 
 def test_docsgen_check_mode_fails_on_a_stale_page(tmp_path: Path) -> None:
@@ -134,7 +134,7 @@ def test_a_sendmail_option_without_a_meaning_fails() -> None:
 def test_a_metric_without_help_fails(monkeypatch: Any) -> None:
     from prometheus_client import Counter
 
-    from relay import metrics
+    from relay.ops import metrics
 
     real = metrics.Metrics.__init__
 
@@ -148,7 +148,7 @@ def test_a_metric_without_help_fails(monkeypatch: Any) -> None:
 
 
 def test_every_config_key_of_the_code_is_in_the_reference() -> None:
-    from relay.config import DEFAULTS
+    from relay.config.tree import DEFAULTS
 
     page = (ROOT / "docs/reference/config.md").read_text(encoding="utf-8")
     for key in DEFAULTS:
@@ -182,7 +182,7 @@ def test_a_meaning_for_a_key_the_config_does_not_have_is_stale() -> None:
 
 
 def test_every_log_event_is_in_the_reference() -> None:
-    from relay.logs import EVENTS
+    from relay.ops.logs import EVENTS
 
     names = {r.name for r in docsgen.log_events(docsgen_meanings())}
     assert set(EVENTS) <= names
@@ -191,7 +191,7 @@ def test_every_log_event_is_in_the_reference() -> None:
 
 
 def test_every_metric_is_in_the_reference() -> None:
-    from relay.metrics import Metrics
+    from relay.ops.metrics import Metrics
 
     m = Metrics()
     exposed = {fam.name for fam in m.registry.collect()}
@@ -206,8 +206,8 @@ def test_replies_table_has_what_clients_are_told() -> None:
     for fixed in ("451 4.3.0 ", "452 4.3.1 ", "554 5.7.1 "):
         assert any(t.startswith(fixed) and len(t) > len(fixed) for t in text), fixed
     assert all(re.fullmatch(r"[245]\d\d", r.code) for r in rows)
-    # the samples of upstream replies that relay/upstream_ids.py recognises are not ours
-    assert not any("relay/upstream_ids.py" in r.files for r in rows)
+    # the samples of upstream replies that relay/delivery/upstream_ids.py recognises are not ours
+    assert not any("relay/delivery/upstream_ids.py" in r.files for r in rows)
 
 
 def test_every_command_and_option_has_help_text() -> None:
@@ -219,7 +219,7 @@ def test_every_command_and_option_has_help_text() -> None:
 
 
 def test_help_of_every_command_prints(capsys: Any) -> None:
-    from relay.cli import _parser
+    from relay.cli.main import _parser
 
     for c in [None, *docsgen.commands()]:
         argv = ([] if c is None else c.name.split()) + ["--help"]

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay.config import load_config
+from relay.config.tree import load_config
 from relay.delivery import attempt
 from relay.delivery.engine import Engine, Job
-from relay.model import RcptState
 from relay.spool import ops
+from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter
 from tests.dnsserver import DnsServer
 from tests.harness import deep_merge, make_message, send
@@ -276,7 +276,7 @@ def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) ->
     today's counts) ran outside its loop's error handling, so one failed commit right after
     `relay is ready` killed the engine task and the daemon went on accepting mail that it
     never delivered."""
-    from relay import faults
+    from relay.ops import faults
 
     cfg_path = tmp_path / "relay.yaml"
     cfg_path.write_text(

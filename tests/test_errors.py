@@ -41,7 +41,7 @@ from relay.delivery.errors import (
     is_ambiguous,
     is_operator_fault,
 )
-from relay.replies import Outcome, Phase, Reply, Scope
+from relay.delivery.replies import Outcome, Phase, Reply, Scope
 
 _E = TypeVar("_E", bound=BaseException)
 

@@ -1,5 +1,5 @@
 """The failure paths of "250 only after fsync", driven through the fault seams
-(relay/faults.py): in-process for the spool writer, and against a live daemon for the SMTP
+(relay/ops/faults.py): in-process for the spool writer, and against a live daemon for the SMTP
 replies. Each test fails when its line is broken back (see tests/MUTANTS.md)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import cast
 
 import pytest
 
-from relay import faults
+from relay.ops import faults
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.harness import RelayProcess, Upstream, deep_merge, make_message, smarthost_config
 from tests.pgserver import BACKENDS, backend_writer

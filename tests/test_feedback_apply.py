@@ -10,11 +10,11 @@ from typing import cast
 
 import pytest
 
-from relay.dedup import dedup_key
 from relay.feedback.apply import Applied, apply_events, match, rates
 from relay.feedback.events import FeedbackEvent
-from relay.model import RcptState
 from relay.spool import db, ops
+from relay.spool.dedup import dedup_key
+from relay.spool.model import RcptState
 from tests.pgserver import BACKENDS, open_backend
 
 T0 = 1_800_000_000.0

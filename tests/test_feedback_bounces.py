@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import dsn
+from relay.delivery import dsn
 from relay.feedback import bounces
 from relay.feedback.bounces import (
     UnreadableNotice,
@@ -23,7 +23,7 @@ from relay.feedback.bounces import (
     verp_encode,
 )
 from relay.feedback.events import FeedbackError, FeedbackEvent, content_id
-from relay.regex_guard import check_linear
+from relay.mail.regex_guard import check_linear
 
 
 def mail(text: str) -> bytes:
@@ -242,7 +242,7 @@ def _relay_dsn(action: str, status: str, reply: str) -> bytes:
 
 
 def test_delayed_dsn_is_a_soft_bounce() -> None:
-    # the relay's own DSNs (relay/dsn.py) read back
+    # the relay's own DSNs (relay/delivery/dsn.py) read back
     data = _relay_dsn("delayed", "4.2.2", "452 4.2.2 mailbox full")
     assert brief(parse_feedback_mail(data)) == [("soft_bounce", "someone@example.org", "4.2.2")]
     data = _relay_dsn("failed", "5.1.1", "550 5.1.1 no such user")
@@ -853,7 +853,7 @@ def test_recipients_and_parts_are_bounded() -> None:
 @pytest.mark.parametrize("name", sorted(bounces.PATTERNS))
 def test_patterns_are_linear(name: str) -> None:
     pattern = bounces.PATTERNS[name]
-    check_linear(pattern.pattern)  # no nested repetition (relay/regex_guard.py)
+    check_linear(pattern.pattern)  # no nested repetition (relay/mail/regex_guard.py)
     n = 50_000
     hostile = [
         "a" * n,

@@ -21,13 +21,13 @@ from typing import Any, TypeVar, cast
 
 import pytest
 
-from relay.config import from_mapping
+from relay.config.tree import from_mapping
 from relay.feedback import bounces, worker
 from relay.feedback.apply import EVENTS_PER_JOB, acted_on, apply_events
 from relay.feedback.bounces import PastBound, parse_feedback_mail
 from relay.feedback.events import FeedbackEvent
 from relay.feedback.service import FeedbackService
-from relay.metrics import Metrics
+from relay.ops.metrics import Metrics
 from relay.spool import db, ops
 from relay.spool.writer import SpoolWriter
 from tests.pgserver import BACKENDS, open_backend

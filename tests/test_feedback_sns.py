@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
-from relay.config import ConfigError, from_mapping
+from relay.config.tree import ConfigError, from_mapping
 from relay.feedback import sns
 from relay.feedback.providers import SignatureError
 from tests.harness import (

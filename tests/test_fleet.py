@@ -16,8 +16,8 @@ from typing import Any, cast
 import pytest
 
 from relay.delivery import engine
-from relay.model import RcptState
 from relay.spool import db, ops, pg
+from relay.spool.model import RcptState
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_spool_mutation_ops import put, rcpt, run
 
@@ -372,7 +372,7 @@ def test_a_deadlock_victim_job_runs_again_in_the_same_batch(pg_dsn: str, tmp_pat
     and be sent a second time by another node)."""
     import psycopg
 
-    from relay.config import PgSpool
+    from relay.config.tree import PgSpool
     from relay.spool.writer import SpoolWriter
 
     setup = cast(sqlite3.Connection, pg.connect(pg_dsn))

@@ -14,7 +14,7 @@ from typing import Any, cast
 import psycopg
 import pytest
 
-from relay.config import PgSpool
+from relay.config.tree import PgSpool
 from relay.spool import ops, pg
 from relay.spool.writer import Grouped, SpoolWriter, plan
 from tests.pgserver import pg_dsn  # noqa: F401 (fixture)
@@ -465,7 +465,7 @@ def test_a_claim_pass_takes_its_ceiling_room_in_the_claims_own_commit(
 
     import yaml
 
-    from relay.config import load_config
+    from relay.config.tree import load_config
     from relay.delivery.engine import Engine
 
     silent = socket.socket()  # an upstream that connects and never greets: the job waits
@@ -527,8 +527,8 @@ def test_the_outbox_write_back_looks_at_touched_rows_and_at_all_every_full_pass(
 ) -> None:
     """Two queued rows delivered behind the outbox's back: an incremental pass writes back
     only the one the engine touched; the next full pass (FULL_PASS later) the other."""
-    from relay import outbox
-    from relay.config import load_config
+    from relay.config.tree import load_config
+    from relay.spool import outbox
     from tests.test_outbox import MESSAGE, insert, outbox_rows
 
     path = tmp_path / "relay.yaml"
@@ -582,8 +582,8 @@ def test_a_failed_write_back_keeps_what_it_was_to_look_at(
     pg_dsn: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    from relay import outbox
-    from relay.config import load_config
+    from relay.config.tree import load_config
+    from relay.spool import outbox
 
     path = tmp_path / "relay.yaml"
     path.write_text(

@@ -27,8 +27,7 @@ import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay import auth
-from relay.inbound import core
+from relay.inbound import auth, core
 from tests.harness import (
     RelayProcess,
     Upstream,
@@ -306,7 +305,7 @@ def _run_core(stream: bytes, cuts: list[int]) -> tuple[bytes, list[object], list
                 data += ev.data
                 continue
             if isinstance(ev, core.DataEnd):  # the parser knows the longest line only
-                # when it matters (over RFC 5322's 998: re-encoded, relay/longlines.py)
+                # when it matters (over RFC 5322's 998: re-encoded, relay/inbound/longlines.py)
                 # (and a refused message is discarded: its NUL count is not compared either)
                 nuls = ev.nuls if ev.refusal is None else None
                 events.append((ev.refusal, nuls, ev.longest > 998, ev.needs_reply))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from relay import auth
+from relay.inbound import auth
 from tests.harness import (
     ROOT,
     RelayProcess,
@@ -271,7 +271,7 @@ def test_relay_sendmail_with_a_cr_in_the_sender_exits_cleanly(
         [
             sys.executable,
             "-m",
-            "relay.sendmail",
+            "relay.cli.sendmail",
             "--config",
             str(r.config_path),
             "-f",

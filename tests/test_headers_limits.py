@@ -18,10 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import addrlist, dedup, dkim_sign, unsubscribe
-from relay.config import ConfigError, from_mapping
-from relay.dataflow import DataParser, DataState
-from relay.message import parse_headers, qualify_headers, split_message
+from relay.authenticity import dkim as dkim_sign
+from relay.authenticity import unsubscribe
+from relay.config.tree import ConfigError, from_mapping
+from relay.inbound.dataflow import DataParser, DataState
+from relay.mail import addrlist
+from relay.mail.message import parse_headers, qualify_headers, split_message
+from relay.spool import dedup
 from tests.test_config import BASE
 from tests.test_inbound_inprocess import MSG, QUEUED, message
 from tests.test_inbound_mutants_accept import (

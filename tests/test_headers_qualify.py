@@ -1,4 +1,4 @@
-"""relay/message.py `qualify_headers` and relay/addrlist.py: bare local parts in From, To,
+"""relay/mail/message.py `qualify_headers` and relay/mail/addrlist.py: bare local parts in From, To,
 Cc, Reply-To and Sender get the local domain, and nothing else of the header changes. The
 three corruptions found from outside (issue 27, item 1) are rows of the first table; the
 property tests take headers as the standard library's own generator writes them."""
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from relay import addrlist
-from relay.message import qualify_header_block, qualify_headers, split_message
+from relay.mail import addrlist
+from relay.mail.message import qualify_header_block, qualify_headers, split_message
 
 D = "relay.test"
 
@@ -152,7 +152,7 @@ def test_a_line_the_insertion_takes_past_998_octets_is_folded_before_white_space
     assert q(commented) == [b"To: Name", b" (" + b"c " * 489 + b")<root@relay.test>"]
     quoted = b'To: "' + b"N " * 489 + b'"<root>'
     assert q(quoted) == [quoted]  # only quoted white space: no fold, no change
-    # a line that was long before stays as it was (relay/longlines.py leaves header lines)
+    # a line that was long before stays as it was (relay/inbound/longlines.py leaves header lines)
     long = b"To: " + b"N " * 600 + b"<root>"
     assert q(long) == [long.replace(b"<root>", b"<root@relay.test>")]
 

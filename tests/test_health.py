@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay import alerts, health, shaping
-from relay.config import ConfigError, load_config
-from relay.delivery import attempt
+from relay.config.tree import ConfigError, load_config
+from relay.delivery import attempt, shaping
 from relay.delivery.decide import refused_mail
 from relay.delivery.engine import Engine, Job
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.ops import alerts, health
 from relay.spool import db, ops
 from relay.spool.writer import SpoolWriter
 from tests.bodyfiles import write_body
@@ -441,7 +441,7 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
 def test_a_dsn_reads_a_file_stored_body_in_a_thread(tmp_path: Path, monkeypatch) -> None:
     import threading
 
-    from relay import dsn
+    from relay.delivery import dsn
     from relay.spool import bodies
 
     p = tmp_path / "relay.yaml"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import auth as auth_
-from relay.config import load_config
-from relay.guard import AuthBusy, InboundGuard
+from relay.config.tree import load_config
+from relay.inbound import auth as auth_
+from relay.inbound.guard import AuthBusy, InboundGuard
 
 
 def _guard(tmp_path: Path, **auth: Any) -> InboundGuard:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import health, shaping
-from relay.config import ConfigError, load_config
-from relay.delivery import operator, views
+from relay.config.tree import ConfigError, load_config
+from relay.delivery import operator, shaping, views
+from relay.ops import health
 
 # name, circuit, failures, config error, failing_for, answered, failing_after -> status, words
 ROWS: list[tuple[str, int, str | None, float | None, bool, float, str, str]] = [

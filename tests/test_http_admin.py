@@ -1,4 +1,4 @@
-"""relay/admin.py on relay/ops/http.py: /healthz answers 503 with a reason when the spool
+"""relay/ops/admin.py on relay/ops/http.py: /healthz answers 503 with a reason when the spool
 folder takes no new file (created, fsynced, removed, in a worker thread), and the admin
 routes keep their answers (issue 27, item 8: `/healthz` stayed ok while the spool folder
 was unwritable)."""
@@ -16,9 +16,9 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from relay import admin as admin_mod
-from relay.admin import AdminServer
-from relay.metrics import Metrics
+from relay.ops import admin as admin_mod
+from relay.ops.admin import AdminServer
+from relay.ops.metrics import Metrics
 
 
 async def no_problems() -> list[str]:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from relay.metrics import Metrics
 from relay.ops.http import HttpLimits, HttpServer, Request, Response
+from relay.ops.metrics import Metrics
 
 LIMITS = HttpLimits(max_body=1000, head_timeout=0.5, body_timeout=0.5)
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import auth
-from relay.config import ConfigError, from_mapping
+from relay.config.tree import ConfigError, from_mapping
+from relay.inbound import auth
 from tests.harness import ROOT, RelayProcess, Upstream, make_message
 
 SENDER = "app@example.com"

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import auth
+from relay.inbound import auth
 from tests.harness import RelayProcess, Upstream, make_message
 
 RelayFactory = Callable[..., RelayProcess]

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from relay import faults, inbound
-from relay.config import Config, from_mapping
+from relay import inbound
+from relay.config.tree import Config, from_mapping
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound.session import Envelope, Session
+from relay.ops import faults
 from relay.spool import db, ops
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.harness import deep_merge
@@ -286,7 +287,7 @@ async def test_a_message_is_committed_before_its_250(start: Start) -> None:
 
 
 def row_key(namespace: str, rcpt: str, mid: str = "<m1@app.example>") -> str:
-    from relay import dedup
+    from relay.spool import dedup
 
     return dedup.dedup_key(namespace, mid, rcpt)
 
@@ -729,7 +730,7 @@ async def test_an_idempotency_key_names_the_message(start: Start) -> None:
     )
     assert len(r.messages()) == 1
     assert r.handler.stats.by_reason == {"idempotency_conflict": 1}
-    from relay import dedup
+    from relay.spool import dedup
 
     assert r.recipients()[0][6] == dedup.idempotency_dedup_key(NS, "order-17", "a@example.org")
 
@@ -986,7 +987,7 @@ async def test_auth_is_not_offered_on_a_listener_without_it(start: Start) -> Non
 
 
 def _users(tmp_path: Path) -> Path:
-    from relay import auth
+    from relay.inbound import auth
 
     path = tmp_path / "users"
     path.write_text(f"alice:{auth.hash_password('right')}\n")
@@ -1081,7 +1082,7 @@ async def test_three_wrong_passwords_close_the_connection(start: Start, tmp_path
 
 
 async def test_metrics_count_accepted_deduplicated_and_refused(start: Start) -> None:
-    from relay.metrics import Metrics
+    from relay.ops.metrics import Metrics
 
     metrics = Metrics()
     r = await start({"limits": {"max_recipients": 1}}, stats=InboundStats(metrics=metrics))

@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
-from relay import faults, unsubscribe
-from relay.config import Config, from_mapping
+from relay.authenticity import unsubscribe
+from relay.config.tree import Config, from_mapping
 from relay.feedback.service import FeedbackService
 from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound import handler as inbound
-from relay.message import rfc5322_date
-from relay.metrics import Metrics
+from relay.mail.message import rfc5322_date
+from relay.ops import faults
+from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge
 from tests.test_inbound_inprocess import (

@@ -3,7 +3,7 @@ helpers), in the test process where mutation testing sees it (tests/MUTANTS.md):
 survivors of the inbound.py runs showed untested. The protocol each listener gets (EHLO
 keywords, STARTTLS, `require_tls`, implicit TLS, the session timeout), a failed STARTTLS
 handshake in the log, the guard's connection gauge, the MAIL and RCPT hooks' own checks
-(called directly: relay/address.py refuses such paths first), recipients taken once whatever
+(called directly: relay/mail/address.py refuses such paths first), recipients taken once whatever
 their case (aliases, feedback), a suppressed alias target, DATA ends in flight at once,
 feedback mail spooled to a file, an AUTH line over twice the reader's limit, a peer that is
 not a (host, port) pair, and a bare status given its enhanced code."""
@@ -23,14 +23,15 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import auth, faults, inbound
-from relay.config import from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay import inbound
+from relay.config.tree import from_mapping
+from relay.inbound import InboundHandler, InboundStats, Suppressions, auth
 from relay.inbound.session import Envelope, Session, TLSSetupException
-from relay.metrics import Metrics
+from relay.inbound.tls_listener import implicit_context
+from relay.ops import faults
+from relay.ops.metrics import Metrics
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
-from relay.tls_listener import implicit_context
 from tests.harness import deep_merge
 from tests.test_inbound_inprocess import (
     MSG,
@@ -85,7 +86,7 @@ Start = Callable[..., Awaitable[Relay]]
 @pytest.fixture
 async def start(tmp_path: Path, ca: trustme.CA) -> AsyncIterator[Start]:
     """As tests/test_inbound_inprocess.py's, plus: the listener's TLS (a trustme certificate;
-    `tls="implicit"` serves TLS from the first byte as relay/inbound_proc.py does), AUTH with
+    `tls="implicit"` serves TLS from the first byte as relay/inbound/processes.py does), AUTH with
     a users file (alice:right), a FeedbackService, and a Metrics for the stats."""
     made: list[tuple[Relay, asyncio.AbstractServer]] = []
 
@@ -271,7 +272,7 @@ async def test_auth_is_listed_once_by_aiosmtpd_on_a_listener_with_auth(start: St
 
 async def test_an_idle_session_is_closed_after_the_session_timeout(start: Start) -> None:
     # aiosmtpd's own timer (limits.session_timeout) closes without a reply; the command
-    # timeout (relay/session_watch.py, 421 4.4.2) is far away here
+    # timeout (relay/inbound/session_watch.py, 421 4.4.2) is far away here
     r = await start({"limits": {"session_timeout": "0.5s", "command_timeout": "60s"}})
     c = await r.connect(ehlo=None)
     assert await asyncio.wait_for(c.reader.read(), WAIT) == b""  # no 421: aiosmtpd's close
@@ -322,7 +323,7 @@ async def test_a_tls_setup_failure_without_a_cause_is_logged_as_handshake(
 
 
 async def test_the_rcpt_hook_refuses_what_is_not_a_mailbox(start: Start) -> None:
-    """relay/address.py refuses these paths before the hook; the hook checks again."""
+    """relay/mail/address.py refuses these paths before the hook; the hook checks again."""
     r = await start()
     h = r.handler
     s = session_from(("127.0.0.1", 5000))

@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import auth
-from relay.config import from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions
-from relay.metrics import Metrics
+from relay.config.tree import from_mapping
+from relay.inbound import InboundHandler, InboundStats, Suppressions, auth
+from relay.inbound.tls_listener import implicit_context
+from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter
-from relay.tls_listener import implicit_context
 from tests.harness import deep_merge
 from tests.test_inbound_inprocess import (
     QUEUED,
@@ -55,7 +54,7 @@ Start = Callable[..., Awaitable[Started]]
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
     """As tests/test_inbound_inprocess.py's, with real Metrics under the stats and the guard
     (relay_sessions_closed_total), an optional gate, and an implicit-TLS listener served with
-    the daemon's context (relay/tls_listener.py) when the listener has TLS. `sndbuf`: a
+    the daemon's context (relay/inbound/tls_listener.py) when the listener has TLS. `sndbuf`: a
     small kernel send buffer for the connections, so that replies a client does not read
     stay in the transport's buffer."""
     made: list[tuple[Started, asyncio.AbstractServer]] = []
@@ -87,7 +86,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         context = implicit_context(tls, lambda: tls) if tls is not None else None
         server, port = await serve(handler, context, sndbuf)
         relay = Started(config, config.spool_path, writer, handler, port, queued)
-        relay.metrics = metrics
+        relay.ops.metrics = metrics
         made.append((relay, server))
         return relay
 
@@ -163,7 +162,7 @@ async def test_a_refused_connection_is_logged_with_its_listener(
         )
     finally:
         writer.close()
-    assert logged(caplog, "connection_limit", "relay.guard") == [
+    assert logged(caplog, "connection_limit", "relay.inbound.guard") == [
         (
             "WARNING",
             "connection refused",
@@ -236,7 +235,9 @@ async def test_an_idle_client_is_closed_and_the_close_is_logged_and_counted(
     assert await eof(c) == (
         b"421 4.4.2 relay.test timeout waiting for a command, closing connection\r\n"
     )
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("command_timeout")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [
+        session_closed("command_timeout")
+    ]
     assert closed_count(r, "command_timeout") == 1
 
 
@@ -250,7 +251,7 @@ async def test_a_client_too_slow_in_data_gets_its_own_421(
     assert (await c.cmd("DATA"))[0] == 354
     c.writer.write(b"Subject: slow\r\n")  # then nothing
     assert await eof(c) == b"421 4.4.2 relay.test data arriving too slowly, closing connection\r\n"
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("data_rate")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [session_closed("data_rate")]
     assert closed_count(r, "data_rate") == 1
     assert r.messages() == []
 
@@ -263,7 +264,7 @@ async def test_too_many_errors_close_with_their_reason(
     assert (await c.cmd("BOGUS"))[0] == 500
     assert (await c.cmd("BOGUS"))[0] == 500
     assert await eof(c) == b"421 4.7.0 relay.test too many errors, closing connection\r\n"
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("max_errors")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [session_closed("max_errors")]
     assert closed_count(r, "max_errors") == 1
 
 
@@ -276,7 +277,7 @@ async def test_any_other_421_closes_with_reason_421(
     c = await r.connect()
     assert await c.cmd("MAIL FROM:<app@example.com>") == (421, reply)
     assert await eof(c) == b""
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("421")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [session_closed("421")]
     assert closed_count(r, "421") == 1
     assert closed_count(r, "auth_failures") is None
 
@@ -311,7 +312,9 @@ async def test_three_wrong_passwords_close_with_reason_auth_failures(
     assert (await c.cmd(wrong))[0] == 535
     assert await c.cmd(wrong) == (421, "421 4.7.0 too many authentication failures")
     assert await eof(c) == b""
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("auth_failures")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [
+        session_closed("auth_failures")
+    ]
     assert closed_count(r, "auth_failures") == 1
     assert closed_count(r, "421") is None
 
@@ -438,7 +441,7 @@ async def test_a_closing_connection_gets_no_second_421_from_a_timer(
     assert got.endswith(HELP + reply.encode() + b"\r\n"), got[-300:]
     assert closed_count(r, "421") == 1
     assert closed_count(r, "command_timeout") is None
-    assert logged(caplog, "session_closed", "relay.guard") == [session_closed("421")]
+    assert logged(caplog, "session_closed", "relay.inbound.guard") == [session_closed("421")]
 
 
 async def test_an_implicit_tls_client_refused_and_gone_at_once_leaves_no_error(
@@ -490,7 +493,9 @@ async def test_an_implicit_tls_client_refused_and_gone_at_once_leaves_no_error(
     assert tls_obj.read(4096) == (
         b"421 4.7.0 too many connections from your address, try again later\r\n"
     )
-    assert [e[2]["reason"] for e in logged(caplog, "connection_limit", "relay.guard")] == ["per_ip"]
+    assert [e[2]["reason"] for e in logged(caplog, "connection_limit", "relay.inbound.guard")] == [
+        "per_ip"
+    ]
     assert loop_errors(caplog) == []
     assert r.handler.stats.sessions == 1
     assert await first.cmd("NOOP") == (250, "250 2.0.0 OK")

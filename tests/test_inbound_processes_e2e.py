@@ -1,5 +1,5 @@
 """`inbound.processes`: SMTP processes on the configured ports and spool
-(relay/inbound_proc.py) while the main process delivers, against a real daemon: the kernel
+(relay/inbound/processes.py) while the main process delivers, against a real daemon: the kernel
 spreads connections over them, mail taken by any of them is delivered, a resubmission is
 queued once whichever process takes it, a killed inbound process is started again, and none
 outlives the main one."""

@@ -1,4 +1,4 @@
-"""Tests for relay.lanes: rule parsing, first-match classification, built-in defaults."""
+"""Tests for relay.delivery.lanes: rule parsing, first-match classification, built-in defaults."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from relay.lanes import LANE_PRIORITY, LANES, LaneRule, classify_lane, parse_lane_rules
+from relay.delivery.lanes import LANE_PRIORITY, LANES, LaneRule, classify_lane, parse_lane_rules
 
 RULES = parse_lane_rules(
     [

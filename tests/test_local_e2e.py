@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.config import ConfigError, Local, from_mapping, parse_aliases
+from relay.config.tree import ConfigError, Local, from_mapping, parse_aliases
 from tests.harness import RelayProcess, Upstream
 from tests.test_sendmail import parsed, sendmail
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-import relay.logs as logs
-from relay.logs import (
+import relay.ops.logs as logs
+from relay.ops.logs import (
     EVENTS,
     REDACTED,
     JSONFormatter,
@@ -417,7 +417,7 @@ def test_absent_fields_are_left_out_not_null() -> None:
     import json
     import logging
 
-    from relay.logs import JSONFormatter, log_event
+    from relay.ops.logs import JSONFormatter, log_event
 
     logger = logging.getLogger("relay.test.nulls")
     records: list[logging.LogRecord] = []

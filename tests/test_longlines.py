@@ -1,4 +1,4 @@
-"""relay/longlines.py: lines over 998 octets are re-encoded so what goes upstream conforms
+"""relay/inbound/longlines.py: lines over 998 octets are re-encoded so what goes upstream conforms
 to RFC 5322, and what a reader sees (the decoded text) is unchanged."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import email
 import email.policy
 
-from relay.longlines import MAX_LINE, conform, longest_line
+from relay.inbound.longlines import MAX_LINE, conform, longest_line
 
 
 def _decoded_text(data: bytes) -> list[bytes]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from relay.longlines import MAX_LINE, longest_line
+from relay.inbound.longlines import MAX_LINE, longest_line
 from tests.harness import RelayProcess, Upstream, send
 
 pytestmark = pytest.mark.slow

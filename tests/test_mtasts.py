@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trustme
 
-from relay.delivery.mtasts import (
+from relay.authenticity.mtasts import (
     BODY_LIMIT,
     FAILURE_REASONS,
     MAX_AGE_LIMIT,
@@ -33,7 +33,7 @@ from relay.delivery.mtasts import (
     parse_txt,
     tls_failure_reason,
 )
-from relay.replies import Reply
+from relay.delivery.replies import Reply
 from tests.dnsserver import DnsServer, dns_server  # noqa: F401  (pytest fixture)
 
 DOMAIN = "example.test"
@@ -500,7 +500,7 @@ async def test_server_down_with_a_valid_cache_keeps_the_cached_policy(
     server.stop()
     set_txt(txt, "v=STSv1; id=v2")  # a new id, but its policy cannot be fetched
     clock.now += 60
-    with caplog.at_level(logging.WARNING, logger="relay.delivery.mtasts"):
+    with caplog.at_level(logging.WARNING, logger="relay.authenticity.mtasts"):
         assert await resolver.policy(DOMAIN) == cached
     assert resolver.failures == {(DOMAIN, "connect"): 1}
     assert "cannot connect" in resolver.last_failure[DOMAIN]
@@ -774,7 +774,7 @@ async def test_corrupt_cache_file_is_ignored_and_rewritten(
 ) -> None:
     path = tmp_path / "mta-sts.json"
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="relay.delivery.mtasts"):
+    with caplog.at_level(logging.WARNING, logger="relay.authenticity.mtasts"):
         resolver = make(cache_path=path)
     assert any(getattr(r, "event", "") == "mta_sts_cache" for r in caplog.records)
     assert await resolver.policy(DOMAIN) is not None

@@ -1,5 +1,6 @@
-"""Boundary and edge cases of the pure modules relay/dedup.py, relay/address.py,
-relay/regex_guard.py and relay/replies.py that the main tables did not pin down (each row
+"""Boundary and edge cases of the pure modules relay/spool/dedup.py, relay/mail/address.py,
+relay/mail/regex_guard.py and relay/delivery/replies.py that the main tables did not pin down (each
+row
 was written against a surviving mutant): Message-ID normalization, content Message-IDs of
 header blocks with stray lines, printable/quoted-pair/local-part error texts, the
 repetition-count and possessive/lookaround/branch rules of the ReDoS check, reply-code
@@ -11,12 +12,12 @@ import hashlib
 
 import pytest
 
-from relay import dedup
-from relay.address import AddressError, check_mailbox, printable
-from relay.regex_guard import check_linear
-from relay.replies import Outcome, Phase, Reply, classify, synthetic
+from relay.delivery.replies import Outcome, Phase, Reply, classify, synthetic
+from relay.mail.address import AddressError, check_mailbox, printable
+from relay.mail.regex_guard import check_linear
+from relay.spool import dedup
 
-# --- relay/dedup.py ---------------------------------------------------------------------------
+# --- relay/spool/dedup.py -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_non_field_lines_scan_the_whole_block(block: bytes, expected: list[bytes
     assert dedup._non_field_lines(block) == expected
 
 
-# --- relay/address.py -------------------------------------------------------------------------
+# --- relay/mail/address.py ------------------------------------------------------------------------
 
 
 def test_printable_keeps_first_code_point_after_surrogates() -> None:
@@ -84,7 +85,7 @@ def test_space_in_local_part_is_told_to_be_quoted() -> None:
     assert str(info.value) == "character space not allowed in a local part (quote it)"
 
 
-# --- relay/regex_guard.py ---------------------------------------------------------------------
+# --- relay/mail/regex_guard.py --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -113,7 +114,7 @@ def test_check_linear_refuses(pattern: str) -> None:
         check_linear(pattern)
 
 
-# --- relay/replies.py -------------------------------------------------------------------------
+# --- relay/delivery/replies.py --------------------------------------------------------------------
 
 
 def test_lone_surrogate_not_from_a_byte_becomes_replacement_characters() -> None:

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from relay import health
-from relay.config import Identity, WarmupConf
+from relay.config.tree import Identity, WarmupConf
 from relay.delivery import decide, routes
 from relay.delivery.jobs import Job
 from relay.delivery.ledger import Ledger
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.ops import health
 from relay.spool import ops
 
 UTC = zoneinfo.ZoneInfo("UTC")

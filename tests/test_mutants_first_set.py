@@ -12,13 +12,19 @@ import random
 
 import pytest
 
-from relay import dedup
-from relay.address import AddressError, check_domain, check_local_part, check_mailbox, parse_path
-from relay.regex_guard import check_linear
-from relay.replies import Reply, synthetic
-from relay.retry import next_delay
+from relay.delivery.replies import Reply, synthetic
+from relay.delivery.retry import next_delay
+from relay.mail.address import (
+    AddressError,
+    check_domain,
+    check_local_part,
+    check_mailbox,
+    parse_path,
+)
+from relay.mail.regex_guard import check_linear
+from relay.spool import dedup
 
-# --- relay/retry.py: the texts `relay check-config` shows for a bad retry schedule --------
+# --- relay/delivery/retry.py: the texts `relay check-config` shows for a bad retry schedule -------
 
 
 @pytest.mark.parametrize(
@@ -39,7 +45,7 @@ def test_retry_argument_errors_say_what_is_wrong(
     assert str(raised.value) == message
 
 
-# --- relay/replies.py ---------------------------------------------------------------------
+# --- relay/delivery/replies.py --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -74,7 +80,7 @@ def test_a_continuation_line_with_only_the_code_adds_no_text() -> None:
     assert Reply.from_str("550-5.1.1 a\r\n550\r\n550 5.1.1 b") == Reply(550, "5.1.1", "a / b")
 
 
-# --- relay/regex_guard.py: the text `relay check-config` shows for a nested pattern --------
+# --- relay/mail/regex_guard.py: the text `relay check-config` shows for a nested pattern --------
 
 
 def test_nested_repetition_error_text() -> None:
@@ -86,7 +92,7 @@ def test_nested_repetition_error_text() -> None:
     )
 
 
-# --- relay/dedup.py: the bytes a stored key hashes ----------------------------------------
+# --- relay/spool/dedup.py: the bytes a stored key hashes ----------------------------------------
 
 
 def _sha40(*parts: bytes) -> str:
@@ -160,7 +166,7 @@ def test_idempotency_key_limits(value: str, valid: bool) -> None:
     assert dedup.valid_idempotency_key(value) is valid
 
 
-# --- relay/address.py ---------------------------------------------------------------------
+# --- relay/mail/address.py ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from relay.dataflow import DataParser, DataState, Feed
-from relay.dkim_sign import RelaxedBodyHash
+from relay.authenticity.dkim import RelaxedBodyHash
 from relay.feedback import sns
 from relay.feedback.providers import SignatureError
+from relay.inbound.dataflow import DataParser, DataState, Feed
 from tests.test_feedback_sns import CertServer, Signer, serving
 
-# --- relay/dataflow.py ---------------------------------------------------------------------
+# --- relay/inbound/dataflow.py --------------------------------------------------------------------
 
 
 def test_done_and_what_comes_after_the_end() -> None:
@@ -107,7 +107,7 @@ def test_longest_line_of_the_message_as_stored(line: bytes, longest: int) -> Non
     assert p.longest == longest
 
 
-# --- relay/dkim_sign.py: RelaxedBodyHash ----------------------------------------------------
+# --- relay/authenticity/dkim.py: RelaxedBodyHash --------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from relay.delivery.mx import (
     parse_domain_literal,
     parse_nameserver,
 )
-from relay.replies import Reply
+from relay.delivery.replies import Reply
 from tests.dnsserver import DnsServer, dns_server  # noqa: F401  (pytest fixture)
 
 MakeResolver = Callable[..., Resolver]

@@ -1,7 +1,7 @@
 """Addresses an outsider can abuse (issue 27 LOW items): characters that are not seen or
 that reorder what is seen (Unicode Cf, line/paragraph separators) are refused; non-ASCII
 addresses only in a transaction whose MAIL carried SMTPUTF8 (RFC 6531 §3.4: 553 5.6.7);
-address literals must be addresses (RFC 5321 §4.1.3). Table rows in relay/address.py's
+address literals must be addresses (RFC 5321 §4.1.3). Table rows in relay/mail/address.py's
 own style, then the replies over SMTP in-process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from relay.address import AddressError, check_mailbox, parse_path
+from relay.mail.address import AddressError, check_mailbox, parse_path
 from tests.test_inbound_inprocess import MSG, QUEUED, Start, message, start  # noqa: F401
 
 UNSEEN = [

@@ -18,7 +18,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
-from relay import cli
+from relay.cli import main as cli
 from relay.spool import db, ops
 from tests.pgserver import BACKENDS, open_backend
 

@@ -20,8 +20,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay import cli
-from relay.config import ConfigError, load_config
+from relay.cli import main as cli
+from relay.config.tree import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 USERS = "app:scrypt$gxCvyfN76ozocWt3m6lrIQ==$c5iurdD0ND6MtbfKn5rYCC00je4UT9t70rklWXReTaU=\n"

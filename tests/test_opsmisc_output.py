@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay import cli
-from relay.address import printable
+from relay.cli import main as cli
+from relay.mail.address import printable
 from relay.spool import db, ops
 
 T0 = 1_800_000_000.0
@@ -207,7 +207,7 @@ def test_destination_list_shows_the_upstream_host_and_its_config_error(
 def test_alerts_listing_escapes_a_summary_built_from_outside_text(
     spool: tuple[Path, sqlite3.Connection],
 ) -> None:
-    from relay import alerts
+    from relay.ops import alerts
 
     config, c = spool
     ev = alerts.Event("late_bounce", "warning", "smarthost", f"bounce: {HOSTILE}")

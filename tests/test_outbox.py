@@ -17,10 +17,9 @@ from typing import Any, cast
 import psycopg
 import pytest
 
-from relay import outbox
-from relay.alerts import recent
-from relay.config import ConfigError, load_config
-from relay.spool import db, ops, pg
+from relay.config.tree import ConfigError, load_config
+from relay.ops.alerts import recent
+from relay.spool import db, ops, outbox, pg
 from tests.harness import RelayProcess, Upstream
 
 UpFactory = Callable[..., Upstream]

@@ -163,7 +163,7 @@ def test_password_file_is_used(tmp_path: Path, pg_dsn: str) -> None:
 def test_a_dropped_connection_fails_one_batch_then_the_writer_reconnects(
     tmp_path: Path, pg_dsn: str
 ) -> None:
-    from relay.config import PgSpool
+    from relay.config.tree import PgSpool
     from relay.spool.writer import SpoolWriter
 
     w = SpoolWriter(tmp_path / "spool", PgSpool(pg_dsn))

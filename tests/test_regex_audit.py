@@ -1,6 +1,6 @@
 """Every regular expression that sees client or upstream input runs in linear time: each is
 fed pathological inputs under a time bound (hardening issue, item 0). Operator patterns
-(lane and shaping rules) are checked at config load (relay/regex_guard.py)."""
+(lane and shaping rules) are checked at config load (relay/mail/regex_guard.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import time
 
 import pytest
 
-from relay import dsn, inbound, logs, message, replies, unsubscribe, upstream_ids
-from relay.delivery import mtasts
+from relay import inbound
+from relay.authenticity import mtasts, unsubscribe
+from relay.delivery import dsn, replies, upstream_ids
+from relay.delivery.lanes import parse_lane_rules
+from relay.delivery.shaping import parse_rule
 from relay.feedback import bounces, providers
-from relay.lanes import parse_lane_rules
-from relay.regex_guard import MAX_SUBJECT, bounded, check_linear
-from relay.shaping import parse_rule
+from relay.mail import message
+from relay.mail.regex_guard import MAX_SUBJECT, bounded, check_linear
+from relay.ops import logs
 
 PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "logs._ADDRESS_RE (masking of free text)": logs._ADDRESS_RE,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.replies import (
+from relay.delivery.replies import (
     Outcome,
     Phase,
     Reply,

@@ -1,4 +1,4 @@
-"""Tests for relay.retry: full-jitter backoff, repeating last step, expiry clamp."""
+"""Tests for relay.delivery.retry: full-jitter backoff, repeating last step, expiry clamp."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.retry import is_expired, next_attempt_at, next_delay
+from relay.delivery.retry import is_expired, next_attempt_at, next_delay
 
 SCHEDULE = (60.0, 300.0, 900.0, 3600.0)
 

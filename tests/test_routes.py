@@ -13,16 +13,15 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import retry
-from relay.config import ConfigError, load_config
-from relay.delivery import decide, routes
+from relay.config.tree import ConfigError, load_config
+from relay.delivery import decide, retry, routes
 from relay.delivery.jobs import Job
 from relay.delivery.ledger import Ledger
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.rewrite import rewrite_headers
 from relay.delivery.transport import RcptResult
-from relay.model import RcptState
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import ops
+from relay.spool.model import RcptState
 
 # --- routes ----------------------------------------------------------------------------------
 
@@ -560,7 +559,7 @@ def test_breaker_counts_a_refused_mail_only_when_nothing_was_delivered() -> None
 def test_ledger_limits_room_and_counts_per_scope() -> None:
     import datetime as dt
 
-    from relay.config import Identity, WarmupConf
+    from relay.config.tree import Identity, WarmupConf
 
     utc = zoneinfo.ZoneInfo("UTC")
     led = Ledger(utc, None)
@@ -590,7 +589,7 @@ def test_ledger_limits_room_and_counts_per_scope() -> None:
 
 
 def shaping_reason(limit: int, name: str, nxt: float) -> str:
-    from relay import shaping
+    from relay.delivery import shaping
 
     return shaping.ceiling_reason(limit, name, nxt)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.sdnotify import Notifier, watchdog_loop
+from relay.ops.sdnotify import Notifier, watchdog_loop
 
 ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -118,7 +118,7 @@ def test_explicit_socket_argument(receiver: socket.socket, monkeypatch: pytest.M
 def test_unset_is_a_silent_noop(caplog: pytest.LogCaptureFixture) -> None:
     n = Notifier()
     assert not n.enabled
-    with caplog.at_level(logging.DEBUG, logger="relay.sdnotify"):
+    with caplog.at_level(logging.DEBUG, logger="relay.ops.sdnotify"):
         assert n.ready() is False
         assert n.stopping() is False
         assert n.reloading() is False
@@ -134,7 +134,7 @@ def test_send_failure_never_raises_and_warns_once(
     with tempfile.TemporaryDirectory(prefix="sdn-") as tmp:
         monkeypatch.setenv("NOTIFY_SOCKET", str(Path(tmp) / "missing"))
         n = Notifier()
-        with caplog.at_level(logging.DEBUG, logger="relay.sdnotify"):
+        with caplog.at_level(logging.DEBUG, logger="relay.ops.sdnotify"):
             assert n.ready() is False
             assert n.watchdog() is False
             assert n.watchdog() is False
@@ -150,7 +150,7 @@ def test_recovers_after_failure(
         path = str(Path(tmp) / "late")
         monkeypatch.setenv("NOTIFY_SOCKET", path)
         n = Notifier()
-        with caplog.at_level(logging.INFO, logger="relay.sdnotify"):
+        with caplog.at_level(logging.INFO, logger="relay.ops.sdnotify"):
             assert n.ready() is False
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
                 sock.bind(path)
@@ -172,7 +172,7 @@ def test_invalid_notify_socket_is_ignored(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "relative/path")
-    with caplog.at_level(logging.WARNING, logger="relay.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="relay.ops.sdnotify"):
         n = Notifier()
     assert not n.enabled
     assert n.ready() is False

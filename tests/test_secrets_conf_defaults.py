@@ -1,5 +1,5 @@
 """conf/relay.yaml says "Every key is shown with its default" (issue 26 item 10): every value
-it sets equals the config code's default (relay/config.py DEFAULTS and DESTINATION_DEFAULTS),
+it sets equals the config code's default (relay/config/tree.py DEFAULTS and DESTINATION_DEFAULTS),
 compared as the loader reads them (64KiB == 65536, 5m == 300s), and every default key is
 shown. Before, `spool.inline_max: 64KiB` stood there while the default is 128 KiB."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from relay.config import (
+from relay.config.tree import (
     DEFAULTS,
     DESTINATION_DEFAULTS,
     ConfigError,
@@ -91,8 +91,8 @@ def test_the_file_loads_to_the_defaults() -> None:
 def test_the_defaults_are_the_schema_defaults() -> None:
     """DEFAULTS, which the tests above hold conf/relay.yaml to, is what `relay config schema`
     shows editors: the same default for every top-level key and every key of a section the
-    schema describes key by key (relay/config_models.py)."""
-    from relay.config import json_schema
+    schema describes key by key (relay/config/models.py)."""
+    from relay.config.tree import json_schema
 
     schema = json_schema()
     differ = []

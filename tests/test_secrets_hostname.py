@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay.config import from_mapping, hostname_problem
+from relay.config.tree import from_mapping, hostname_problem
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def test_make_install(tmp_path: Path) -> None:
     check_config_and_modes(staged)
     check_installed_config_loads_with_the_installed_program(staged)
     check_dkim_keygen_into_the_credentials_folder(staged, tmp_path / "keygen")
-    # the man pages (relay/docsgen.py), where man finds them: $(PREFIX)/share/man/manN
+    # the man pages (relay/cli/docsgen.py), where man finds them: $(PREFIX)/share/man/manN
     for page in ("man1/relay-sendmail.1", "man1/mailq.1", "man5/relay.yaml.5", "man8/relay.8"):
         installed = staged / "usr/local/share/man" / page
         assert installed.read_bytes() == (ROOT / "man" / Path(page).name).read_bytes()

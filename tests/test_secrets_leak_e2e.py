@@ -24,7 +24,7 @@ import pytest
 import trustme
 import yaml
 
-from relay.dkim_sign import keygen
+from relay.authenticity.dkim import keygen
 from tests.harness import RelayProcess, Upstream, free_port, make_message, send
 from tests.webhook import Receiver
 

@@ -1,7 +1,7 @@
 """Secrets never printed, unit level (issue 26 item 6): the URL printing rules
-(relay/logs.py), the formatter's redaction of every field, the chatty libraries held at
+(relay/ops/logs.py), the formatter's redaction of every field, the chatty libraries held at
 WARNING, check-config's redacted tree and repr, the alert webhook's errors, and the
-`${CREDENTIALS_DIRECTORY}` expansion of file keys (relay/credentials.py)."""
+`${CREDENTIALS_DIRECTORY}` expansion of file keys (relay/config/credentials.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from relay import credentials, logs
-from relay.alerts import post_webhook
-from relay.config import ConfigError, from_mapping
-from relay.logs import log_event, redact_text, redact_url, redact_webhook_url, set_secrets
+from relay.config import credentials
+from relay.config.tree import ConfigError, from_mapping
+from relay.ops import logs
+from relay.ops.alerts import post_webhook
+from relay.ops.logs import log_event, redact_text, redact_url, redact_webhook_url, set_secrets
 from relay.spool.pg import dsn_passwords, redact
 
 

@@ -36,7 +36,7 @@ def sendmail(
     cmd = (
         [str(Path(sys.executable).parent / "relay-sendmail")]
         if script
-        else [sys.executable, "-m", "relay.sendmail"]
+        else [sys.executable, "-m", "relay.cli.sendmail"]
     )
     if config is not None:
         cmd += ["--config", str(config)]
@@ -116,7 +116,7 @@ def test_daemon_down_goes_to_the_maildrop_else_tempfail(upstream, relay) -> None
     line = one_line_error(res)
     assert f"127.0.0.1:{r.port}" in line
     assert "queued locally in the maildrop" in line
-    # the daemon made the maildrop at start: setgid + sticky, group -wx (relay/maildrop.py)
+    # the daemon made the maildrop at start: setgid + sticky, group -wx (relay/spool/maildrop.py)
     assert stat.S_IMODE((r.spool / "maildrop").stat().st_mode) == 0o3730
     drops = [p for p in (r.spool / "maildrop").iterdir() if p.name.endswith(".msg")]
     assert len(drops) == 1 and drops[0].name in line

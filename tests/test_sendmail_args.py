@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay import sendmail
-from relay.longlines import conform
-from relay.sendmail import (
+from relay.cli import sendmail
+from relay.cli.sendmail import (
     DataError,
     Options,
     UsageError,
@@ -34,6 +33,7 @@ from relay.sendmail import (
     read_message,
     split_headers,
 )
+from relay.inbound.longlines import conform
 
 # --- recipients: strict, one address or a comma-separated list per argument ----------------
 
@@ -147,7 +147,7 @@ def test_find_relay_reads_local_domain_and_maildrop(tmp_path: Path) -> None:
     )
     # relative to the config file's folder, as the daemon's config loader resolves it
     assert t.maildrop == tmp_path / "var" / "spool" / "maildrop"
-    from relay.config import load_config
+    from relay.config.tree import load_config
 
     assert load_config(str(cfg)).maildrop_dir() == t.maildrop
     data = yaml.safe_load(cfg.read_text())
@@ -301,7 +301,7 @@ def test_F_is_a_display_name_that_reads_back(name: str) -> None:
 
 
 def test_folded_cte_is_removed_whole_when_reencoding() -> None:
-    """relay/longlines.py `_drop_field` (a long line re-encoded): the old field goes with
+    """relay/inbound/longlines.py `_drop_field` (a long line re-encoded): the old field goes with
     its continuation line; another folded field stays whole."""
     body = b"x" * 1500 + b"\r\n"
     msg = (
@@ -328,7 +328,7 @@ def test_folded_cte_is_removed_whole_when_reencoding() -> None:
 def _run(cfg: Path, *args: str, stdin: bytes) -> subprocess.CompletedProcess[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "RELAY_CONFIG"}
     return subprocess.run(
-        [sys.executable, "-m", "relay.sendmail", "-C", str(cfg), *args],
+        [sys.executable, "-m", "relay.cli.sendmail", "-C", str(cfg), *args],
         input=stdin,
         capture_output=True,
         env=env,
@@ -375,7 +375,7 @@ def test_header_fields_unfold_in_linear_time() -> None:
     CPU time at 1x and 4x the size; quadratic unfolding grows ~16x)."""
     import time
 
-    from relay import sendmail as sm
+    from relay.cli import sendmail as sm
 
     def cpu(n: int) -> float:
         headers = [b"Subject: x\r\n"] + [b" " + b"y" * 60 + b"\r\n"] * n

@@ -1,4 +1,5 @@
-"""The maildrop (relay/maildrop.py) and its importer (relay/pickup.py): the file format, the
+"""The maildrop (relay/spool/maildrop.py) and its importer (relay/spool/pickup.py): the file
+format, the
 atomic write, the folder's mode, the scan, the health judgement, the importer against a
 real SMTP server (the harness's aiosmtpd stands in for the daemon's listener), and one end
 to end run: daemon down -> relay-sendmail exits 0 with the file in the maildrop -> the
@@ -19,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from relay import health, maildrop, pickup
-from relay.alerts import Event
+from relay.ops import health
+from relay.ops.alerts import Event
+from relay.spool import maildrop, pickup
 from tests.harness import RelayProcess, Upstream
 
 MSG = b"From: app@example.com\r\nSubject: hi\r\n\r\nbody with a bare\rCR, a NUL \x00 and \xff\r\n"
@@ -260,7 +262,7 @@ def test_pickup_moves_aside_what_the_relay_refuses_for_good(
     up.rcpt_reply = lambda a: "550 5.1.1 Recipient is suppressed"
     al = _Alerts()
     path = maildrop.write(md, _drop())
-    with caplog.at_level(logging.ERROR, logger="relay.pickup"):
+    with caplog.at_level(logging.ERROR, logger="relay.spool.pickup"):
         asyncio.run(_pickup(md, up, al).pass_once())
     assert not path.exists() and (md / maildrop.CORRUPT / path.name).exists()
     assert up.received == []
@@ -298,7 +300,7 @@ def test_pickup_moves_malformed_files_aside_and_alerts(
     (md / name).write_bytes(content)
     (md / "odd-name").write_bytes(maildrop.encode(_drop()))
     p = _pickup(md, up, al)
-    with caplog.at_level(logging.ERROR, logger="relay.pickup"):
+    with caplog.at_level(logging.ERROR, logger="relay.spool.pickup"):
         assert asyncio.run(p.pass_once()) == 0
     assert sorted(os.listdir(md / maildrop.CORRUPT)) == sorted([name, "odd-name"])
     assert sorted(os.listdir(md)) == [maildrop.CORRUPT]
@@ -342,7 +344,7 @@ def test_pickup_of_a_symlink_moves_it_aside(md: Path, upstream: Any, tmp_path: P
 def test_pickup_without_a_folder_says_so_once(tmp_path: Path, upstream: Any, caplog: Any) -> None:
     up = upstream()
     p = _pickup(tmp_path / "absent", up, _Alerts())
-    with caplog.at_level(logging.ERROR, logger="relay.pickup"):
+    with caplog.at_level(logging.ERROR, logger="relay.spool.pickup"):
         asyncio.run(p.pass_once())
         asyncio.run(p.pass_once())
     assert len([r for r in caplog.records if "cannot read the maildrop" in r.getMessage()]) == 1
@@ -463,7 +465,7 @@ def test_queue_list_shows_maildrop_files_with_filters(
 ) -> None:
     import yaml
 
-    from relay import cli
+    from relay.cli import main as cli
 
     cfg = tmp_path / "relay.yaml"
     cfg.write_text(yaml.safe_dump({"spool": {"path": "spool"}, "hostname": "relay.test"}))

@@ -1,5 +1,5 @@
-"""Boundary tests of relay/session_watch.py (real event loop timers, no sockets) and of the
-guard's AUTH pool (relay/guard.py): bounded, off the loop, slots freed with the thread."""
+"""Boundary tests of relay/inbound/session_watch.py (real event loop timers, no sockets) and of the
+guard's AUTH pool (relay/inbound/guard.py): bounded, off the loop, slots freed with the thread."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from relay import auth
-from relay.config import Limits, from_mapping
-from relay.guard import AuthBusy, InboundGuard
-from relay.session_watch import SessionWatch
+from relay.config.tree import Limits, from_mapping
+from relay.inbound import auth
+from relay.inbound.guard import AuthBusy, InboundGuard
+from relay.inbound.session_watch import SessionWatch
 
 
 def limits(tmp_path: Path, **over: object) -> Limits:

@@ -1,4 +1,4 @@
-"""Tests for relay.shaping with an injected clock: buckets, rates, windows, warm-up, AIMD,
+"""Tests for relay.delivery.shaping with an injected clock: buckets, rates, windows, warm-up, AIMD,
 reply rules and the circuit breaker."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.shaping import (
+from relay.delivery.shaping import (
     DEFAULT_RULES,
     UNLIMITED,
     Adaptive,

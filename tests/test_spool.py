@@ -21,13 +21,12 @@ from typing import Any, cast
 import pytest
 import yaml
 
-from relay import dedup
-from relay.config import from_mapping
+from relay.config.tree import from_mapping
 from relay.inbound import InboundHandler, Suppressions
 from relay.inbound.session import Envelope, Session
-from relay.model import RcptState
-from relay.spool import bodies, db, ops
+from relay.spool import bodies, db, dedup, ops
 from relay.spool.incoming import IncomingBody
+from relay.spool.model import RcptState
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.bodyfiles import write_body
 from tests.harness import ROOT

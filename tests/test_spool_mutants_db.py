@@ -17,9 +17,9 @@ from typing import cast
 
 import pytest
 
-from relay.config import PgSpool
-from relay.model import RcptState
+from relay.config.tree import PgSpool
 from relay.spool import db, ops
+from relay.spool.model import RcptState
 from relay.spool.pg import PgConnection
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_spool_mutants_more import new_message

@@ -16,8 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-from relay import dedup
-from relay.spool import bodies, incoming, ops
+from relay.spool import bodies, dedup, incoming, ops
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_spool_mutation_incoming import fed

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay.config import PgSpool
+from relay.config.tree import PgSpool
 from relay.spool import db, pg
 from relay.spool import writer as writer_mod
 from relay.spool.writer import JOB_TRIES, SpoolError, SpoolWriter

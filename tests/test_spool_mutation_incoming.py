@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from relay import dedup, faults
-from relay.message import split_message
-from relay.spool import bodies, incoming
+from relay.mail.message import split_message
+from relay.ops import faults
+from relay.spool import bodies, dedup, incoming
 from relay.spool.incoming import IncomingBody
 from tests.bodyfiles import write_body
 

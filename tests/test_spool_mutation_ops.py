@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import pytest
 
-from relay.model import RcptState
 from relay.spool import db, ops
+from relay.spool.model import RcptState
 from tests.pgserver import BACKENDS, open_backend
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z

@@ -168,7 +168,7 @@ async def test_lazy_batches_commit_without_fsync_and_restore_it(writer: SpoolWri
     assert await asyncio.gather(*mixed) == [2, 2]  # one durable job: the batch is durable
     held.result(WAIT)
     # a lazy batch that fails to begin leaves the connection durable too
-    from relay import faults
+    from relay.ops import faults
 
     faults.arm("spool.begin", "locked", times=1)
     try:
@@ -334,7 +334,7 @@ def test_the_writer_thread_and_its_connection(writer: SpoolWriter) -> None:
 async def test_failures_are_counted_logged_and_cleared_by_the_next_commit(
     writer: SpoolWriter, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from relay import faults
+    from relay.ops import faults
 
     caplog.set_level(logging.ERROR, logger="relay.spool.writer")
     try:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from relay.admin import AdminServer
-from relay.metrics import Metrics
+from relay.ops.admin import AdminServer
+from relay.ops.metrics import Metrics
 from relay.spool import db, ops
 from relay.spool.writer import SpoolError, SpoolWriter
 

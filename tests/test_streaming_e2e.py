@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay import dedup
-from relay.message import normalize_line_endings, split_message
+from relay.mail.message import normalize_line_endings, split_message
+from relay.spool import dedup
 from tests.harness import RelayProcess, Upstream, deep_merge, smarthost_config
 
 pytestmark = pytest.mark.slow

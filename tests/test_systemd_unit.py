@@ -97,8 +97,8 @@ def test_stop_timeout_exceeds_default_shutdown_timeout(unit: Unit) -> None:
 
 
 def test_nofile_limit_fits_the_default_connections(unit: Unit) -> None:
-    from relay import fdlimit
-    from relay.config import load_config
+    from relay.config.tree import load_config
+    from relay.inbound import fdlimit
 
     default = load_config(Path(__file__).resolve().parent.parent / "conf" / "relay.yaml")
     assert int(_one(unit, "Service", "LimitNOFILE")) >= fdlimit.needed(default)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import trustme
 
+from relay.delivery.replies import Outcome, Phase
 from relay.delivery.transport import ConnectFailed, Connection, Timeouts, TlsPolicy
-from relay.replies import Outcome, Phase
 from tests.harness import Upstream, free_port, server_context
 
 SENDER = "app@example.com"
@@ -421,7 +421,7 @@ async def test_auth_refused_is_transient_operator_fault(
     assert "wrong" not in str(e.reply)
 
 
-# --- the final-dot boundary and stored bodies (fault seam: relay/faults.py) --------------------
+# --- the final-dot boundary and stored bodies (fault seam: relay/ops/faults.py) -------------------
 
 
 async def test_a_write_that_fails_before_the_final_dot_is_not_ambiguous(
@@ -431,7 +431,7 @@ async def test_a_write_that_fails_before_the_final_dot_is_not_ambiguous(
     """Commit 3331261: the ambiguity flag is set only once the final dot was written. A body
     write that fails before it is a plain transient failure: the upstream cannot have
     accepted a message it never saw the end of."""
-    from relay import faults
+    from relay.ops import faults
 
     up = upstream()
     c = conn_factory(up)

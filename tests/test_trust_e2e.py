@@ -23,7 +23,7 @@ import dns.resolver
 import pytest
 import yaml
 
-from relay.message import parse_headers
+from relay.mail.message import parse_headers
 from tests.dnsserver import DnsServer
 from tests.harness import RelayProcess, Upstream, deep_merge, fast_config, make_message, send
 

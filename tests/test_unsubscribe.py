@@ -1,4 +1,5 @@
-"""One-click unsubscribe (relay/unsubscribe.py): tokens, the headers, and the endpoint over
+"""One-click unsubscribe (relay/authenticity/unsubscribe.py): tokens, the headers, and the endpoint
+over
 real HTTP."""
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.message import header, parse_headers, split_message
-from relay.ops.http import HttpServer, Request
-from relay.unsubscribe import (
+from relay.authenticity.unsubscribe import (
     MAX_TOKEN,
     UnsubscribeConf,
     UnsubscribeHandler,
@@ -26,6 +25,8 @@ from relay.unsubscribe import (
     one_click,
     read_token,
 )
+from relay.mail.message import header, parse_headers, split_message
+from relay.ops.http import HttpServer, Request
 
 SECRET = b"s" * 32
 OTHER = b"o" * 32
@@ -381,7 +382,7 @@ async def test_post_unsubscribes_once_and_is_idempotent(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     token = make_token(SECRET, "Shop.example", "User@example.com")
-    with caplog.at_level(logging.INFO, logger="relay.unsubscribe"):
+    with caplog.at_level(logging.INFO, logger="relay.authenticity.unsubscribe"):
         r = await env.client.post(f"/u/{token}", data=ONE_CLICK_FORM)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/html")
@@ -444,7 +445,7 @@ async def test_bad_tokens_are_400_and_logged_without_the_token(
     forged = make_token(OTHER, "shop.example", "user@example.com")
     unconfigured = make_token(SECRET, "nobody.example", "user@example.com")
     other_secret = make_token(SECRET, "other.example", "user@example.com")  # needs OTHER
-    with caplog.at_level(logging.INFO, logger="relay.unsubscribe"):
+    with caplog.at_level(logging.INFO, logger="relay.authenticity.unsubscribe"):
         for token in (forged, unconfigured, other_secret, "garbage", "", _flip(good, 5)):
             for method in ("GET", "POST"):
                 r = await env.client.request(method, f"/u/{token}", data=ONE_CLICK_FORM)
@@ -547,7 +548,7 @@ def test_handler_prefix_must_be_a_directory() -> None:
 
 # --- edges found by mutation testing ---------------------------------------------------------
 
-from relay import unsubscribe as u  # noqa: E402
+from relay.authenticity import unsubscribe as u  # noqa: E402
 
 
 def test_secret_length_boundary() -> None:

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.regex_guard import check_linear
-from relay.replies import Reply
+from relay.delivery.replies import Reply
+from relay.delivery.upstream_ids import MAX_ID, MAX_SCAN, PATTERNS, upstream_id
+from relay.mail.regex_guard import check_linear
 from relay.spool import ops
-from relay.upstream_ids import MAX_ID, MAX_SCAN, PATTERNS, upstream_id
 
 OUR_QUEUE_ID = ops.new_queue_id(1_700_000_000.0)
 

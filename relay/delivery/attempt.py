@@ -22,16 +22,16 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from relay import alerts, faults, shaping
-from relay.delivery import connect, decide, outbound, rewrite
+from relay.delivery import connect, decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
-from relay.logs import log_event
-from relay.model import RcptState
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.delivery.upstream_ids import upstream_id
+from relay.ops import alerts, faults
+from relay.ops.logs import log_event
 from relay.spool import bodies, ops
+from relay.spool.model import RcptState
 from relay.spool.writer import Grouped
-from relay.upstream_ids import upstream_id
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine

@@ -11,7 +11,7 @@ Rules:
   works clears it.
 - MX: hosts in preference order, every address of each; a permanent greeting/EHLO refusal
   ends the attempt (siblings would say the same).
-- MTA-STS (relay/delivery/mtasts.py, `upstream.mx.mta_sts`): under an `enforce` policy a
+- MTA-STS (relay/authenticity/mtasts.py, `upstream.mx.mta_sts`): under an `enforce` policy a
   host the policy does not list is skipped and one it lists is used only over STARTTLS
   with a certificate verified for its name; either failure is transient (`4.7.5`, saying
   why), logged (`mta_sts_refused`) and counted per policy domain; `testing` logs what
@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from relay.delivery import mtasts
+from relay.authenticity import mtasts
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import MxHost
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import ConnectFailed, Connection, RcptResult, Timeouts, TlsPolicy
-from relay.logs import log_event
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.ops.logs import log_event
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine

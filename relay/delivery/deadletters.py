@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from relay import alerts
 from relay.delivery.jobs import DeadLetter
-from relay.logs import log_event
+from relay.ops import alerts
+from relay.ops.logs import log_event
 
 log = logging.getLogger("relay.delivery.engine")
 
@@ -24,7 +24,7 @@ def alert(d: DeadLetter) -> alerts.Event:
 
 
 def log_lines(d: DeadLetter, host: str | None) -> None:
-    # the outcome itself (standard events bounced / failed / expired, see relay.logs), then
+    # the outcome itself (standard events bounced / failed / expired, see relay.ops.logs), then
     # the dead letter it makes
     log_event(
         log,

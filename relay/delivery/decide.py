@@ -22,12 +22,12 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from relay import retry
+from relay.delivery import retry
 from relay.delivery.jobs import DeadLetter, Job, dead_letter
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
-from relay.model import RcptState
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.spool import ops
+from relay.spool.model import RcptState
 
 NO_REPLY = RcptResult(
     Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),

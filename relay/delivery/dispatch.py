@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from relay.delivery import decide
 from relay.delivery.jobs import Job
-from relay.logs import log_event
-from relay.model import RcptState
+from relay.ops.logs import log_event
 from relay.spool import ops
+from relay.spool.model import RcptState
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine

@@ -40,28 +40,30 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from relay import __version__, alerts, shaping
-from relay.config import Config
+from relay import __version__
+from relay.authenticity import mtasts
+from relay.config.tree import Config
 from relay.delivery import (
     attempt,
     deadletters,
     dispatch,
-    mtasts,
     operator,
     outbound,
+    shaping,
     views,
     workers,
 )
 from relay.delivery.jobs import DeadLetter, DestState, Job
+from relay.delivery.lanes import LANE_PRIORITY
 from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
 from relay.delivery.routes import Route, UpstreamHost
-from relay.lanes import LANE_PRIORITY
-from relay.logs import log_event
-from relay.metrics import Metrics
-from relay.model import RcptState
+from relay.ops import alerts
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 from relay.spool import ops
+from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter
 
 EXPIRY_PASS = 30.0  # seconds between claims of expired recipients that wait

@@ -3,7 +3,8 @@
 Rules (``classify_exception(exc, phase)`` returns a ``(Verdict, Reply)``):
 
 - A server reply (``SMTPResponseException`` and subclasses) is classified by
-  :func:`relay.replies.classify`; the exception type fixes the phase where it is unambiguous
+  :func:`relay.delivery.replies.classify`; the exception type fixes the phase where it is
+  unambiguous
   (sender refused = MAIL, recipient refused = RCPT, HELO error = EHLO, bad banner = GREETING).
   An exception never means success: a positive or malformed code in one becomes a synthetic
   ``451 4.5.0`` (RFC 3463 X.5.0 other protocol status), TRANSIENT.
@@ -58,7 +59,7 @@ from aiosmtplib import (
     SMTPServerDisconnected,
 )
 
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict, classify, synthetic
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict, classify, synthetic
 
 __all__ = [
     "DnsError",

@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay import shaping
-from relay.config import Destination
+from relay.config.tree import Destination
+from relay.delivery import shaping
 from relay.delivery.routes import Route, UpstreamHost
 from relay.spool import ops
 

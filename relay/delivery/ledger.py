@@ -19,8 +19,8 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
-from relay import shaping
-from relay.config import Identity
+from relay.config.tree import Identity
+from relay.delivery import shaping
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ import dns.rdtypes.ANY.MX
 import dns.resolver
 
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
-from relay.replies import Reply
+from relay.delivery.replies import Reply
 
 __all__ = [
     "MxHost",

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from relay import shell
+from relay.ops import shell
 
 DEFAULT_EXPIRES = 3600.0
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space, no %x01

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from relay.delivery.jobs import DestState
-from relay.logs import log_event
+from relay.ops.logs import log_event
 from relay.spool import ops
 
 if TYPE_CHECKING:

@@ -6,13 +6,13 @@ Rules:
   upstream, and those depend on the route (a rewritten From) and on the recipient (the
   List-Unsubscribe token). The queue keeps the message as accepted; a key rotated in the
   config signs the next attempt.
-- One-click unsubscribe (RFC 8058, relay/unsubscribe.py): bulk-lane mail of an identity
+- One-click unsubscribe (RFC 8058, relay/authenticity/unsubscribe.py): bulk-lane mail of an identity
   with `identities.<name>.unsubscribe` and no List-Unsubscribe of its own gets
   `List-Unsubscribe` (and, for an https URL, `List-Unsubscribe-Post`) naming its one
   recipient; the engine gives such mail one transaction per recipient, so a token never
   reaches anyone but the person it names. Added before signing, so the signature covers
   them (RFC 8058 §4).
-- DKIM (relay/dkim_sign.py): the keys configured for the header From's domain (or its
+- DKIM (relay/authenticity/dkim.py): the keys configured for the header From's domain (or its
   nearest configured parent) sign; no key, no signature. A signing failure raises
   `OutboundError`: the attempt is deferred with the reason and logged at ERROR, never sent
   unsigned and never lost.
@@ -29,13 +29,15 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from relay import dkim_sign, faults, unsubscribe
+from relay.authenticity import dkim as dkim_sign
+from relay.authenticity import unsubscribe
 from relay.delivery.jobs import Job
+from relay.ops import faults
 from relay.spool.bodies import StoredBody
 
 if TYPE_CHECKING:
-    from relay.config import Config
-    from relay.unsubscribe import UnsubscribeConf
+    from relay.authenticity.unsubscribe import UnsubscribeConf
+    from relay.config.tree import Config
 
 
 class OutboundError(Exception):
@@ -112,7 +114,7 @@ async def _prepare_stored(
 ) -> StoredBody:
     """`prepare` for a large stored message without loading it: the header fields are
     added to its header block, and the DKIM body hash is computed while the body streams
-    from the file (relay/dkim_sign.py `RelaxedBodyHash`)."""
+    from the file (relay/authenticity/dkim.py `RelaxedBodyHash`)."""
     rest = body.with_head(b"", offset)
     if unsub is not None:
         head = _with_unsubscribe(head, unsub, job)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay import credentials
+from relay.config import credentials
 from relay.delivery.oauth import OAuthConf
-from relay.logs import redact_url
+from relay.ops.logs import redact_url
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 AUTH_MECHS = ("auto", "plain", "login", "xoauth2", "oauthbearer")
@@ -339,7 +339,7 @@ def _rewrite(item: object, key: str) -> Rewrite | None:
     for k in item:
         if k not in ("envelope_sender", "from", "reply_to_original"):
             raise RouteConfigError(f"{key}.{k}: unknown key")
-    from relay.address import AddressError, check_mailbox
+    from relay.mail.address import AddressError, check_mailbox
 
     out: dict[str, Any] = {}
     for k, attr in (("envelope_sender", "envelope_sender"), ("from", "from_addr")):

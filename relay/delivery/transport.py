@@ -26,11 +26,11 @@ from typing import Any
 import aiosmtplib
 from aiosmtplib.protocol import PERIOD_REGEX
 
-from relay import faults
 from relay.delivery import smtpauth, smtpclient_adapter
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
 from relay.delivery.oauth import OAuthError, TokenSource
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict, classify
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict, classify
+from relay.ops import faults
 from relay.spool.bodies import StoredBody
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class Connection:
             if utf8:
                 opts.append(b"SMTPUTF8")
             enc = "utf-8" if utf8 else "ascii"
-            # The addresses were checked at MAIL/RCPT (relay/address.py) and are sent exactly
+            # The addresses were checked at MAIL/RCPT (relay/mail/address.py) and are sent exactly
             # as stored: never re-parsed into another address. "" is the null sender <>.
             resp = await smtp.execute_command(
                 b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts, timeout=to.command

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from relay import shaping
+from relay.delivery import shaping
 from relay.spool import ops
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ def _reopens(st: DestState, now: float) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class DestHealth:
-    """One destination as the health model judges it (relay/health.py `destination`)."""
+    """One destination as the health model judges it (relay/ops/health.py `destination`)."""
 
     name: str
     circuit: str

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from relay.delivery import attempt, decide
 from relay.delivery.jobs import DestState, Job
+from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
-from relay.logs import log_event
-from relay.replies import Outcome, Phase, Reply, Scope, Verdict
+from relay.ops.logs import log_event
 from relay.spool import ops
 
 if TYPE_CHECKING:

@@ -33,10 +33,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from relay.dedup import normalize_message_id
 from relay.feedback.events import FeedbackEvent
-from relay.model import RcptState, can_move
 from relay.spool import ops
+from relay.spool.dedup import normalize_message_id
+from relay.spool.model import RcptState, can_move
 
 MAX_REASON = 500
 EVENTS_PER_JOB = 50  # events applied in one writer job (one transaction): see the rules

@@ -71,7 +71,7 @@ from email.parser import HeaderParser
 from email.policy import Compat32
 
 from relay.feedback.events import EventType, FeedbackError, FeedbackEvent, content_id
-from relay.regex_guard import bounded
+from relay.mail.regex_guard import bounded
 
 PROVIDER = "mail"
 MAX_PARSE = 4 * 1024 * 1024  # bytes of a message given to the MIME parser
@@ -131,7 +131,7 @@ _BOUNDARY_PARAM = re.compile(
 _BOUNDARY_2231 = re.compile(rb"(?i)boundary\*")
 # a line that may be a boundary delimiter: "--" and at most 200 more characters of it
 _DASH_LINE = re.compile(rb"(?m)^--([^\r\n]{0,200})")
-# our own Received line in a returned original (relay/message.py received_header)
+# our own Received line in a returned original (relay/mail/message.py received_header)
 _OUR_RECEIVED = re.compile(r"\(relay\) with [A-Za-z]{1,20} id ([0-9A-Fa-f]{16})(?![0-9A-Za-z])")
 # RFC 6533 embedded-unicode-char in a utf-8 address: \x{E9}
 _UNITEXT = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
@@ -310,7 +310,7 @@ def _events(msg: Message, parts: list[Message], ctx: _Ctx) -> list[FeedbackEvent
 
 def _with_queue_id(events: list[FeedbackEvent], parts: list[Message]) -> list[FeedbackEvent]:
     """Our queue id, when the returned original's headers carry our Received line
-    (relay/message.py received_header: `by <host> (relay) with ESMTP id <queue id>`): with
+    (relay/mail/message.py received_header: `by <host> (relay) with ESMTP id <queue id>`): with
     the Message-ID, what ties a report to one of our messages (apply.py)."""
     if not events:
         return events

@@ -35,16 +35,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from relay import alerts, unsubscribe
-from relay.config import Config, FeedbackProvider
+from relay.authenticity import unsubscribe
+from relay.config.tree import Config, FeedbackProvider
 from relay.feedback import bounces, providers, sns, storage
 from relay.feedback.apply import EVENTS_PER_JOB, Applied, acted_on, apply_events
 from relay.feedback.events import FeedbackError, FeedbackEvent
 from relay.feedback.worker import ParserWorker
-from relay.logs import log_event
-from relay.message import header, parse_headers, split_message
-from relay.metrics import Metrics
+from relay.mail.message import header, parse_headers, split_message
+from relay.ops import alerts
 from relay.ops.http import Request, Response
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 from relay.spool import ops
 from relay.spool.writer import SpoolError, SpoolWriter
 

@@ -21,8 +21,8 @@ import logging
 import sqlite3
 from dataclasses import dataclass
 
-from relay.logs import log_event
-from relay.metrics import Metrics
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ decisions in, reply bytes out. No sockets, no asyncio, no clock.
 
 Rules (RFC 5321 unless said otherwise):
 - One state, one table (`TRANSITIONS` below). COMMAND reads command lines; DATA feeds the
-  message to relay/dataflow.py's DataParser; AUTH reads one answer to a `334` challenge;
+  message to relay/inbound/dataflow.py's DataParser; AUTH reads one answer to a `334` challenge;
   DECIDE waits for `reply()` (or `reply_lines()`, `auth_challenge()`), the answer to an event
   whose `needs_reply` is true: nothing more is read meanwhile, so the replies to a pipelined
   group (RFC 2920 §3.1) come out in command order and the transport sends them in one write.
@@ -24,7 +24,8 @@ Rules (RFC 5321 unless said otherwise):
   answered `500 5.5.2 Command line too long` and the session goes on. A line longer than
   `max_line` is not even kept: its octets are dropped up to its LF, so memory stays bounded.
 - Every reply line we make goes through `with_enhanced` (RFC 2034 codes on texts that lack
-  one) and through the error count (relay/session_limits.py): the `max_errors`-th error reply
+  one) and through the error count (relay/inbound/session_limits.py): the `max_errors`-th error
+  reply
   is followed by `421 4.7.0 ... too many errors` and CLOSED. Any `421` closes (§3.8), and so
   does `221` (QUIT). The fifth unknown command gets `502 5.5.1` and CLOSED (aiosmtpd's
   budget, kept).
@@ -33,7 +34,7 @@ Rules (RFC 5321 unless said otherwise):
   over (§4.2): EHLO again, no transaction, not authenticated.
 - `require_tls` (RFC 3207 §4): before TLS only NOOP, EHLO, STARTTLS and QUIT; the rest get
   `530 5.7.0`.
-- Paths are parsed by relay/address.py (§4.1.2, linear time): a bad one is `501 5.1.7` (MAIL)
+- Paths are parsed by relay/mail/address.py (§4.1.2, linear time): a bad one is `501 5.1.7` (MAIL)
   or `501 5.1.3` (RCPT). A bare local part is qualified with `local_domain` when the client
   may relay (`bare_ok`, or authenticated).
 - The replies copy aiosmtpd 1.4's wording, which the tests and clients know; the deliberate
@@ -49,9 +50,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from relay import address as address_
-from relay.dataflow import DataParser, DataState
-from relay.session_limits import counts_as_error, resets_errors
+from relay.inbound.dataflow import DataParser, DataState
+from relay.inbound.session_limits import counts_as_error, resets_errors
+from relay.mail import address as address_
 
 # --- enhanced status codes -----------------------------------------------------------------
 
@@ -101,7 +102,10 @@ BARE_NEWLINE_REPLY = b"500 5.5.2 Syntax error: bare CR or LF in command line (RF
 TOO_MANY_ERRORS = "421 4.7.0 {host} too many errors, closing connection"
 BOGUS_LIMIT = 5  # unknown commands in a session; the fifth closes (aiosmtpd's BOGUS_LIMIT)
 ALLOWED_BEFORE_STARTTLS = frozenset({"NOOP", "EHLO", "STARTTLS", "QUIT"})
-AUTH_MECHANISMS = ("LOGIN", "PLAIN")  # RFC 4954 with RFC 4616 PLAIN (relay/auth_mechanisms.py)
+AUTH_MECHANISMS = (
+    "LOGIN",
+    "PLAIN",
+)  # RFC 4954 with RFC 4616 PLAIN (relay/inbound/auth_mechanisms.py)
 # the commands HELP lists (aiosmtpd's: those with a syntax line), with their syntax
 _SYNTAX = {
     "AUTH": ("AUTH <mechanism>", ""),
@@ -120,7 +124,7 @@ _SYNTAX = {
 _KNOWN = frozenset(_SYNTAX) | {"EXPN"}
 
 
-# The reply to a DATA the parser found over a limit (relay/dataflow.py's DataState): one row
+# The reply to a DATA the parser found over a limit (relay/inbound/dataflow.py's DataState): one row
 # per state; a state without a row is a size limit (552).
 DATA_REFUSALS: dict[DataState, str] = {
     DataState.TOO_MUCH: "552 5.3.4 Message size exceeds fixed maximum message size",  # §4.5.3.1.7
@@ -229,7 +233,7 @@ class Helo(Event):
 
 @dataclass(frozen=True, slots=True)
 class Mail(Event):
-    address: str  # "" for <>; as checked by relay/address.py, bare local parts qualified
+    address: str  # "" for <>; as checked by relay/mail/address.py, bare local parts qualified
     options: tuple[str, ...]  # the parameter words, upper-cased (aiosmtpd's mail_options)
     smtputf8: bool
     needs_reply = True
@@ -249,7 +253,7 @@ class DataStart(Event):
 
 @dataclass(frozen=True, slots=True)
 class DataChunk(Event):
-    data: bytes  # normalised message octets (relay/dataflow.py)
+    data: bytes  # normalised message octets (relay/inbound/dataflow.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +399,7 @@ class ServerCore:
         return out
 
     def _say(self, status: str) -> None:
-        """One reply line, with its enhanced code; counted (relay/session_limits.py)."""
+        """One reply line, with its enhanced code; counted (relay/inbound/session_limits.py)."""
         if self.state is State.CLOSED:
             return
         status = with_enhanced(status)

@@ -11,8 +11,9 @@ Rules:
 - Limits answer with their RFC 5321 replies: too many recipients `452 4.5.3`
   (§4.5.3.1.10), too much data `552 5.3.4` (§4.5.3.1.7), over-long lines `500 5.5.2`
   (§4.5.3.1.6). The session carries on.
-- Only <CRLF>.<CRLF> ends DATA (relay/dataflow.py); bare CR/LF become CRLF in the stored copy.
-- Paths are parsed by relay/address.py (RFC 5321 §4.1.2, linear time) and stored exactly as
+- Only <CRLF>.<CRLF> ends DATA (relay/inbound/dataflow.py); bare CR/LF become CRLF in the stored
+copy.
+- Paths are parsed by relay/mail/address.py (RFC 5321 §4.1.2, linear time) and stored exactly as
   checked: a malformed path is `501 5.1.7` (MAIL) or `501 5.1.3` (RCPT), never 451. A bare
   CR or LF in a command line is `500 5.5.2` and the connection is closed (relay/inbound/core.py).
 - STARTTLS (`listen[].tls`) and AUTH PLAIN/LOGIN (`listen[].auth`) for submitting apps. AUTH is
@@ -20,12 +21,14 @@ Rules:
   from anywhere and its dedup namespace is `user:<username>`. A wrong password gets
   `535 5.7.8`; the third on one connection gets `421 4.7.0` and the connection is closed.
   `require_tls` refuses MAIL before STARTTLS with `530 5.7.0`. Passwords are checked off the
-  event loop, with per-IP delays and bans (relay/auth_mechanisms.py, relay/guard.py).
+  event loop, with per-IP delays and bans (relay/inbound/auth_mechanisms.py,
+  relay/inbound/guard.py).
 - `listen[].tls.mode: implicit` (RFC 8314 §3): the listener speaks TLS from the first byte
-  (relay/tls_listener.py); no STARTTLS is offered, AUTH counts as over TLS and the Received
+  (relay/inbound/tls_listener.py); no STARTTLS is offered, AUTH counts as over TLS and the Received
   line says ESMTPS/ESMTPSA.
-- Connection limits (relay/anvil.py): over one, `421 4.7.0` and close, before the greeting.
-  Slow and erring clients (relay/session_watch.py): `421 4.4.2` after `limits.command_timeout`
+- Connection limits (relay/inbound/anvil.py): over one, `421 4.7.0` and close, before the greeting.
+  Slow and erring clients (relay/inbound/session_watch.py): `421 4.4.2` after
+  `limits.command_timeout`
   waiting for a command or below `limits.min_data_rate` in DATA, `421 4.7.0` after
   `limits.max_errors` error replies (RFC 5321 §3.8, §4.2.5). Every 421 we send closes.
 """
@@ -42,18 +45,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from relay import address as address_
-from relay import alerts, dedup, faults, longlines, shaping
-from relay.auth_mechanisms import AuthMechanisms
-from relay.config import Config, Listener
+from relay.config.tree import Config, Listener
+from relay.delivery import shaping
+from relay.delivery.lanes import LANE_PRIORITY, classify_lane
 from relay.feedback import bounces
 from relay.feedback.service import FeedbackService
-from relay.guard import InboundGuard
+from relay.inbound import longlines
+from relay.inbound.auth_mechanisms import AuthMechanisms
+from relay.inbound.guard import InboundGuard
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.transport import InboundProtocol
-from relay.lanes import LANE_PRIORITY, classify_lane
-from relay.logs import log_event
-from relay.message import (
+from relay.mail import address as address_
+from relay.mail.message import (
     content_hash,
     date_header,
     header,
@@ -62,8 +65,10 @@ from relay.message import (
     received_header,
     strip_header,
 )
-from relay.metrics import Metrics
-from relay.spool import bodies, ops
+from relay.ops import alerts, faults
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
+from relay.spool import bodies, dedup, ops
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import Grouped, SpoolError, SpoolWriter
 
@@ -338,7 +343,7 @@ class InboundHandler(AuthMechanisms):
                 and await asyncio.to_thread(qualify_header_block, head, domain) is not None
             ):
                 await incoming.rewrite(lambda d: qualify_header_block(d, domain))
-            if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
+            if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/inbound/longlines.py)
                 before = incoming.size
                 await incoming.rewrite(longlines.conform)
                 if incoming.size != before:

@@ -1,7 +1,7 @@
 """What one SMTP connection knows, as InboundHandler's decisions read it: the session (peer,
 EHLO name, TLS, authentication) and the envelope of the transaction in progress.
 
-The attribute names are aiosmtpd's, which InboundHandler and relay/auth_mechanisms.py were
+The attribute names are aiosmtpd's, which InboundHandler and relay/inbound/auth_mechanisms.py were
 written against; they are plain records here, filled in by relay/inbound/transport.py from
 the core's events.
 """

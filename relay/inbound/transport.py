@@ -10,18 +10,19 @@ Rules:
   than one socket read behind a pending decision). So the replies to a pipelined group go
   out in order, in one write per read (RFC 2920 §3.1).
 - At `connection_made`, before the greeting: a server shutting down answers `421 4.3.2` and
-  closes (RFC 5321 §3.8); relay/guard.py admits the connection or we answer its `421 4.7.0`.
+  closes (RFC 5321 §3.8); relay/inbound/guard.py admits the connection or we answer its `421 4.7.0`.
   The peer is read once, there.
 - Timers are loop timer handles, never a wait_for per read: the command timer and the DATA
-  rate meter (relay/session_watch.py: `421 4.4.2` and close), and the session timeout
+  rate meter (relay/inbound/session_watch.py: `421 4.4.2` and close), and the session timeout
   (`limits.session_timeout` without a command or a DATA block: closed without a reply, as
   aiosmtpd did). The session timeout moves a deadline; its handle is re-armed only when it
   fires early.
 - STARTTLS is `loop.start_tls` (RFC 3207), its handshake bounded by `limits.command_timeout`;
   a failed handshake is logged (`tls_failed`) and closes. Implicit TLS (RFC 8314 §3) comes
-  from the listener's server (relay/inbound_proc.py, relay/tls_listener.py): the session is
+  from the listener's server (relay/inbound/processes.py, relay/inbound/tls_listener.py): the
+  session is
   over TLS from the first byte.
-- AUTH: relay/auth_mechanisms.py runs the mechanism (its password check off the loop); it
+- AUTH: relay/inbound/auth_mechanisms.py runs the mechanism (its password check off the loop); it
   asks through `challenge_auth` and answers through `push`, as it did under aiosmtpd.
 - When the writes back up (the client does not read its replies), reading pauses too.
 - A hook's exception becomes InboundHandler.handle_exception's `451 4.3.0`, never a crash.
@@ -35,17 +36,17 @@ import types
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, cast
 
-from relay import longlines
-from relay.auth_mechanisms import MISSING
-from relay.guard import is_allowed
 from relay.inbound import core as core_
+from relay.inbound import longlines
+from relay.inbound.auth_mechanisms import MISSING
+from relay.inbound.guard import is_allowed
 from relay.inbound.session import Envelope, Session, TLSSetupException
-from relay.logs import log_event
-from relay.session_watch import CommandTimeout, DataTooSlow, SessionWatch
+from relay.inbound.session_watch import CommandTimeout, DataTooSlow, SessionWatch
+from relay.ops.logs import log_event
 from relay.spool.incoming import IncomingBody
 
 if TYPE_CHECKING:
-    from relay.config import Listener
+    from relay.config.tree import Listener
     from relay.inbound.handler import InboundHandler
 
 log = logging.getLogger("relay.inbound")
@@ -378,7 +379,7 @@ class InboundProtocol(asyncio.Protocol):
         elif isinstance(ev, core_.BareNewline):
             self._bare_newline()
         elif isinstance(ev, core_.Closed):
-            if ev.reason in ("max_errors", "421"):  # the 421s we send (relay/guard.py)
+            if ev.reason in ("max_errors", "421"):  # the 421s we send (relay/inbound/guard.py)
                 reason = ev.reason
                 if ev.reply.startswith(TOO_MANY_AUTH):
                     reason = "auth_failures"
@@ -536,7 +537,7 @@ class InboundProtocol(asyncio.Protocol):
             if t is not None:
                 t.abort()
 
-    # --- AUTH (relay/auth_mechanisms.py) ---------------------------------------------------
+    # --- AUTH (relay/inbound/auth_mechanisms.py) --------------------------------------------------
 
     async def challenge_auth(
         self, challenge: str | bytes, encode_to_b64: bool = True, log_client_response: bool = False

@@ -8,11 +8,11 @@ Rules:
   of aiohttp's own kind goes on `server.app.router` (the same gate and bounds apply). Add
   routes before `start`. Any method reaches a route; the handler answers 405 itself.
 - Connections: at most `max_connections` open at once and `max_connections_per_ip` from one
-  client (the IPv4 address, or the IPv6 /64: relay/anvil.py). Past either, the client gets
+  client (the IPv4 address, or the IPv6 /64: relay/inbound/anvil.py). Past either, the client gets
   `503` with `Retry-After` at once, nothing is read, and the connection is closed; counted
   in `relay_http_connections_refused_total{listener,reason}`, logged (`connection_limit`)
   once per client and reason per minute. This keeps the daemon under its file-descriptor
-  limit (relay/fdlimit.py counts these bounds).
+  limit (relay/inbound/fdlimit.py counts these bounds).
 - One request per connection (`Connection: close` on every answer). The head must arrive
   within `head_timeout` of the connect, the body within `body_timeout` of the head; a
   connection past either is closed (a body too slow for a waiting route gets 408).
@@ -39,10 +39,10 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from relay import anvil
-from relay.logs import log_event
-from relay.metrics import Metrics
+from relay.inbound import anvil
 from relay.ops.framing import MAX_HEAD, FramingError, RequestFraming
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
-    from relay.config import PgSpool
+    from relay.config.tree import PgSpool
 
 DB_NAME = "relay.sqlite"
 BUSY_TIMEOUT_MS = 5000
@@ -113,7 +113,7 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE recipients ADD COLUMN retry_base REAL;
     """,
-    # 2 -> 3: the alert outbox (relay/alerts.py), operator commands to the running engine
+    # 2 -> 3: the alert outbox (relay/ops/alerts.py), operator commands to the running engine
     # (`destination reset`, and the kick that `queue flush`/`destination resume` give an
     # open circuit), and the once-per-message delay warning.
     """
@@ -238,7 +238,7 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (node, scope)
     );
     """,
-    # 7 -> 8: the transactional outbox, `relay_outbox` (relay/outbox.py): PostgreSQL only
+    # 7 -> 8: the transactional outbox, `relay_outbox` (relay/spool/outbox.py): PostgreSQL only
     # (pg.PG_MIGRATIONS[7]); nothing on SQLite
     """
     """,
@@ -248,7 +248,7 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX recipients_address ON recipients(lower(address));
     """,
-    # 9 -> 10: the content fingerprint of a Message-ID dedup key (relay/dedup.py: another
+    # 9 -> 10: the content fingerprint of a Message-ID dedup key (relay/spool/dedup.py: another
     # message reusing the Message-ID is queued, not dropped; keys stored before keep NULL and
     # the old rule), and bounded feedback mail storage (relay/feedback/storage.py): the
     # octets kept of each mail (the budget sums them without reading a body) and whether

@@ -12,10 +12,10 @@ Rules:
   is older than its grace period (every write refreshes the file's mtime).
 - The header block (up to the first empty line, RFC 5322 §2.1) is kept in memory, up to
   `HEAD_MAX`; the Message-ID and lanes need it. For a message without a Message-ID the body
-  is hashed as it arrives (relay/dedup.py's `ContentHasher`, the same id as for the whole
+  is hashed as it arrives (relay/spool/dedup.py's `ContentHasher`, the same id as for the whole
   message at once). A message with no empty line in its first `HEAD_MAX` octets is hashed
   as all body (deterministic, so a resubmission is still recognised).
-- Every body is also fed, as it arrives, to its content fingerprint (relay/dedup.py's
+- Every body is also fed, as it arrives, to its content fingerprint (relay/spool/dedup.py's
   `BodyFingerprint`): the dedup check that tells a resubmission from another message
   reusing its Message-ID never reads the stored body again, nor hashes it in the event loop
   in one piece.
@@ -29,11 +29,11 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from relay import faults
-from relay.dedup import BodyFingerprint, ContentHasher, normalize_message_id
-from relay.message import header, parse_headers
+from relay.mail.message import header, parse_headers
+from relay.ops import faults
 from relay.spool import bodies
 from relay.spool.db import fsync_dir
+from relay.spool.dedup import BodyFingerprint, ContentHasher, normalize_message_id
 
 FLUSH_AT = 1 << 20
 HEAD_MAX = 1 << 20
@@ -99,7 +99,7 @@ class IncomingBody:
 
     def header_block(self) -> bytes:
         """The header block; at the end, a message with no empty line is all header block
-        (as relay/message.py's `split_message`) when it is at most HEAD_MAX + 1 octets (a
+        (as relay/mail/message.py's `split_message`) when it is at most HEAD_MAX + 1 octets (a
         longer one was all body as soon as that length was reached)."""
         if self.head is not None:
             return self.head
@@ -167,7 +167,7 @@ class IncomingBody:
 
     async def rewrite(self, fn: Callable[[bytes], bytes | None]) -> None:
         """After `finish()`: replace the stored message by `fn(message)` when that is not
-        None (relay/longlines.py), in a thread, holding it whole in memory meanwhile. The
+        None (relay/inbound/longlines.py), in a thread, holding it whole in memory meanwhile. The
         header block and the content hash stay those of what the client sent."""
         if self._tmp is None:
             new = await asyncio.to_thread(fn, bytes(self._mem))
@@ -186,7 +186,7 @@ class IncomingBody:
         return not mid or not normalize_message_id(mid)
 
     def fingerprint(self, subject: str | None) -> str:
-        """The content fingerprint of what the client sent (relay/dedup.py), after
+        """The content fingerprint of what the client sent (relay/spool/dedup.py), after
         `finish()`; `subject` is its Subject header."""
         return self._fingerprint.hexdigest(subject)
 

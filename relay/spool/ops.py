@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay import dedup
-from relay.lanes import LANE_PRIORITY
-from relay.model import (
+from relay.delivery.lanes import LANE_PRIORITY
+from relay.spool import db, dedup
+from relay.spool.model import (
     DEAD,
     FINAL,
     UNFINISHED,
@@ -33,7 +33,6 @@ from relay.model import (
     sources_for,
     sql_in,
 )
-from relay.spool import db
 
 _DUE = sql_in(WAITING)
 # recipients_due's WHERE exactly as migration 0 spells it: SQLite uses a partial index only
@@ -61,7 +60,7 @@ class NewRecipient:
     destination: str
     dedup_key: str
     content_hash: str | None = None  # with an Idempotency-Key: what the key stands for
-    # with a Message-ID key: the content fingerprint (relay/dedup.py), stored with the key;
+    # with a Message-ID key: the content fingerprint (relay/spool/dedup.py), stored with the key;
     # None (an Idempotency-Key, the outbox, a DSN) keeps the plain rule: a hit is a duplicate
     fingerprint: str | None = None
 
@@ -1501,7 +1500,7 @@ def iter_messages(
     if queue_id is not None:
         where.append("m.id = ?")
         params.append(queue_id)
-    if message_id is not None:  # as stored: normalized (relay/dedup.py)
+    if message_id is not None:  # as stored: normalized (relay/spool/dedup.py)
         where.append("m.message_id = ?")
         params.append(message_id)
     if upstream_id is not None:

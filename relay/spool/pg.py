@@ -130,7 +130,7 @@ def redact(dsn: str) -> str:
     except ValueError:
         return "<unparsable dsn>"
     if parts.scheme in ("postgres", "postgresql"):
-        from relay.logs import redact_url
+        from relay.ops.logs import redact_url
 
         return redact_url(dsn)
     return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
@@ -307,7 +307,7 @@ def migrate(conn: PgConnection) -> int:
 
 
 # statements a migration needs on PostgreSQL only, after its shared ones (by version)
-# the transactional outbox (relay/outbox.py, README): an application writes these rows
+# the transactional outbox (relay/spool/outbox.py, README): an application writes these rows
 OUTBOX_TABLE = (
     """
     CREATE TABLE relay_outbox (

@@ -6,7 +6,7 @@ Rules:
   storage; RFC 5321 §4.2.5: the client keeps it and retries) at MAIL and at the end of DATA,
   feedback and unsubscribe mail included. What is queued keeps being claimed and delivered:
   the reserve is what its claims, attempt rows and the health file write into.
-- The daemon measures it in its health pass (every second: relay/health.py's `disk`, which
+- The daemon measures it in its health pass (every second: relay/ops/health.py's `disk`, which
   makes it the `disk` check, critical); an inbound process (`inbound.processes`) has no
   health pass and watches it with `ReserveGate`, the same rule at the same pace.
 - 0 turns the reserve off (the `health.disk_free_critical` percentage still applies in the
@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from relay.logs import log_event
+from relay.ops.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -48,11 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from relay import faults
+from relay.ops import faults
 from relay.spool import db
 
 if TYPE_CHECKING:
-    from relay.config import PgSpool
+    from relay.config.tree import PgSpool
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ except for the deliberate differences listed here, each a predicate over the inp
 must hold whenever they disagree.
 
 Deliberate differences (each one ours, on purpose):
-- PATH: paths are parsed by relay/address.py, which is RFC 5321 §4.1.2 and stricter than
+- PATH: paths are parsed by relay/mail/address.py, which is RFC 5321 §4.1.2 and stricter than
   aiosmtpd's RFC 5322 parser (email._header_value_parser): the angle brackets are required,
   text after `>` needs a space, a domain is LDH labels or an address literal, quotes must
   balance, and §4.5.3.1's 64/255/256 octet limits hold. Whenever they disagree on a MAIL or
@@ -29,8 +29,8 @@ from aiosmtpd.smtp import SMTP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay import address as address_
 from relay.inbound import core
+from relay.mail import address as address_
 
 SETTINGS = core.Settings(hostname="relay.test", max_size=1000, max_command=512, max_line=1001)
 
@@ -152,7 +152,7 @@ def test_mail_and_rcpt_paths_agree_but_for_our_stricter_path_parser(verb: str, p
     ours, theirs = _ours(data)[-1], asyncio.run(_reference(data))[-1]
     if _accepts(ours) == _accepts(theirs):
         return
-    # PATH: we refuse what aiosmtpd accepted, and only because relay/address.py does
+    # PATH: we refuse what aiosmtpd accepted, and only because relay/mail/address.py does
     assert _accepts(theirs) and not _accepts(ours), (data, ours, theirs)
     keyword = "FROM:" if verb.upper().startswith("MAIL") else "TO:"
     arg = f"{verb}{path}".split(":", 1)[1].strip()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from relay.config import from_mapping
+from relay.config.tree import from_mapping
 from relay.inbound import InboundHandler, Suppressions
 from relay.inbound.core import State
 from relay.inbound.transport import InboundProtocol

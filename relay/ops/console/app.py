@@ -6,13 +6,13 @@ Rules:
   every change is one writer job that also writes the audit row (`ops.log_operator`, as the
   CLI's `_act`) and logs an `operator_action` line with the user's name.
 - Access (relay/ops/console/auth.py): with `admin.users_file`, a signed session cookie
-  from the login form; without one (only allowed on a loopback listener, relay/config.py),
+  from the login form; without one (only allowed on a loopback listener, relay/config/tree.py),
   anyone who reaches the listener reads as a `viewer` and nobody acts. Every POST needs the
   session's CSRF token (else 403); actions need the `operator` role (else 403).
 - A wrong password waits LOGIN_FAIL_DELAY (doubling per failure from the same address,
   at most 8 s, asyncio.sleep: the loop goes on), is counted in
   `relay_console_login_failures_total`, and 10 within 10 minutes ban the address from the
-  login for 10 minutes (relay/anvil.py's AUTH failure table; `relay_console_login_bans`).
+  login for 10 minutes (relay/inbound/anvil.py's AUTH failure table; `relay_console_login_bans`).
 - Pages are hand-written HTML (relay/ops/console/html.py escapes everything printed) with
   a Content-Security-Policy allowing only this origin's one script and one stylesheet.
 - Bulk actions: the confirmation page counts the selection with the same function the
@@ -37,11 +37,9 @@ from urllib.parse import parse_qs
 
 from prometheus_client import Counter
 
-from relay import alerts as alerts_mod
-from relay import anvil
-from relay.lanes import LANE_PRIORITY
-from relay.logs import log_event
-from relay.metrics import Metrics
+from relay.delivery.lanes import LANE_PRIORITY
+from relay.inbound import anvil
+from relay.ops import alerts as alerts_mod
 from relay.ops.console import auth, rollup
 from relay.ops.console.html import (
     Raw,
@@ -58,6 +56,8 @@ from relay.ops.console.html import (
 )
 from relay.ops.console.html import static as static_file
 from relay.ops.http import HttpServer, Request, Response
+from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 from relay.spool import bodies, ops
 from relay.spool.writer import SpoolWriter
 
@@ -122,8 +122,8 @@ class Filters:
         return {k: getattr(self, k) for k in Filters.__slots__ if getattr(self, k)}
 
     def kwargs(self, now: float, action: str | None = None) -> dict[str, Any]:
-        from relay.config import ConfigError, parse_duration
-        from relay.dedup import normalize_message_id
+        from relay.config.tree import ConfigError, parse_duration
+        from relay.spool.dedup import normalize_message_id
 
         try:
             older = parse_duration(self.older_than, "age") if self.older_than else None

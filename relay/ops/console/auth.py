@@ -3,7 +3,7 @@
 Rules:
 - A users file (`admin.users_file`) holds one `name:role:hash` per line; blank lines and
   lines starting with `#` are ignored. Roles: `viewer` (reads) and `operator` (reads and
-  acts). The hash is relay/auth.py's self-describing `scrypt$<salt-b64>$<hash-b64>`
+  acts). The hash is relay/inbound/auth.py's self-describing `scrypt$<salt-b64>$<hash-b64>`
   (hashlib.scrypt; `relay admin passwd NAME --role R` prints a line). An error names the
   line number only, never the line (it could hold a hash).
 - A session is a signed cookie: `<payload-b64>.<hmac-sha256-b64>` where the payload is JSON
@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.auth import hash_password, parse_hash, verify_password
+from relay.inbound.auth import hash_password, parse_hash, verify_password
 
 ROLES = ("viewer", "operator")
 SESSION_TTL = 12 * 3600.0

@@ -3,7 +3,7 @@ spool (`console_minutes`) so a chart of the last day reads at most 1,440 small r
 of the attempt log.
 
 Rules:
-- Once a minute the daemon takes a `Sample` of counters it already keeps (relay/metrics.py:
+- Once a minute the daemon takes a `Sample` of counters it already keeps (relay/ops/metrics.py:
   accepted, delivered, deferred, bounced, suppressed, and the delivery latency histogram's
   buckets); the row of that minute is the difference from the previous sample (`delta`,
   pure), plus the queue depth then. A counter that went down (a restart) counts from zero.
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from relay.metrics import Metrics
+from relay.ops.metrics import Metrics
 
 KEEP_MINUTES = 8 * 24 * 60
 SERIES = ("accepted", "delivered", "deferred", "bounced", "suppressed")

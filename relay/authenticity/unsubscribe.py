@@ -1,0 +1,416 @@
+"""One-click unsubscribe (RFC 8058, RFC 2369): the List-Unsubscribe headers the relay adds to
+mail of an identity that has `unsubscribe` configured, and the endpoint their links reach.
+
+Rules:
+- A token names (identity, recipient), both lowercased, and carries a MAC, so it cannot be
+  forged and one recipient's token says nothing about another's. The format is
+  `1.<payload>.<mac>`: `payload` is base64url (no padding) of the UTF-8 text
+  `identity NUL recipient`; `mac` is base64url of HMAC-SHA256(secret, MAC_LABEL + "1." +
+  payload) truncated to 128 bits. The MAC covers the token's text as written, so a token has
+  exactly one spelling. The token is signed, not encrypted: anyone holding it can read the
+  recipient (it sits in the recipient's own mail). Tokens do not expire: an unsubscribe link
+  in an old message still works, as mailbox providers expect. Rotating an identity's secret
+  invalidates every token of it that is out there.
+- The secret that verifies a token is the one of the identity named IN the token; a token
+  naming an identity without `unsubscribe` configured is refused. A secret shorter than
+  MIN_SECRET bytes is refused too (config should reject it; 32 random bytes is right).
+- `add_headers` leaves a message that already has a List-Unsubscribe alone (the app's own
+  wins) and otherwise inserts, above the first header line (the rest byte for byte):
+  `List-Unsubscribe: <URL/TOKEN>, <mailto:ADDR?subject=unsubscribe%20TOKEN>` (folded between
+  the two URIs past 78 columns; never inside the angle brackets, RFC 2369 §2) and, only when
+  the URL is https, `List-Unsubscribe-Post: List-Unsubscribe=One-Click` (RFC 8058 §3.1).
+  RFC 8058 §4 wants both covered by a DKIM signature: sign after adding them.
+- The headers name ONE recipient, so a message carrying them goes to that recipient alone:
+  the engine must send one transaction per recipient for an identity with `unsubscribe`
+  configured (as it already does for `feedback.verp`: key the job by recipient row), and call
+  `add_headers` per transaction. A header holding one recipient's token must never reach
+  another recipient: anyone who can read it can unsubscribe that recipient.
+- HTTP, under `path_prefix` (`/u/` by default; the path of `url`): `POST /u/<TOKEN>` with
+  `List-Unsubscribe=One-Click` in the body (form-urlencoded or multipart/form-data; a body
+  holding the literal text is enough) writes the suppression entry scoped to the identity
+  and answers 200; again and again (idempotent). `GET`/`HEAD` answer 200 with a confirmation
+  page whose form POSTs that body: a GET never unsubscribes (mail scanners follow links).
+  A bad token is 400 with a short page and an `unsubscribe_refused` WARNING that logs only
+  the token's first characters; a POST without the one-click field is 400; another method
+  405; a path outside the prefix 404; a spool error 503 (try again later).
+- Pages show the recipient masked (the link works for whoever holds it), escape everything
+  they show, carry no script, and ask not to be cached, indexed or framed.
+- Mail to the `mailto` address: `mailto_token` finds the token in a Subject
+  `unsubscribe TOKEN` (any case, a `Re:` in front is fine); the daemon checks it with
+  `read_token` and suppresses as the POST does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import email.parser
+import email.policy
+import hashlib
+import hmac
+import html
+import logging
+import re
+import sqlite3
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from relay.mail.message import header, parse_headers, split_message
+from relay.ops.http import Request, Response
+from relay.ops.logs import log_event, mask_address
+from relay.spool.writer import SpoolError
+
+log = logging.getLogger(__name__)
+
+VERSION = "1"
+MAX_TOKEN = 800  # two RFC 5321 addresses of 254 octets make a 704-character token
+MIN_SECRET = 16
+MAC_BYTES = 16  # HMAC-SHA256 truncated to 128 bits
+MAC_LABEL = b"relay-unsubscribe\n"  # domain separation, should the key serve elsewhere too
+ONE_CLICK = "List-Unsubscribe=One-Click"
+MAX_FORM = 64 * 1024  # a one-click body is a few dozen bytes
+SOURCE = "unsubscribe"
+
+_B64 = re.compile(r"[A-Za-z0-9_-]+")
+_SUBJECT = re.compile(r"(?<![A-Za-z0-9])unsubscribe(?:\s+|%20)([A-Za-z0-9_.-]+)", re.IGNORECASE)
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeConf:
+    url: str | None  # https://relay.example.com/u: the relay serves POST/GET <path>/<TOKEN>
+    mailto: str | None  # unsubscribe@relay.example.com
+    secret: bytes = field(repr=False)  # the HMAC key (secret_file), at least MIN_SECRET bytes
+
+
+# --- tokens -------------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _mac(secret: bytes, signed: str) -> str:
+    digest = hmac.new(secret, MAC_LABEL + signed.encode("ascii"), hashlib.sha256).digest()
+    return _b64(digest[:MAC_BYTES])
+
+
+def make_token(secret: bytes, identity: str, recipient: str) -> str:
+    """The token naming (identity, recipient), lowercased. ValueError for a secret shorter
+    than MIN_SECRET, an empty or NUL-holding part, or a pair too long for MAX_TOKEN."""
+    if len(secret) < MIN_SECRET:
+        raise ValueError(f"unsubscribe secret shorter than {MIN_SECRET} bytes")
+    identity, recipient = identity.lower(), recipient.lower()
+    if not identity or not recipient or "\x00" in identity or "\x00" in recipient:
+        raise ValueError("identity and recipient must be non-empty and hold no NUL")
+    payload = identity.encode("utf-8") + b"\x00" + recipient.encode("utf-8")
+    signed = f"{VERSION}.{_b64(payload)}"
+    token = f"{signed}.{_mac(secret, signed)}"
+    if len(token) > MAX_TOKEN:
+        raise ValueError(f"identity and recipient too long for a token ({len(token)} chars)")
+    return token
+
+
+def _parse(token: str) -> tuple[str, str, str, str] | None:
+    """(signed part, mac, identity, recipient) of a well-formed token, MAC NOT checked."""
+    if not isinstance(token, str) or len(token) > MAX_TOKEN or not token.isascii():
+        return None
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != VERSION:
+        return None
+    _, payload, mac = parts
+    if not _B64.fullmatch(payload) or not _B64.fullmatch(mac):
+        return None
+    try:
+        text = _unb64(payload).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    identity, nul, recipient = text.partition("\x00")
+    if not nul or not identity or not recipient or "\x00" in recipient:
+        return None
+    return f"{VERSION}.{payload}", mac, identity, recipient
+
+
+def read_token(secret: bytes, token: str) -> tuple[str, str] | None:
+    """(identity, recipient) of a token made with `secret`; None for anything else (never
+    raises; the MAC is compared in constant time)."""
+    parsed = _parse(token)
+    if parsed is None or not isinstance(secret, bytes) or len(secret) < MIN_SECRET:
+        return None
+    signed, mac, identity, recipient = parsed
+    if not hmac.compare_digest(_mac(secret, signed).encode(), mac.encode()):
+        return None
+    return identity, recipient
+
+
+def mailto_token(subject: str, local_part_token: str | None = None) -> str | None:
+    """The token of a mail to the unsubscribe address: from a Subject `unsubscribe TOKEN`
+    (any case; a `Re:` or tag in front is fine), else `local_part_token` (the daemon may take
+    one from the address, e.g. a plus suffix), else None. `subject` is the decoded header
+    value (RFC 2047 words decoded). Only the shape is checked: verify it with `read_token`."""
+    m = _SUBJECT.search(subject[: MAX_TOKEN + 1024])
+    if m is not None:
+        found = m.group(1).rstrip(".")  # a token never ends with "."; a sentence may
+        if found and len(found) <= MAX_TOKEN:
+            return found
+    if (
+        local_part_token
+        and len(local_part_token) <= MAX_TOKEN
+        and _TOKEN_CHARS.fullmatch(local_part_token)
+    ):
+        return local_part_token
+    return None
+
+
+# --- headers ------------------------------------------------------------------------------
+
+
+def _fold(name: str, items: list[str]) -> str:
+    """`name: a, b` with a fold (CRLF + space) before an item that would pass 78 columns;
+    never inside an item (RFC 2369 §2: no whitespace inside the angle brackets)."""
+    lines: list[str] = []
+    line = f"{name}: {items[0]}"
+    for item in items[1:]:
+        if len(line) + 2 + len(item) <= 78:
+            line += ", " + item
+        else:
+            lines.append(line + ",")
+            line = " " + item
+    lines.append(line)
+    return "\r\n".join(lines) + "\r\n"
+
+
+def _mailto_uri(mailto: str, token: str) -> str:
+    addr = mailto[7:] if mailto[:7].lower() == "mailto:" else mailto
+    sep = "&" if "?" in addr else "?"
+    return f"<mailto:{addr}{sep}subject=unsubscribe%20{token}>"
+
+
+def add_headers(
+    message: bytes, conf: UnsubscribeConf, identity: str, recipient: str
+) -> bytes | None:
+    """`message` with List-Unsubscribe (and, for an https URL, List-Unsubscribe-Post) for
+    `recipient` below its trace fields (`Received:`, `Return-Path:`: they stay on top, RFC
+    5322 §3.6.7) and above every other header line; None when it already has a List-Unsubscribe or
+    `conf` has neither url nor mailto. The headers name one recipient: send the result to
+    that recipient alone (see the module rules). ValueError as `make_token`."""
+    if not conf.url and not conf.mailto:
+        return None
+    head, _ = split_message(message)
+    headers = parse_headers(head)
+    if header(headers, "List-Unsubscribe") is not None:
+        return None
+    token = make_token(conf.secret, identity, recipient)
+    uris: list[str] = []
+    if conf.url:
+        uris.append(f"<{conf.url.rstrip('/')}/{token}>")
+    if conf.mailto:
+        uris.append(_mailto_uri(conf.mailto, token))
+    added = _fold("List-Unsubscribe", uris)
+    https = conf.url is not None and conf.url[:8].lower() == "https://"
+    if https and header(headers, "List-Unsubscribe-Post") is None:
+        added += f"List-Unsubscribe-Post: {ONE_CLICK}\r\n"
+    at = _after_trace(message)
+    return message[:at] + added.encode("utf-8") + message[at:]
+
+
+def _after_trace(message: bytes) -> int:
+    """The offset of the first header line that is not a trace field (or its continuation)."""
+    pos = 0
+    in_trace = False
+    while pos < len(message):
+        end = message.find(b"\r\n", pos)
+        if end < 0:
+            return pos
+        line = message[pos:end]
+        if not line:
+            return pos
+        if line[:1] in (b" ", b"\t"):
+            if not in_trace:
+                return pos
+        else:
+            name = line.split(b":", 1)[0].strip().lower()
+            in_trace = name in (b"received", b"return-path")
+            if not in_trace:
+                return pos
+        pos = end + 2
+    return pos
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex, nofollow">
+<title>{title}</title>
+<style>body{{font-family:sans-serif;max-width:32em;margin:3em auto;padding:0 1em;}}
+button{{font-size:1.1em;padding:.4em 1.2em;}}</style>
+</head><body>
+<h1>{title}</h1>
+{body}
+</body></html>
+"""
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Robots-Tag": "noindex, nofollow",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"
+    ),
+}
+_ALLOW = "GET, HEAD, POST"
+
+
+def _page(status: int, title: str, body: str) -> Response:
+    text = _PAGE.format(title=html.escape(title), body=body)
+    return Response(status, text.encode("utf-8"), "text/html; charset=utf-8", dict(_HEADERS))
+
+
+def _who(identity: str, recipient: str) -> str:
+    return (
+        f"<strong>{html.escape(mask_address(recipient))}</strong> will no longer receive mail"
+        f" from <strong>{html.escape(identity)}</strong>"
+    )
+
+
+def one_click(body: bytes, ctype: str) -> bool:
+    """Whether a POST body holds `List-Unsubscribe=One-Click` (RFC 8058 §3.1): as a form
+    field (application/x-www-form-urlencoded or multipart/form-data), or as plain text."""
+    if len(body) > MAX_FORM:
+        return False
+    if ONE_CLICK.lower().encode() in body.lower():
+        return True
+    kind = ctype.split(";", 1)[0].strip().lower()
+    if kind == "application/x-www-form-urlencoded":
+        pairs = urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True)
+        return any(_is_one_click(k, v) for k, v in pairs)
+    if kind == "multipart/form-data":
+        raw = b"Content-Type: " + ctype.encode("latin-1", "replace") + b"\r\n\r\n" + body
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(raw)
+        if not msg.is_multipart():
+            return False
+        for part in msg.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            payload = part.get_payload(decode=True)
+            if (
+                isinstance(name, str)
+                and isinstance(payload, bytes)
+                and _is_one_click(name, payload.decode("latin-1"))
+            ):
+                return True
+    return False
+
+
+def _is_one_click(name: str, value: str) -> bool:
+    return name.strip().lower() == "list-unsubscribe" and value.strip().lower() == "one-click"
+
+
+def verify(confs: Mapping[str, UnsubscribeConf], token: str) -> tuple[str, str] | str:
+    """(identity, recipient) of a valid token, checked with the secret of the identity the
+    token names (a token for an identity without unsubscribe is invalid); else why not."""
+    parsed = _parse(token)
+    if parsed is None:
+        return "malformed token"
+    conf = confs.get(parsed[2])
+    if conf is None:
+        return "no unsubscribe configured for the identity"
+    pair = read_token(conf.secret, token)
+    return "bad signature" if pair is None else pair
+
+
+class UnsubscribeHandler:
+    def __init__(
+        self,
+        conf: Callable[[], Mapping[str, UnsubscribeConf]],
+        suppress: Callable[[str, str, str], Awaitable[bool]],
+        path_prefix: str = "/u/",
+    ) -> None:
+        if not path_prefix.startswith("/") or not path_prefix.endswith("/"):
+            raise ValueError(f"path_prefix {path_prefix!r} must start and end with '/'")
+        self.conf = conf  # identity (lowercased) -> its unsubscribe conf, as config is now
+        self.suppress = suppress  # (identity, recipient, source) -> True when the entry is new
+        self.path_prefix = path_prefix
+
+    def verify(self, token: str) -> tuple[str, str] | str:
+        """(identity, recipient) of a valid token, else why it is refused."""
+        return verify(self.conf(), token)
+
+    async def http(self, req: Request) -> Response:
+        if not req.path.startswith(self.path_prefix):
+            return Response.text(404, "not found")
+        if req.method not in ("GET", "HEAD", "POST"):
+            return Response(405, b"method not allowed\n", headers={"Allow": _ALLOW})
+        token = req.path[len(self.path_prefix) :]
+        found = self.verify(token)
+        if isinstance(found, str):
+            self._refused(req, token, found)
+            return _page(
+                400,
+                "Invalid unsubscribe link",
+                "<p>This unsubscribe link is not valid. Please use the link in a recent"
+                " message, or reply to the sender.</p>",
+            )
+        identity, recipient = found
+        if req.method != "POST":
+            return _page(
+                200,
+                "Unsubscribe",
+                f"<p>{_who(identity, recipient)} once you confirm.</p>\n"
+                '<form method="post">\n'
+                '<input type="hidden" name="List-Unsubscribe" value="One-Click">\n'
+                '<button type="submit">Unsubscribe</button>\n</form>',
+            )
+        await req.read()  # only for a valid token's POST
+        if not one_click(req.body, req.headers.get("content-type", "")):
+            self._refused(req, token, "POST without List-Unsubscribe=One-Click")
+            return _page(
+                400,
+                "Not unsubscribed",
+                "<p>The request did not confirm the unsubscribe. Open the link in a browser"
+                " and press the button.</p>",
+            )
+        try:
+            new = await self.suppress(identity, recipient, SOURCE)
+        except (SpoolError, sqlite3.Error, OSError) as e:
+            log_event(
+                log,
+                logging.ERROR,
+                "unsubscribe_failed",
+                "spool error",
+                identity=identity,
+                rcpt=recipient,
+                exc=e,
+            )
+            return _page(
+                503, "Try again later", "<p>Your request could not be saved. Try again later.</p>"
+            )
+        log_event(
+            log,
+            logging.INFO,
+            "unsubscribed",
+            "recipient unsubscribed; suppressed for this identity",
+            identity=identity,
+            rcpt=recipient,
+            new=new,
+            peer=req.peer,
+        )
+        return _page(200, "You are unsubscribed", f"<p>{_who(identity, recipient)}.</p>")
+
+    def _refused(self, req: Request, token: str, reason: str) -> None:
+        log_event(
+            log,
+            logging.WARNING,
+            "unsubscribe_refused",
+            reason,
+            method=req.method,
+            peer=req.peer,
+            token_prefix=token[:12],
+            token_length=len(token),
+        )

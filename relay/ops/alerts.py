@@ -1,0 +1,409 @@
+"""Alerts: one durable outbox in the spool, coalesced, handed to the operator's sinks.
+
+Rules:
+- An alert is a row in the spool's `alerts` table before any sink sees it: a crash, a
+  restart or a sink that is down loses none. Each row remembers which sinks still need it;
+  a sink that took it is never given it again (a crash between a sink's success and the
+  row's update can repeat it once: at-least-once, with a stable `id` receivers can dedup on).
+- Coalescing: events of one (event, key) within `alerts.coalesce` make one alert with a
+  `count` and a few samples. Dead letters and delay warnings wait for their window to close
+  (1,000 dead letters to one domain in a minute make one alert, not 1,000); health
+  transitions (`health`, `resolved`, `upstream_config_error`) are single state changes and
+  go at once.
+- Sinks: `alerts.command` (one process per alert, the JSON document on stdin, through
+  `/bin/sh -c`, killed after `alerts.timeout`) and `alerts.webhook` (an HTTP POST of the
+  same JSON, signed `X-Relay-Signature: sha256=<hex HMAC-SHA256 of the body>` with the
+  secret, the GitHub convention). A failing sink is retried with capped exponential backoff
+  and logged; no sink ever holds up delivery. An alert no sink took within
+  `GIVE_UP_AFTER` is logged at ERROR as `alert_dropped`.
+- The document (version 1) is in README "Monitoring and alerts".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import random
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from relay.config.tree import Alerts as AlertsConf
+from relay.ops import shell
+from relay.ops.logs import log_event, mask_address, redact_text, redact_webhook_url
+from relay.spool import ops
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+MAX_SAMPLES = 5
+GIVE_UP_AFTER = 86400.0
+BACKOFF_CAP = 60.0
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+# events that are single state changes: sent at once, not held for the coalescing window
+IMMEDIATE = frozenset(
+    {"health", "resolved", "upstream_config_error", "circuit_open", "circuit_closed"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    event: str
+    severity: str  # info | warning | critical
+    key: str  # the destination or check it is about
+    summary: str  # one line a person can read
+    sample: dict[str, Any] | None = None  # {queue_id, recipient (masked), reply}
+
+
+def sample(queue_id: str, recipient: str, reply: str) -> dict[str, Any]:
+    return {"queue_id": queue_id, "recipient": mask_address(recipient), "reply": reply}
+
+
+def sinks_of(conf: AlertsConf) -> list[str]:
+    out = []
+    if conf.command:
+        out.append("command")
+    if conf.webhook is not None:
+        out.append("webhook")
+    return out
+
+
+# --- the outbox (SQL; run on the spool writer) ----------------------------------------------
+
+
+def record(
+    conn: sqlite3.Connection, ev: Event, now: float, coalesce: float, sinks: Sequence[str]
+) -> int:
+    """Add one event: to the open alert of its (event, key) if its window is still open,
+    else as a new alert. Returns the alert's id."""
+    if ev.event not in IMMEDIATE:
+        row = conn.execute(
+            "SELECT id, count, samples, severity FROM alerts WHERE event = ? AND key = ?"
+            " AND sent_at IS NULL AND attempts = 0 AND send_at > ? ORDER BY id DESC LIMIT 1",
+            (ev.event, ev.key, now),
+        ).fetchone()
+        if row is not None:
+            samples = json.loads(row[2])
+            if ev.sample is not None and len(samples) < MAX_SAMPLES:
+                samples.append(ev.sample)
+            sev = max(row[3], ev.severity, key=SEVERITY_RANK.__getitem__)
+            conn.execute(
+                "UPDATE alerts SET count = count + 1, last_at = ?, samples = ?, severity = ?,"
+                " summary = ? WHERE id = ?",
+                (now, json.dumps(samples), sev, ev.summary, row[0]),
+            )
+            return int(row[0])
+    send_at = now if ev.event in IMMEDIATE else now + coalesce
+    cur = conn.execute(
+        "INSERT INTO alerts (event, severity, key, count, first_at, last_at, send_at, summary,"
+        " samples, sinks, next_try_at, sent_at) VALUES (?,?,?,1,?,?,?,?,?,?,?,?) RETURNING id",
+        (
+            ev.event,
+            ev.severity,
+            ev.key,
+            now,
+            now,
+            send_at,
+            ev.summary,
+            json.dumps([ev.sample] if ev.sample is not None else []),
+            json.dumps(list(sinks)),
+            send_at,
+            None if sinks else now,
+        ),
+    )
+    return int(cur.fetchone()[0])
+
+
+def due(conn: sqlite3.Connection, now: float, limit: int = 50) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT id, event, severity, key, count, first_at, last_at, summary, samples, sinks,"
+        " attempts FROM alerts WHERE sent_at IS NULL AND next_try_at <= ? ORDER BY id LIMIT ?",
+        (now, limit),
+    ).fetchall()
+    return [
+        {
+            "id": r[0],
+            "event": r[1],
+            "severity": r[2],
+            "key": r[3],
+            "count": r[4],
+            "first_at": r[5],
+            "last_at": r[6],
+            "summary": r[7],
+            "samples": json.loads(r[8]),
+            "sinks": json.loads(r[9]),
+            "attempts": r[10],
+        }
+        for r in rows
+    ]
+
+
+def retry_now(conn: sqlite3.Connection, now: float) -> int:
+    return conn.execute(
+        "UPDATE alerts SET next_try_at = ? WHERE sent_at IS NULL AND attempts > 0"
+        " AND next_try_at > ?",
+        (now, now),
+    ).rowcount
+
+
+def next_due_at(conn: sqlite3.Connection) -> float | None:
+    row = conn.execute("SELECT min(next_try_at) FROM alerts WHERE sent_at IS NULL").fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def mark(
+    conn: sqlite3.Connection,
+    alert_id: int,
+    remaining: Sequence[str],
+    now: float,
+    error: str | None,
+    next_try_at: float,
+) -> None:
+    if not remaining:
+        conn.execute(
+            "UPDATE alerts SET sinks = '[]', sent_at = ?, last_error = NULL WHERE id = ?",
+            (now, alert_id),
+        )
+    else:
+        conn.execute(
+            "UPDATE alerts SET sinks = ?, attempts = attempts + 1, next_try_at = ?,"
+            " last_error = ? WHERE id = ?",
+            (json.dumps(list(remaining)), next_try_at, error, alert_id),
+        )
+
+
+def recent(conn: sqlite3.Connection, limit: int = 50) -> list[dict[str, Any]]:
+    """The newest alerts, for `relay alerts`."""
+    rows = conn.execute(
+        "SELECT id, event, severity, key, count, first_at, last_at, summary, sinks, attempts,"
+        " last_error, sent_at FROM alerts ORDER BY id DESC LIMIT ?",
+        (limit,),
+    ).fetchall()
+    return [
+        {
+            "id": r[0],
+            "event": r[1],
+            "severity": r[2],
+            "key": r[3],
+            "count": r[4],
+            "first_at": ops.iso_utc(r[5]),
+            "last_at": ops.iso_utc(r[6]),
+            "summary": r[7],
+            "pending_sinks": json.loads(r[8]),
+            "attempts": r[9],
+            "last_error": r[10],
+            "sent_at": None if r[11] is None else ops.iso_utc(r[11]),
+        }
+        for r in rows
+    ]
+
+
+def document(row: dict[str, Any], hostname: str) -> dict[str, Any]:
+    """The versioned JSON every sink receives."""
+    n = int(row["count"])
+    summary = (
+        row["summary"]
+        if n == 1
+        else f"{n} {row['event']} events for {row['key']}; latest: {row['summary']}"
+    )
+    return {
+        "version": VERSION,
+        "id": f"{hostname}/{row['id']}",
+        "host": hostname,
+        "event": row["event"],
+        "severity": row["severity"],
+        "key": row["key"],
+        "count": n,
+        "first_at": ops.iso_utc(row["first_at"]),
+        "last_at": ops.iso_utc(row["last_at"]),
+        "summary": summary,
+        "samples": row["samples"],
+    }
+
+
+def sign(secret: bytes, body: bytes) -> str:
+    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+# --- the sinks ------------------------------------------------------------------------------
+
+
+async def run_command(command: str, doc: dict[str, Any], timeout: float) -> str | None:
+    """Run the alert command; None when it worked, else what went wrong."""
+    payload = json.dumps(doc, sort_keys=True).encode() + b"\n"
+    try:
+        done = await shell.run(command, timeout, stdin=payload, stderr=True)
+    except TimeoutError:  # (an OSError too: first)
+        return f"alert command timed out after {timeout:g}s"
+    except OSError as e:
+        return f"alert command did not start: {e}"
+    if done.returncode != 0:
+        text = done.stderr[:300].decode(errors="replace").strip()
+        return f"alert command exited {done.returncode}" + (f": {text}" if text else "")
+    return None
+
+
+async def post_webhook(
+    client: httpx.AsyncClient, url: str, secret: bytes | None, doc: dict[str, Any], timeout: float
+) -> str | None:
+    """POST the alert; None when the receiver answered 2xx, else what went wrong."""
+    body = json.dumps(doc, sort_keys=True).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "relay-alerts/1",
+        "X-Relay-Event": str(doc["event"]),
+        "X-Relay-Delivery": str(doc["id"]),
+    }
+    if secret is not None:
+        headers["X-Relay-Signature"] = sign(secret, body)
+    try:
+        r = await client.post(url, content=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        if not str(e):
+            return f"webhook: {type(e).__name__}"
+        # the error is stored, logged and shown by /health: never with the URL (a secret)
+        text = str(e).replace(url, redact_webhook_url(url))
+        return f"webhook: {type(e).__name__}: {redact_text(text)}"
+    if not 200 <= r.status_code < 300:
+        return f"webhook answered HTTP {r.status_code}"
+    return None
+
+
+class Dispatcher:
+    """Hands due alerts to the sinks; one background task of the daemon."""
+
+    def __init__(
+        self,
+        writer: Any,
+        conf: Callable[[], AlertsConf],
+        hostname: Callable[[], str],
+        clock: Callable[[], float],
+    ) -> None:
+        self.writer = writer
+        self.conf = conf
+        self.hostname = hostname
+        self.clock = clock
+        self._wake = asyncio.Event()
+        self._client: httpx.AsyncClient | None = None
+        self.rng = random.Random()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def add(self, ev: Event) -> None:
+        """Record an event in the outbox (durable before this returns)."""
+        conf = self.conf()
+        now = self.clock()
+        sinks = sinks_of(conf)
+        await self.writer.run(lambda c: record(c, ev, now, conf.coalesce, sinks))
+        if ev.event in IMMEDIATE:
+            self.wake()
+
+    async def run(self) -> None:
+        now = self.clock()
+        try:  # a restart is a fresh try for alerts a sink refused (not for open windows)
+            await self.writer.run(lambda c: retry_now(c, now))
+        except Exception as e:
+            log_event(log, logging.ERROR, "alert_failed", "alert outbox unreadable", exc=e)
+        try:
+            while True:
+                try:
+                    await self.pass_once()
+                    nxt = await self.writer.run(next_due_at)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log_event(log, logging.ERROR, "alert_failed", "alert dispatch failed", exc=e)
+                    nxt = None
+                wait = 1.0 if nxt is None else min(1.0, max(0.05, nxt - self.clock()))
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                except TimeoutError:
+                    pass
+        finally:
+            if self._client is not None:
+                await self._client.aclose()
+
+    async def pass_once(self) -> int:
+        now = self.clock()
+        rows = await self.writer.run(lambda c: due(c, now))
+        for row in rows:
+            await self._send(row)
+        return len(rows)
+
+    async def _send(self, row: dict[str, Any]) -> None:
+        conf = self.conf()
+        doc = document(row, self.hostname())
+        remaining: list[str] = []
+        errors: list[str] = []
+        for sink in row["sinks"]:
+            err: str | None
+            if sink == "command" and conf.command:
+                err = await run_command(conf.command, doc, conf.timeout)
+            elif sink == "webhook" and conf.webhook is not None:
+                if self._client is None:
+                    self._client = httpx.AsyncClient(follow_redirects=False)
+                wh = conf.webhook
+                err = await post_webhook(self._client, wh.url, wh.secret, doc, wh.timeout)
+            else:
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "alert_failed",
+                    "alert sink no longer configured; skipped",
+                    sink=sink,
+                    alert_id=row["id"],
+                )
+                continue
+            if err is not None:
+                remaining.append(sink)
+                errors.append(err)
+        now = self.clock()
+        error = "; ".join(errors) or None
+        if remaining and now - float(row["first_at"]) > GIVE_UP_AFTER:
+            log_event(
+                log,
+                logging.ERROR,
+                "alert_dropped",
+                "no sink took this alert for a day; giving up",
+                alert_id=row["id"],
+                alert_event=row["event"],
+                key=row["key"],
+                error=error,
+            )
+            remaining = []
+        delay = min(BACKOFF_CAP, 2.0 ** int(row["attempts"]))
+        delay = delay / 2 + self.rng.uniform(0, delay / 2)
+        alert_id = int(row["id"])
+        await self.writer.run(lambda c: mark(c, alert_id, remaining, now, error, now + delay))
+        if error is not None:
+            log_event(
+                log,
+                logging.ERROR,
+                "alert_failed",
+                "alert sink failed; will retry" if remaining else "alert sink failed",
+                alert_id=alert_id,
+                alert_event=row["event"],
+                key=row["key"],
+                error=error,
+                retry_in=round(delay, 1) if remaining else None,
+            )
+        else:
+            log_event(
+                log,
+                logging.INFO,
+                "alert_sent",
+                doc["summary"],
+                alert_id=alert_id,
+                alert_event=row["event"],
+                key=row["key"],
+                count=row["count"],
+                sinks=row["sinks"],
+            )
