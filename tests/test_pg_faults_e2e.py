@@ -1,0 +1,380 @@
+"""Faults the tests own (issue 31, item 4): real daemons on a PostgreSQL cluster of the
+suite's own (tests/pgcluster.py), real SMTP clients sending under load, a real aiosmtpd
+upstream; the database restarted (`-m fast`, `-m immediate`), the relay's sessions
+terminated, a node SIGKILLed while it holds claims, and the database full.
+
+Each test ends by checking what a fault must never cost: every message that got a `250`
+reaches the upstream exactly once (matched by Message-ID); nothing got a `250` while the
+database could not commit (the clients got 4xx and sent again); and, where the database
+was away for longer than a health pass, the relay's health was critical and an alert
+reached the operator's command while it was away (not only once it was back)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import re
+import signal
+import smtplib
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.harness import RelayProcess, Upstream, make_message
+from tests.pgcluster import PrivatePg
+from tests.pgcluster import pg_cluster as pg_cluster  # noqa: F401  (a fixture)
+from tests.pgcluster import private_pg as private_pg  # noqa: F401  (a fixture)
+
+UpFactory = Callable[..., Upstream]
+RelayFactory = Callable[..., RelayProcess]
+MID = re.compile(rb"^Message-ID: (<[^>\r\n]*>)\r$", re.MULTILINE | re.IGNORECASE)
+
+
+def relay_config(pg: PrivatePg, tmp: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "spool": {"backend": "postgresql", "dsn": pg.dsn},
+        "destinations": {"*": {"rate": "unlimited", "max_connections": 4}},
+        "alerts": {"command": f"cat >> {tmp / 'alerts.jsonl'}", "coalesce": "0s"},
+        **extra,
+    }
+
+
+@dataclass
+class Load:
+    """Client threads that each send one message after another (Message-IDs of their own)
+    to the given ports, a new message only after the last one got a `250`: a 4xx or a lost
+    connection is answered by sending the same message again (as a client's queue does),
+    a 5xx is an error. Every reply is kept with when its message was sent and answered."""
+
+    ports: list[int]
+    threads: int = 3
+    pause: float = 0.02
+    accepted: dict[str, tuple[float, float]] = field(default_factory=dict)  # mid -> (sent, 250)
+    temp_failures: list[tuple[float, str]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    workers: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        for t in range(self.threads):
+            w = threading.Thread(target=self._client, args=(t,), daemon=True)
+            w.start()
+            self.workers.append(w)
+        return self
+
+    def _client(self, t: int) -> None:
+        conn: smtplib.SMTP | None = None
+        i = 0
+        target = t
+        while not self.stop.is_set():
+            mid = f"<t{t}-{i}@load.example>"
+            port = self.ports[target % len(self.ports)]
+            sent = time.monotonic()
+            try:
+                if conn is None:
+                    conn = smtplib.SMTP("127.0.0.1", port, timeout=30)
+                    conn.ehlo("client.test")
+                conn.sendmail(
+                    "app@example.com", [f"t{t}-{i}@example.org"], make_message(i, message_id=mid)
+                )
+                with self.lock:
+                    self.accepted[mid] = (sent, time.monotonic())
+                i += 1
+                time.sleep(self.pause)
+            except (OSError, smtplib.SMTPException) as e:
+                code = getattr(e, "smtp_code", None)
+                if isinstance(e, smtplib.SMTPRecipientsRefused):
+                    code = next(iter(e.recipients.values()))[0]
+                if code is not None and code >= 500:
+                    self.errors.append(f"{mid}: {e!r}")
+                    return
+                with self.lock:
+                    self.temp_failures.append((time.monotonic(), f"{mid}: {e!r}"))
+                if conn is not None:
+                    with contextlib.suppress(OSError, smtplib.SMTPException):
+                        conn.close()
+                conn = None
+                target += 1  # the next node, if there are several
+                time.sleep(0.1)
+        if conn is not None:
+            with contextlib.suppress(OSError, smtplib.SMTPException):
+                conn.quit()
+
+    def wait_accepted(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        start = len(self.accepted)
+        while len(self.accepted) < start + n:
+            assert not self.errors, self.errors
+            assert time.monotonic() < deadline, f"{len(self.accepted) - start} of {n} accepted"
+            time.sleep(0.02)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for w in self.workers:
+            w.join(60)
+            assert not w.is_alive()
+        assert self.errors == []
+
+
+@dataclass
+class HealthWatch:
+    """Polls `/health` of one daemon every 0.1 s: (monotonic, HTTP status, spool check)."""
+
+    admin_port: int
+    seen: list[tuple[float, int, str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> HealthWatch:
+        threading.Thread(target=self._poll, daemon=True).start()
+        return self
+
+    def _poll(self) -> None:
+        url = f"http://127.0.0.1:{self.admin_port}/health"
+        while not self.stop.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    code, doc = resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                code, doc = e.code, json.loads(e.read())
+            except OSError:
+                code, doc = 0, {}
+            spool = next((c["status"] for c in doc.get("checks", []) if c["name"] == "spool"), "")
+            self.seen.append((time.monotonic(), code, spool))
+            time.sleep(0.1)
+
+    def critical_between(self, start: float, end: float) -> bool:
+        return any(
+            start <= t <= end and code == 503 and spool == "critical"
+            for t, code, spool in self.seen
+        )
+
+
+def alerts_sent(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def spool_alert_within(path: Path, window: float) -> dict[str, Any]:
+    """The spool's critical `health` alert, as it reaches the alert command within
+    `window` seconds (while the fault still lasts)."""
+    deadline = time.monotonic() + window
+    while True:
+        for doc in alerts_sent(path):
+            if doc["event"] == "health" and doc["key"] == "spool":
+                return doc
+        assert time.monotonic() < deadline, f"no spool alert within {window:g}s: {alerts_sent(path)}"
+        time.sleep(0.05)
+
+
+def delivered_exactly_once(up: Upstream, accepted: set[str], timeout: float = 60) -> None:
+    """Every accepted Message-ID reaches the upstream, none twice (nor anything else)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mids = collections.Counter(
+            m.group(1).decode() for d in list(up.received) if (m := MID.search(d.data))
+        )
+        if accepted <= set(mids):
+            break
+        missing = accepted - set(mids)
+        assert time.monotonic() < deadline, f"{len(missing)} never arrived: {sorted(missing)[:5]}"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a second copy, if one were queued, would go out within a poll or two
+    mids = collections.Counter(
+        m.group(1).decode() for d in list(up.received) if (m := MID.search(d.data))
+    )
+    twice = {mid: n for mid, n in mids.items() if n > 1}
+    assert twice == {}, f"{len(twice)} delivered more than once: {list(twice.items())[:5]}"
+    # a message the client was told 4xx may still have been committed (the connection lost
+    # after its COMMIT was sent): it arrives, and its resubmission was a duplicate's 250
+    assert set(mids) <= accepted, sorted(set(mids) - accepted)[:5]
+
+
+def no_250_while_down(load: Load, down: float, up_again: float) -> int:
+    """No message both sent after the database was down and answered 250 before it was
+    started again; returns how many temporary failures fell in that window."""
+    wrong = [
+        (mid, sent - down, ok - down)
+        for mid, (sent, ok) in load.accepted.items()
+        if sent >= down and ok <= up_again
+    ]
+    assert wrong == [], f"250 while the database was down: {wrong[:5]}"
+    return sum(1 for t, _ in load.temp_failures if down <= t <= up_again)
+
+
+def test_a_database_restart_under_load_loses_and_doubles_nothing(
+    upstream: UpFactory, relay: RelayFactory, private_pg: PrivatePg, tmp_path: Path
+) -> None:
+    """`pg_ctl restart -m fast`, then `-m immediate` (a crash: no checkpoint, WAL replayed),
+    then `stop -m immediate` and 3 s down before `start`, all while clients send."""
+    up = upstream()
+    r = relay(upstream=up, config=relay_config(private_pg, tmp_path))
+    cluster = private_pg.cluster
+    watch = HealthWatch(r.admin_port).start()
+    load = Load([r.port]).start()
+    load.wait_accepted(20)
+    cluster.restart("fast")
+    load.wait_accepted(20)
+    cluster.restart("immediate")
+    load.wait_accepted(20)
+    cluster.stop("immediate")
+    down = time.monotonic()
+    alert = spool_alert_within(tmp_path / "alerts.jsonl", 3.0)
+    assert alert["severity"] == "critical"
+    time.sleep(max(0.0, down + 3.0 - time.monotonic()))
+    up_again = time.monotonic()
+    cluster.start()
+    load.wait_accepted(30, timeout=30)
+    load.finish()
+    watch.stop.set()
+    failed = no_250_while_down(load, down, up_again)
+    assert failed > 0, "no client was refused while the database was down"
+    assert watch.critical_between(down, up_again)
+    delivered_exactly_once(up, set(load.accepted))
+    r.wait_until(
+        lambda: watch.seen and watch.seen[-1][1] == 200 or bool(_health_ok(r)),
+        timeout=10,
+        what="healthy again",
+    )
+    print(f"restart: {len(load.accepted)} accepted, {len(load.temp_failures)} 4xx/lost")
+
+
+def _health_ok(r: RelayProcess) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{r.admin_port}/healthz", timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def test_terminated_sessions_under_load_lose_and_double_nothing(
+    upstream: UpFactory, relay: RelayFactory, private_pg: PrivatePg, tmp_path: Path
+) -> None:
+    """pg_terminate_backend on every connection of the relay, five times, under load: each
+    time the batch in flight fails (its clients get 4xx and send again), the writer opens a
+    new connection at its next transaction."""
+    up = upstream()
+    r = relay(upstream=up, config=relay_config(private_pg, tmp_path))
+    load = Load([r.port]).start()
+    load.wait_accepted(20)
+    killed = 0
+    for _ in range(5):
+        rows = private_pg.sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        killed += sum(1 for (ok,) in rows if ok)
+        load.wait_accepted(15)
+    load.finish()
+    assert killed >= 5
+    delivered_exactly_once(up, set(load.accepted))
+    assert _health_ok(r)
+    print(f"terminate: {len(load.accepted)} accepted, {len(load.temp_failures)} 4xx/lost")
+
+
+LEASE = 2.0
+
+
+def test_a_node_killed_while_it_holds_claims_is_taken_over(
+    upstream: UpFactory, relay: RelayFactory, private_pg: PrivatePg, tmp_path: Path
+) -> None:
+    """Two nodes; the upstream stalls at RCPT so that claims are in flight; one node is
+    SIGKILLed holding some: the other delivers them within the lease (+ a heartbeat, a
+    poll and a margin for the loaded machine), and as nothing of theirs had reached the
+    upstream's DATA, nothing arrives twice."""
+    up = upstream()
+    config = relay_config(
+        private_pg,
+        tmp_path,
+        fleet={"lease": f"{LEASE:g}s"},
+        listen=[{"address": "127.0.0.1:{port}", "allow": ["127.0.0.0/8"], "namespace": "apps"}],
+    )
+    a = relay(upstream=up, config=config, name="a")
+    b = relay(upstream=up, config=config, name="b")
+    load = Load([a.port, b.port], threads=4).start()
+    load.wait_accepted(60)
+    up.stall["rcpt"] = 1.5  # every attempt now waits at RCPT: claims are held
+    assert b.proc is not None
+    name = next(
+        n
+        for n, info in private_pg.sql("SELECT name, info FROM nodes")
+        if json.loads(info)["pid"] == b.proc.pid
+    )
+
+    def held() -> set[str]:
+        return {
+            row[0]
+            for row in private_pg.sql(
+                "SELECT address FROM recipients WHERE state = 'sending' AND lease_owner = %s",
+                (name,),
+            )
+        }
+
+    b.wait_until(lambda: len(held()) > 0, timeout=15, what="the victim holding claims")
+    b.signal(signal.SIGKILL)
+    b.proc.wait(10)
+    killed_at = time.monotonic()
+    claims = held()
+    up.stall.pop("rcpt")
+    assert claims
+    load.wait_accepted(40)
+    load.finish()
+    bound = LEASE + LEASE / 3 + 1.0 + 10.0
+    while not claims <= {m.rcpt_tos[0] for m in list(up.received)}:
+        assert time.monotonic() - killed_at < bound, f"the dead node's claims not taken {bound}s"
+        time.sleep(0.1)
+    delivered_exactly_once(up, set(load.accepted))
+    print(f"kill: {len(load.accepted)} accepted, {len(claims)} claims taken over")
+
+
+DISK_FULL = """
+CREATE FUNCTION relay_test_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'could not extend file "base/%%/%%": No space left on device',
+        TG_TABLE_NAME, TG_OP USING ERRCODE = 'disk_full',
+        HINT = 'Check free disk space.';
+END $$
+"""
+
+
+def test_a_full_database_takes_nothing_and_loses_nothing(
+    upstream: UpFactory, relay: RelayFactory, private_pg: PrivatePg, tmp_path: Path
+) -> None:
+    """The database's disk full: every row the relay writes fails as PostgreSQL fails an
+    INSERT or UPDATE that needs a page it cannot extend (SQLSTATE 53100 disk_full, raised by
+    a trigger on every table: the cluster's own disk cannot be filled here). Clients get
+    4xx, health is critical and an alert goes out while it lasts; freed, all is sent once."""
+    up = upstream()
+    r = relay(upstream=up, config=relay_config(private_pg, tmp_path))
+    watch = HealthWatch(r.admin_port).start()
+    load = Load([r.port]).start()
+    load.wait_accepted(30)
+    tables = [t for (t,) in private_pg.sql("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")]
+    private_pg.sql(DISK_FULL.replace("%%", "%"))
+    stmts = [
+        f"CREATE TRIGGER relay_test_full BEFORE INSERT OR UPDATE ON {t}"
+        " FOR EACH ROW EXECUTE FUNCTION relay_test_disk_full()"
+        for t in tables
+    ]
+    private_pg.sql("; ".join(stmts))
+    full = time.monotonic()
+    alert = spool_alert_within(tmp_path / "alerts.jsonl", 4.0)
+    assert alert["severity"] == "critical"
+    time.sleep(max(0.0, full + 3.0 - time.monotonic()))
+    freed = time.monotonic()
+    private_pg.sql("; ".join(f"DROP TRIGGER relay_test_full ON {t}" for t in tables))
+    load.wait_accepted(30)
+    load.finish()
+    watch.stop.set()
+    failed = no_250_while_down(load, full + 0.5, freed)
+    assert failed > 0, "no client was refused while the database was full"
+    assert watch.critical_between(full, freed + 0.5)
+    delivered_exactly_once(up, set(load.accepted))
+    print(f"full: {len(load.accepted)} accepted, {len(load.temp_failures)} 4xx")
