@@ -163,7 +163,7 @@ class PgCluster:
         import psycopg
 
         with psycopg.connect(self.url(database), autocommit=True, connect_timeout=10) as c:
-            cur = c.execute(statement, params)
+            cur = c.execute(statement, params or None)
             return cur.fetchall() if cur.description is not None else []
 
     def destroy(self) -> None:
