@@ -175,9 +175,14 @@ def spool_alert_within(path: Path, window: float) -> dict[str, Any]:
 
 
 def delivered_exactly_once(
-    up: Upstream, accepted: set[str], pg: PrivatePg, timeout: float = 30
+    up: Upstream,
+    accepted: set[str],
+    pg: PrivatePg,
+    timeout: float = 30,
+    may_repeat: Callable[[str], bool] = lambda mid: False,
 ) -> None:
-    """Every accepted Message-ID reaches the upstream, none twice (nor anything else)."""
+    """Every accepted Message-ID reaches the upstream, none twice (nor anything else) but
+    those `may_repeat` allows."""
     deadline = time.monotonic() + timeout
     while True:
         mids = collections.Counter(
@@ -199,7 +204,7 @@ def delivered_exactly_once(
     mids = collections.Counter(
         m.group(1).decode() for d in list(up.received) if (m := MID.search(d.data))
     )
-    twice = {mid: n for mid, n in mids.items() if n > 1}
+    twice = {mid: n for mid, n in mids.items() if n > 1 and not may_repeat(mid)}
     assert twice == {}, f"{len(twice)} delivered more than once: {list(twice.items())[:5]}"
     # a message the client was told 4xx may still have been committed (the connection lost
     # after its COMMIT was sent): it arrives, and its resubmission was a duplicate's 250
@@ -310,6 +315,7 @@ def test_a_node_killed_while_it_holds_claims_is_taken_over(
     load = Load([a.port, b.port], threads=4).start()
     load.wait_accepted(60)
     up.stall["rcpt"] = 1.5  # every attempt now waits at RCPT: claims are held
+    time.sleep(0.5)  # and what passed RCPT before has had time to record its outcome
     assert b.proc is not None
     name = next(
         n
@@ -327,10 +333,11 @@ def test_a_node_killed_while_it_holds_claims_is_taken_over(
         }
 
     b.wait_until(lambda: len(held()) > 0, timeout=15, what="the victim holding claims")
+    claims = held()
     b.signal(signal.SIGKILL)
     b.proc.wait(10)
-    killed_at = time.monotonic()
-    claims = held()
+    killed_at, killed_wall = time.monotonic(), time.time()
+    claims |= held()
     up.stall.pop("rcpt")
     assert claims
     load.wait_accepted(40)
@@ -339,7 +346,15 @@ def test_a_node_killed_while_it_holds_claims_is_taken_over(
     while not claims <= {m.rcpt_tos[0] for m in list(up.received)}:
         assert time.monotonic() - killed_at < bound, f"the dead node's claims not taken {bound}s"
         time.sleep(0.1)
-    delivered_exactly_once(up, set(load.accepted), private_pg)
+    # the one case at-least-once allows (docs/fleet.md): a claim the dead node had handed
+    # to the upstream before the kill, its outcome not yet committed; the stall at RCPT
+    # makes it all but impossible here, and it is allowed only if it really happened
+    early = {
+        mid.group(1).decode()
+        for m in list(up.received)
+        if m.at < killed_wall and m.rcpt_tos[0] in claims and (mid := MID.search(m.data))
+    }
+    delivered_exactly_once(up, set(load.accepted), private_pg, may_repeat=early.__contains__)
     print(f"kill: {len(load.accepted)} accepted, {len(claims)} claims taken over")
 
 
