@@ -252,11 +252,26 @@ def test_a_database_restart_under_load_loses_and_doubles_nothing(
     assert failed > 0, "no client was refused while the database was down"
     assert watch.critical_between(down, up_again)
     delivered_exactly_once(up, set(load.accepted), private_pg)
+    r.wait_until(lambda: _health_ok(r), timeout=10, what="healthy again")
+    # the alert sent from memory is in the outbox now, as sent (history for `relay
+    # alerts`), and no sink was given it twice; the recovery was an alert of its own
     r.wait_until(
-        lambda: _health_ok(r),
+        lambda: (
+            ("health", "spool", True)
+            in {
+                (e, k, sent)
+                for e, k, sent in private_pg.sql(
+                    "SELECT event, key, sent_at IS NOT NULL FROM alerts"
+                )
+            }
+        ),
         timeout=10,
-        what="healthy again",
+        what="the held alert recorded",
     )
+    time.sleep(0.5)
+    ids = [(a["event"], a["id"]) for a in alerts_sent(tmp_path / "alerts.jsonl")]
+    assert len({i for _e, i in ids}) == len(ids), ids
+    assert "resolved" in {e for e, _i in ids}, ids
     print(f"restart: {len(load.accepted)} accepted, {len(load.temp_failures)} 4xx/lost")
 
 
