@@ -14,6 +14,7 @@ RELAY_REQUIRE_PG=1 (.ci/run) they fail instead, as tests/pgserver.py does."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -48,8 +49,13 @@ def binaries_error() -> str | None:
     missing = [b for b in ("initdb", "pg_ctl", "postgres") if not (PGBIN / b).is_file()]
     if missing:
         return f"no PostgreSQL server binaries ({', '.join(missing)}) in {PGBIN}"
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        return "running as root and no runuser to run the server as postgres"
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            return "running as root and no runuser to run the server as postgres"
+        try:
+            pwd.getpwnam(PG_USER)
+        except KeyError:
+            return f"running as root and no user {PG_USER} to run the server as"
     return None
 
 
