@@ -849,9 +849,9 @@ class Daemon:
         if not self.writer.healthy:
             return "critical", "the last spool commit failed: new mail gets 4xx until one works"
         if time.monotonic() - self.writer.refused_at < REFUSED_HOLD:
+            why = (self.writer.refused.splitlines() or ["?"])[0]
             return "critical", (
-                f"the database refuses writes ({self.writer.refused.splitlines()[0]}): new mail"
-                " gets 451 4.3.0 while it does"
+                f"the database refuses writes ({why}): new mail gets 451 4.3.0 while it does"
             )
         latency = max(self._commit_max, time.monotonic() - t0)
         self._commit_max = 0.0

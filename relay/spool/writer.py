@@ -123,7 +123,7 @@ class SpoolWriter:
         self.failures = 0
         self.grouped = 0  # jobs run in a group (PostgreSQL), for tests and the bench
         self.healthy = True
-        self.refused_at = 0.0  # monotonic: the last job the database refused to write
+        self.refused_at = float("-inf")  # monotonic: the last job the database refused
         self.refused = ""
         self.on_commit: Callable[[float, int], None] | None = None
         self._reader: sqlite3.Connection | None = None  # read(): opened at first use
