@@ -73,6 +73,10 @@ MAINTENANCE_EVERY = 2.0  # seconds: suppression refresh, runtime snapshot (CLI s
 HEALTH_EVERY = 1.0  # seconds between health passes
 QUEUE_HEALTH_EVERY = 5.0  # the queue checks scan the recipients table: less often
 SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
+# a write the database refused (full, read-only) keeps the spool critical this long: the
+# daemon's own writes (maintenance every 2 s, the fleet heartbeat) renew it while it lasts,
+# with mail or without; the health pass's probe is a read and cannot tell
+REFUSED_HOLD = 5.0
 HEALTH_FILE = "health.json"
 FAILING_SINCE = "failing_since"  # runtime row: upstream -> first failure since its answer
 DAEMON_LOCK = "daemon.lock"  # held by the one daemon of a SQLite spool
@@ -846,6 +850,11 @@ class Daemon:
             )
         if not self.writer.healthy:
             return "critical", "the last spool commit failed: new mail gets 4xx until one works"
+        if time.monotonic() - self.writer.refused_at < REFUSED_HOLD:
+            why = (self.writer.refused.splitlines() or ["?"])[0]
+            return "critical", (
+                f"the database refuses writes ({why}): new mail gets 451 4.3.0 while it does"
+            )
         latency = max(self._commit_max, time.monotonic() - t0)
         self._commit_max = 0.0
         if latency > SLOW_COMMIT:

@@ -10,6 +10,7 @@ import pytest
 import trustme
 
 from tests.harness import RelayProcess, Upstream, deep_merge, smarthost_config
+from tests.pgcluster import pg_cluster, private_pg  # noqa: F401  (fixtures)
 from tests.pgserver import pg_dsn  # noqa: F401  (a fixture)
 
 

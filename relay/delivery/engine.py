@@ -7,6 +7,12 @@ Rules:
   first), routes each (relay/delivery/routes.py), groups them into jobs (one message x one
   destination = one transaction), and hands each job to its destination. A crash loses
   nothing: unrecorded claims come back at start.
+- A claim pass whose commit the engine never heard of (on PostgreSQL, a connection lost
+  after its COMMIT was sent: it may have committed) leaves claims this node holds but
+  never dispatched, which its own heartbeat would renew for as long as it runs. Each pass
+  stamps its claims' `updated_at` with its `now`; the `now` of a failed pass is kept and
+  the next pass, in its own transaction, makes this node's `sending` claims of those
+  passes due again (`ops.release_unclaimed`; none, if the failed pass did not commit).
 - A destination is an upstream (by name; "smarthost" for the classic single one) or, in MX
   mode, the recipient domain. Each has a token bucket (rate, burst), a connection limit, a
   daily ceiling (relay/delivery/ledger.py), an adaptive (AIMD) multiplier, a circuit
@@ -43,6 +49,7 @@ from typing import Any
 from relay import __version__
 from relay.authenticity import mtasts
 from relay.config.tree import Config
+from relay.ops import faults
 from relay.delivery import (
     attempt,
     deadletters,
@@ -123,6 +130,9 @@ def _start_up(now: float, day: str, node: str, fleet: bool, c: Any) -> tuple[int
     return n, ops.daily_counts(c, day)
 
 
+MAX_UNCONFIRMED = 256  # claim passes whose commit is unknown, kept (see the rules)
+
+
 class Engine:
     def __init__(
         self,
@@ -152,6 +162,7 @@ class Engine:
         self._wake = asyncio.Event()
         self.stopping = False
         self._inflight = 0
+        self._unconfirmed: list[float] = []  # the `now` of claim passes that failed
         self._loop_exited = asyncio.Event()
         self._hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
         self._alert_backlog: list[alerts.Event] = []  # recorded with the next outcomes
@@ -494,8 +505,19 @@ class Engine:
         }
         day = self.ledger.day_of(now)
         until = now + self.lease
+        unconfirmed = tuple(self._unconfirmed)
 
         def claim(c: Any) -> _Claimed:
+            if unconfirmed:  # (see the rules): due again, and claimable by this very pass
+                released = ops.release_unclaimed(c, self.node, unconfirmed, now)
+                if released:
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "recovered",
+                        "claims of a pass whose commit was not confirmed are due again",
+                        count=released,
+                    )
             # operator commands in the same transaction: a `queue flush` makes recipients
             # due and kicks the circuit in one commit, and the kick is applied (below)
             # before those recipients are dispatched
@@ -527,7 +549,17 @@ class Engine:
             return cmds, claims, envs, ops.suspensions(c, now), stored, dests, grants
 
         # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
-        cmds, claims, envs, susp, stored, dests, grants = await self.writer.run(claim, lazy=True)
+        try:
+            claimed = await self.writer.run(claim, lazy=True)
+            if claimed[1]:  # a claim committed whose answer is lost (see the rules)
+                faults.hit("engine.claim")
+        except Exception:
+            # bounded: a database away for hours fails a pass every CLAIM_BACKOFF_MAX
+            # seconds; such passes did not commit (no connection), only the last few can
+            self._unconfirmed = [*self._unconfirmed[-(MAX_UNCONFIRMED - 1) :], now]
+            raise
+        self._unconfirmed = [t for t in self._unconfirmed if t not in unconfirmed]
+        cmds, claims, envs, susp, stored, dests, grants = claimed
         self.ledger.grants = grants
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)

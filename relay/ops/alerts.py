@@ -16,16 +16,23 @@ Rules:
   secret, the GitHub convention). A failing sink is retried with capped exponential backoff
   and logged; no sink ever holds up delivery. An alert no sink took within
   `GIVE_UP_AFTER` is logged at ERROR as `alert_dropped`.
+- A health transition the spool cannot take (a PostgreSQL spool whose database is down,
+  full or read-only: the very thing the alert is about) is not lost: it is held in memory
+  and handed to the sinks at once, with the id `<host>/mem-<pid>-<n>`, then recorded in
+  the outbox once the spool takes writes again (as sent, or with the sinks still owed it,
+  which the outbox then retries). At most `MAX_UNSPOOLED` are held; a restart loses them.
 - The document (version 1) is in README "Monitoring and alerts".
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
 import logging
+import os
 import random
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -50,6 +57,11 @@ SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 IMMEDIATE = frozenset(
     {"health", "resolved", "upstream_config_error", "circuit_open", "circuit_closed"}
 )
+# the health transitions held in memory when the spool cannot record them (see the rules)
+HELD = frozenset({"health", "resolved"})
+
+
+MAX_UNSPOOLED = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +287,34 @@ async def post_webhook(
     return None
 
 
+@dataclass(slots=True)
+class Unspooled:
+    """A health transition the spool could not record (see the rules): its sinks are given
+    it from memory; it is recorded once the spool takes writes again."""
+
+    ev: Event
+    at: float
+    n: int
+    sinks: list[str]  # the sinks that have not taken it yet
+    attempts: int = 0
+    next_try_at: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "id": f"mem-{os.getpid()}-{self.n}",
+            "event": self.ev.event,
+            "severity": self.ev.severity,
+            "key": self.ev.key,
+            "count": 1,
+            "first_at": self.at,
+            "last_at": self.at,
+            "summary": self.ev.summary,
+            "samples": [self.ev.sample] if self.ev.sample is not None else [],
+            "sinks": list(self.sinks),
+            "attempts": self.attempts,
+        }
+
+
 class Dispatcher:
     """Hands due alerts to the sinks; one background task of the daemon."""
 
@@ -292,6 +332,8 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
         self.rng = random.Random()
+        self.unspooled: list[Unspooled] = []
+        self._unspooled_n = 0
 
     def wake(self) -> None:
         self._wake.set()
@@ -301,7 +343,22 @@ class Dispatcher:
         conf = self.conf()
         now = self.clock()
         sinks = sinks_of(conf)
-        await self.writer.run(lambda c: record(c, ev, now, conf.coalesce, sinks))
+        try:
+            await self.writer.run(lambda c: record(c, ev, now, conf.coalesce, sinks))
+        except Exception as e:
+            if not (ev.event in HELD and sinks) or len(self.unspooled) >= MAX_UNSPOOLED:
+                raise
+            self._unspooled_n += 1
+            self.unspooled.append(Unspooled(ev, now, self._unspooled_n, list(sinks)))
+            log_event(
+                log,
+                logging.WARNING,
+                "alert_failed",
+                "the spool cannot record this alert; sending it from memory",
+                alert_event=ev.event,
+                key=ev.key,
+                exc=e,
+            )
         if ev.event in IMMEDIATE:
             self.wake()
 
@@ -313,14 +370,18 @@ class Dispatcher:
             log_event(log, logging.ERROR, "alert_failed", "alert outbox unreadable", exc=e)
         try:
             while True:
+                nxt: float | None = None
+                if self.unspooled:  # first, and whatever the spool does
+                    nxt = await self.unspooled_pass()
                 try:
                     await self.pass_once()
-                    nxt = await self.writer.run(next_due_at)
+                    spooled = await self.writer.run(next_due_at)
+                    if spooled is not None:
+                        nxt = spooled if nxt is None else min(nxt, spooled)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
                     log_event(log, logging.ERROR, "alert_failed", "alert dispatch failed", exc=e)
-                    nxt = None
                 wait = 1.0 if nxt is None else min(1.0, max(0.05, nxt - self.clock()))
                 self._wake.clear()
                 try:
@@ -331,15 +392,55 @@ class Dispatcher:
             if self._client is not None:
                 await self._client.aclose()
 
-    async def pass_once(self) -> int:
-        now = self.clock()
-        rows = await self.writer.run(lambda c: due(c, now))
-        for row in rows:
-            await self._send(row)
-        return len(rows)
-
-    async def _send(self, row: dict[str, Any]) -> None:
+    async def unspooled_pass(self) -> float | None:
+        """Give the held alerts to the sinks that still need them, and record in the outbox
+        those the spool now takes; returns when the next held one is due (None: none left)."""
         conf = self.conf()
+        for u in list(self.unspooled):
+            now = self.clock()
+            if u.next_try_at > now:
+                continue
+            if u.sinks:
+                remaining, error = await self._deliver(u.row(), conf)
+                if remaining and now - u.at > GIVE_UP_AFTER:
+                    remaining = []
+                if error is not None:
+                    log_event(
+                        log,
+                        logging.ERROR,
+                        "alert_failed",
+                        "alert sink failed; will retry",
+                        alert_id=u.row()["id"],
+                        alert_event=u.ev.event,
+                        key=u.ev.key,
+                        error=error,
+                    )
+                else:
+                    log_event(
+                        log,
+                        logging.INFO,
+                        "alert_sent",
+                        u.ev.summary,
+                        alert_id=u.row()["id"],
+                        alert_event=u.ev.event,
+                        key=u.ev.key,
+                        count=1,
+                        sinks=u.sinks,
+                    )
+                u.sinks = remaining
+            try:  # the outbox takes it over: history, and the sinks still owed it
+                job = functools.partial(record, ev=u.ev, now=u.at, coalesce=0.0, sinks=u.sinks)
+                await self.writer.run(job)
+            except Exception:
+                delay = min(BACKOFF_CAP, 2.0 ** min(u.attempts, 16))
+                u.attempts += 1
+                u.next_try_at = now + (delay / 2 + self.rng.uniform(0, delay / 2))
+                continue
+            self.unspooled.remove(u)
+        return min((u.next_try_at for u in self.unspooled), default=None)
+
+    async def _deliver(self, row: dict[str, Any], conf: AlertsConf) -> tuple[list[str], str | None]:
+        """Give one alert to each of its sinks: the sinks that failed, and their errors."""
         doc = document(row, self.hostname())
         remaining: list[str] = []
         errors: list[str] = []
@@ -365,8 +466,20 @@ class Dispatcher:
             if err is not None:
                 remaining.append(sink)
                 errors.append(err)
+        return remaining, "; ".join(errors) or None
+
+    async def pass_once(self) -> int:
         now = self.clock()
-        error = "; ".join(errors) or None
+        rows = await self.writer.run(lambda c: due(c, now))
+        for row in rows:
+            await self._send(row)
+        return len(rows)
+
+    async def _send(self, row: dict[str, Any]) -> None:
+        conf = self.conf()
+        doc = document(row, self.hostname())
+        remaining, error = await self._deliver(row, conf)
+        now = self.clock()
         if remaining and now - float(row["first_at"]) > GIVE_UP_AFTER:
             log_event(
                 log,

@@ -11,7 +11,9 @@ Rules:
 - Seams: `spool.begin`, `spool.job` (inside a job's savepoint), `spool.commit` (instead of
   COMMIT), `body.write` (a body file write), `inbound.accept` (the DATA hook, before the
   spool), `engine.record` (recording an attempt's outcomes), `transport.body` (writing a
-  body upstream, before the final dot), `dkim.sign` (signing a message on its way out),
+  body upstream, before the final dot), `engine.claim` (after a claim pass that claimed
+  something committed: its answer lost, as when a PostgreSQL connection drops after its
+  COMMIT), `dkim.sign` (signing a message on its way out),
   `clock` (see `offset()`). DNS failures need no
   seam: the tests' loopback name server answers SERVFAIL or nothing on request.
 - Errors: `enospc` / `eio` (OSError for files; for the database the sqlite3 error SQLite

@@ -332,6 +332,15 @@ def retryable(e: BaseException) -> bool:
     return getattr(e, "sqlstate", None) in RETRYABLE
 
 
+def refuses_writes(e: BaseException) -> bool:
+    """A PostgreSQL error that says the database takes no writes now, whatever the statement:
+    insufficient resources (class 53: disk full, out of memory, too many connections), a
+    system error (class 58: I/O), a read-only transaction (25006: a standby after a
+    failover, `default_transaction_read_only`). A constraint or a lost lock race is not."""
+    state = str(getattr(e, "sqlstate", None) or "")
+    return state[:2] in ("53", "58") or state == "25006"
+
+
 def dialect(conn: sqlite3.Connection) -> str:
     """'sqlite' or 'postgresql': for the few statements that differ (pragmas, locks)."""
     return str(getattr(conn, "dialect", "sqlite"))

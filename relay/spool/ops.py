@@ -429,6 +429,22 @@ def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
     ).rowcount
 
 
+def release_unclaimed(
+    conn: sqlite3.Connection, owner: str, passes: Sequence[float], now: float
+) -> int:
+    """`owner`'s claims made by the claim passes whose `now` is in `passes` (each pass
+    stamps it in `updated_at`) and whose commit `owner` never heard of: it never dispatched
+    them, so they are due again (relay/delivery/engine.py's rules)."""
+    marks = ", ".join("?" * len(passes))
+    return conn.execute(
+        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        " updated_at = ?, reason = 'recovered: a claim whose commit was not confirmed',"
+        " lease_owner = NULL, lease_until = NULL"
+        f" WHERE state = '{RcptState.SENDING}' AND lease_owner = ? AND updated_at IN ({marks})",
+        (now, now, owner, *passes),
+    ).rowcount
+
+
 def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str) -> int:
     """Claims of other nodes whose lease ran out (the node died or lost the database) are
     due again. Never `owner`'s own: it renews them while it runs, so a late renewal of its

@@ -10,6 +10,11 @@ Rules:
   back alone and fails only its own caller; the rest of the batch commits.
 - A failed COMMIT (disk full, I/O error) fails every job of the batch: their callers answer
   4xx (the client keeps the message and retries), never 250.
+- A job that fails because the database takes no writes (PostgreSQL: disk full, read-only,
+  I/O; `db.refuses_writes`) fails alone as any job, but the batch's COMMIT still works (the
+  job's savepoint was rolled back), so it is remembered: `refused_at` and `refused` (the
+  error), which the daemon's health reads (a spool that commits reads but refuses every
+  write is critical, not ok).
 - Why not aiosqlite: it runs one statement per round trip to its thread, which would defeat
   the batching; this thread runs the whole batch in one hop.
 - Several processes may write one spool (`inbound.processes`): each batch holds an flock
@@ -118,6 +123,8 @@ class SpoolWriter:
         self.failures = 0
         self.grouped = 0  # jobs run in a group (PostgreSQL), for tests and the bench
         self.healthy = True
+        self.refused_at = float("-inf")  # monotonic: the last job the database refused
+        self.refused = ""
         self.on_commit: Callable[[float, int], None] | None = None
         self._reader: sqlite3.Connection | None = None  # read(): opened at first use
         self._reader_lock = threading.Lock()
@@ -320,6 +327,8 @@ class SpoolWriter:
                     pass
                 if attempt + 1 < JOB_TRIES and db.retryable(e):
                     continue  # a deadlock victim: the peer has its locks now
+                if db.refuses_writes(e):
+                    self.refused_at, self.refused = time.monotonic(), str(e)
                 results.append((item, None, e))
                 return
 
