@@ -874,11 +874,30 @@ def recover(conn: sqlite3.Connection, now: float, owner: str | None = None) -> i
 
 
 FEEDBACK_EVENT_DAYS = 30
+# finished messages one prune job deletes: the daemon repeats the job while a batch comes
+# back full (relay/daemon.py _prune), each its own writer job, so a backlog is worked off
+# without holding the writer for more than one batch (~0.1 s) at a time
+PRUNE_BATCH = 1000
 
 
-def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: float) -> list[str]:
-    """Forget expired dedup keys and finished messages older than `retention`; returns the
-    body files to delete (after the commit)."""
+def prune(
+    conn: sqlite3.Connection,
+    now: float,
+    dedup_window: float,
+    retention: float,
+    limit: int = PRUNE_BATCH,
+) -> list[str]:
+    """Forget expired dedup keys, the side tables' old rows and (at most `limit`) finished
+    messages older than `retention`; returns the body files to delete (after the commit)."""
+    prune_side_tables(conn, now, dedup_window, retention)
+    return prune_finished(conn, now, retention, limit)[1]
+
+
+def prune_side_tables(
+    conn: sqlite3.Connection, now: float, dedup_window: float, retention: float
+) -> None:
+    """Expired dedup keys and the side tables' rows past their horizons (one statement
+    each, whatever their number)."""
     conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
     conn.execute("DELETE FROM engine_commands WHERE at < ?", (now - 86400,))
     # feedback: events are remembered 30 days (a provider's redelivery stays a no-op), the
@@ -890,16 +909,26 @@ def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: 
         "DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
         (now - max(retention, 86400),),
     )
+
+
+def prune_finished(
+    conn: sqlite3.Connection, now: float, retention: float, limit: int
+) -> tuple[int, list[str]]:
+    """At most `limit` finished messages older than `retention` deleted: (how many, the
+    body files to delete after the commit). Fewer than `limit`: none is left. On
+    PostgreSQL the nodes of a fleet skip each other's batches (SKIP LOCKED) instead of
+    waiting to delete the same rows."""
     finals = ",".join(f"'{s.value}'" for s in FINAL)
+    lock = " FOR UPDATE OF m SKIP LOCKED" if db.dialect(conn) == "postgresql" else ""
     old = [
         r[0]
         for r in conn.execute(
             f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
-            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT 5000",
-            (now - retention,),
+            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT ?{lock}",
+            (now - retention, limit),
         )
     ]
-    return delete_messages(conn, old)
+    return len(old), delete_messages(conn, old)
 
 
 def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:
