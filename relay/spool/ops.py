@@ -15,7 +15,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -622,8 +622,12 @@ def _record_each(
         for mid in chunk:
             if mid in by_id:
                 per_identity[by_id[mid]] = per_identity.get(by_id[mid], 0) + 1
+    add_counts = getattr(conn, "add_counts", None)  # PostgreSQL: with the COMMIT
     for identity in sorted(per_identity):
         n = per_identity[identity]
+        if add_counts is not None:
+            add_counts("identity_hours", (identity, int(now // 3600)), delivered=n)
+            continue
         conn.execute(
             "INSERT INTO identity_hours (identity, hour, delivered) VALUES (?, ?, ?)"
             " ON CONFLICT (identity, hour) DO UPDATE SET delivered = identity_hours.delivered + ?",
@@ -653,13 +657,20 @@ def record_many(
     conn: sqlite3.Connection,
     calls: Sequence[tuple[Sequence[RcptUpdate], float, str | None]],
     owner: str | None = None,
+    ceilings: Collection[str] | None = None,
 ) -> list[int]:
     """`record` of several (outcomes, now, day) calls, each with the count it would have
     returned alone. PostgreSQL: one UPDATE over every outcome (RETURNING what changed and
     its identity), then at most one INSERT each for the attempt log, the suppression list,
     the daily counters and the hourly delivered counts, instead of a few statements per
     outcome (each a round trip). The counters are summed and locked in `record`'s order.
-    SQLite, or one recipient twice among the outcomes: `record` one call after the other."""
+    SQLite, or one recipient twice among the outcomes: `record` one call after the other.
+
+    `ceilings`: the scopes among the counters that are under a fleet's daily ceiling (a
+    claim later in the same transaction reads them, ceiling_take): counted here. The other
+    counters (a destination without a ceiling, the identities' hours: the rows every node
+    bumps) are counted in the COMMIT's round trip (pg.COUNTER_TABLES says why). None: all
+    daily counters here."""
     flat = [(i, o, now, day) for i, (outs, now, day) in enumerate(calls) for o in outs]
     ids = [o.rcpt_id for _i, o, _n, _d in flat]
     if db.dialect(conn) != "postgresql" or len(set(ids)) != len(ids):
@@ -725,6 +736,14 @@ def record_many(
         if o.state is RcptState.DELIVERED and identity_of[o.rcpt_id] is not None:
             key = (identity_of[o.rcpt_id], int(now // 3600))
             hours[key] = hours.get(key, 0) + 1
+    add_counts = getattr(conn, "add_counts", None)
+    if add_counts is not None and ceilings is not None:
+        for scope_day in [k for k in bumps if k[0] not in ceilings]:
+            add_counts("daily_counts", scope_day, count=bumps.pop(scope_day))
+    if add_counts is not None:
+        for hour_key, n in hours.items():
+            add_counts("identity_hours", hour_key, delivered=n)
+        hours = {}
     if bumps:  # the fleet's hot rows: in one order (see record)
         order = sorted(bumps)
         conn.execute(
