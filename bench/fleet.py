@@ -716,11 +716,24 @@ def drain(work: Path, a: argparse.Namespace, procs: int, rnd: int) -> dict[str, 
                     }
                 sink.go()
                 before = sink.count()
+                # CPU over the drain (flush to the last message): the relays, their server
+                # processes, the sink; with the wall time, the cores they kept busy
+                cpu0 = (
+                    sum(cpu_of_tree(r.proc.pid) for r in nodes),
+                    cpu_of_backends(dsn),
+                    cpu_of_tree(sink.proc.pid) if sink.proc else 0.0,
+                )
                 t0 = time.monotonic()
                 nodes[0].cli("queue", "flush")
                 t_cli = time.monotonic()
                 marks = sink.track(ok, max(120.0, n / 10))
                 t_end = marks["all"]
+                cpu1 = (
+                    sum(cpu_of_tree(r.proc.pid) for r in nodes),
+                    cpu_of_backends(dsn),
+                    cpu_of_tree(sink.proc.pid) if sink.proc else 0.0,
+                )
+                cpu = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
                 got = sink.settled_count()
                 delivered = pg_rows(
                     dsn, "SELECT count(*) FROM recipients WHERE state = 'delivered'"
@@ -752,6 +765,10 @@ def drain(work: Path, a: argparse.Namespace, procs: int, rnd: int) -> dict[str, 
         # the last 10%: stragglers (a node's claimed batch waiting behind its circuit)
         "last_tenth_s": round(t_end - marks["p90"], 3),
         "sink_count": got,
+        # per message delivered, over the drain: relays, their PostgreSQL backends, the sink
+        "cpu_ms": [round(x / max(ok, 1) * 1000, 3) for x in cpu],
+        # cores kept busy over the drain by each of them (of os.cpu_count())
+        "cores": [round(x / (t_end - t0), 2) for x in cpu],
         "delivered_in_spool": delivered,
         "delivered_per_node": per_node,
         "load_errors": errors[:20],
@@ -911,7 +928,10 @@ def main() -> int:
                         f" {r['sink_count']} in {r['drain_s']:.2f} s = {r['drain_per_s']:.0f}/s"
                         f" (10->90%: {r['steady_per_s'] or 0:.0f}/s; last 10%"
                         f" {r['last_tenth_s']:.2f} s); delivered per node"
-                        f" {list(r['delivered_per_node'].values())}"
+                        f" {list(r['delivered_per_node'].values())}; CPU ms/message relays"
+                        f" {r['cpu_ms'][0]:.2f}, PostgreSQL {r['cpu_ms'][1]:.2f}, sink"
+                        f" {r['cpu_ms'][2]:.2f} (cores {r['cores']}); load average"
+                        f" {os.getloadavg()[0]:.1f}"
                     )
             keys = ("drain_per_s", "steady_per_s", "first_delivery_s", "last_tenth_s")
             dmed = {

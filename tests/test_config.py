@@ -56,6 +56,27 @@ def test_empty_config_gets_the_documented_defaults() -> None:
     assert c.admin_listen == ("127.0.0.1", 9025)
 
 
+def test_default_dedup_namespace_is_the_address_on_sqlite_the_fleets_on_postgresql() -> None:
+    listen = [
+        {"address": "127.0.0.1:2525"},
+        {"address": "0.0.0.0:2526"},
+        {"address": "127.0.0.1:2527", "namespace": "tenant-b"},
+    ]
+    sqlite = from_mapping({"listen": listen}, BASE)
+    # SQLite: unchanged, so the dedup keys already stored keep matching
+    assert [lst.namespace for lst in sqlite.listen] == [
+        "127.0.0.1:2525",
+        "0.0.0.0:2526",
+        "tenant-b",
+    ]
+    pg = from_mapping(
+        {"listen": listen, "spool": {"backend": "postgresql", "dsn": "postgresql://db/relay"}},
+        BASE,
+    )
+    # PostgreSQL: one namespace for every node's listeners but those that set their own
+    assert [lst.namespace for lst in pg.listen] == ["fleet", "fleet", "tenant-b"]
+
+
 def test_shipped_default_config_loads() -> None:
     c = load_config(ROOT / "conf" / "relay.yaml")
     assert c.listen and c.spool_path.is_absolute()

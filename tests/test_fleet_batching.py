@@ -5,6 +5,7 @@ alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -431,6 +432,7 @@ def _recorded(conn: pg.PgConnection, owner: str | None, grouped: bool) -> Any:
             counts = ops.record_many(conn, calls, owner)
         else:
             counts = [ops._record_each(conn, o, now, day, owner) for o, now, day in calls]
+        conn.flush_counts()  # the counters the COMMIT would add (pg.COUNTER_TABLES)
         return counts, _record_state(conn)
     finally:
         conn.execute("ROLLBACK")
@@ -677,3 +679,101 @@ def test_a_record_finds_its_recipients_by_id_not_by_scanning_those_in_flight(
     )
     plan = "\n".join(r[0] for r in raw.execute(f"EXPLAIN EXECUTE rec({params})"))
     assert "recipients_pkey" in plan and "recipients_waiting" not in plan, plan
+
+
+def _delivered(conn: pg.PgConnection, qid: str, node: str) -> list[tuple[list[Any], float, str]]:
+    """One message accepted and claimed by `node`, and its delivered outcome (counted under
+    `dest:smarthost`, no ceiling) as record_many takes it."""
+    ops.accept(conn, _msg(qid, NOW, (f"{qid.lower()}@x.org", f"k-{qid}", None)), WINDOW)
+    [cl] = [c for c in ops.claim_due(conn, NOW, 10, owner=node, lease_until=NOW + 30)]
+    out = ops.RcptUpdate(
+        cl.rcpt_id,
+        cl.msg_id,
+        ops.RcptState.DELIVERED,
+        True,
+        None,
+        "250 ok",
+        None,
+        None,
+        counters=("dest:smarthost",),
+    )
+    return [([out], NOW + 1, "day0")]
+
+
+def _count(dsn: str, table: str, where: str) -> Any:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(f"SELECT * FROM {table} WHERE {where}").fetchone()
+        return None if row is None else tuple(row)
+
+
+def test_two_nodes_recording_into_one_counter_row_do_not_wait_for_each_other(
+    pg_dsn: str,  # noqa: F811
+) -> None:
+    """The counters every node bumps (a destination's deliveries today, an identity's hour)
+    are added in the COMMIT's round trip: a node whose batch is still open holds no lock on
+    them. Before, the upsert in the middle of node A's batch locked the row until A's
+    COMMIT, and node B's record waited for it (here: B's 1 s lock timeout fires)."""
+    a, b = pg.connect(pg_dsn), pg.connect(pg_dsn)
+    try:
+        for c, qid in ((a, "QA"), (b, "QB")):
+            c.execute("BEGIN")
+            calls = _delivered(c, qid, f"n-{qid}")
+            c.execute("COMMIT")
+            c.execute("BEGIN")
+            ops.record_many(c, calls, owner=f"n-{qid}", ceilings=set())
+            if c is a:
+                # A's batch goes on (other jobs, round trips) and has not committed yet
+                a.execute("SELECT 1")
+        b.execute("SET lock_timeout = '1s'")
+        b.execute("COMMIT")  # B's counters and commit: not behind A's open transaction
+        assert _count(pg_dsn, "daily_counts", "scope = 'dest:smarthost'") == (
+            "dest:smarthost",
+            "day0",
+            1,
+        )
+        a.execute("COMMIT")
+        assert _count(pg_dsn, "daily_counts", "scope = 'dest:smarthost'")[2] == 2
+        hour = int((NOW + 1) // 3600)
+        assert _count(pg_dsn, "identity_hours", f"hour = {hour}") == (
+            "example.com",
+            hour,
+            2,
+            0,
+            0,
+        )
+    finally:
+        a.close()
+        b.close()
+
+
+def test_counters_at_commit_follow_the_savepoints_and_the_rollback(
+    conn: pg.PgConnection,
+) -> None:
+    """A job rolled back to its savepoint takes its counts with it; a rolled-back batch
+    counts nothing; a ceiling's scope is counted at once (a claim later in the same
+    transaction reads it: ceiling_take)."""
+    conn.execute("BEGIN")
+    calls = _delivered(conn, "QS", "n1")
+    conn.execute("COMMIT")
+    conn.execute("BEGIN")
+    conn.execute("SAVEPOINT job")
+    conn.add_counts("daily_counts", ("dest:gone", "day0"), count=5)
+    conn.execute("ROLLBACK TO job")
+    conn.execute("RELEASE job")
+    conn.execute("SAVEPOINT job")
+    conn.add_counts("daily_counts", ("dest:kept", "day0"), count=2)
+    conn.execute("RELEASE job")
+    [([out], now, day)] = calls
+    limited = dataclasses.replace(out, counters=("id:limited",))
+    ops.record_many(conn, [([limited], now, day)], owner="n1", ceilings={"id:limited"})
+    inside = dict(conn.execute("SELECT scope, count FROM daily_counts").fetchall())
+    assert inside == {"id:limited": 1}  # the ceiling's row now; the others at COMMIT
+    conn.execute("COMMIT")
+    after = dict(conn.execute("SELECT scope, count FROM daily_counts").fetchall())
+    assert after == {"id:limited": 1, "dest:kept": 2}
+    conn.execute("BEGIN")
+    conn.add_counts("daily_counts", ("dest:kept", "day0"), count=7)
+    conn.execute("ROLLBACK")
+    conn.execute("BEGIN")
+    conn.execute("COMMIT")
+    assert dict(conn.execute("SELECT scope, count FROM daily_counts").fetchall()) == after

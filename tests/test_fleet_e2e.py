@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests.harness import RelayProcess, Upstream, make_message
 
@@ -376,8 +377,7 @@ def test_a_message_resubmitted_to_another_node_of_one_namespace_is_queued_once(
 ) -> None:
     """Two nodes that listen on different addresses but share `listen[].namespace`: the
     same message (Message-ID, recipient) submitted to both is queued once; the second
-    node answers the duplicate's 250 (by default each listener address is its own
-    namespace, so that two tenants may reuse a Message-ID)."""
+    node answers the duplicate's 250."""
     up = upstream()
     shared = {
         "spool": {"backend": "postgresql", "dsn": pg_dsn},
@@ -390,3 +390,45 @@ def test_a_message_resubmitted_to_another_node_of_one_namespace_is_queued_once(
     code, text = data_reply(b.port, msg)
     assert (code, text) == (250, b"2.0.0 Ok: already queued (duplicate suppressed)")
     assert rows(pg_dsn, "SELECT count(*) FROM recipients")[0][0] == 1
+
+
+@pytest.mark.parametrize(
+    ("namespaces", "copies"),
+    [((None, None), 1), (("tenant-a", "tenant-b"), 2)],
+    ids=["default-one-namespace", "explicit-namespaces-split"],
+)
+def test_nodes_on_different_ports_share_dedup_unless_namespaces_split_them(
+    upstream: UpFactory,
+    relay: RelayFactory,
+    pg_dsn: str,
+    namespaces: tuple[str | None, str | None],
+    copies: int,
+) -> None:
+    """A client's retry through a load balancer to another node (different ports, no
+    `listen[].namespace`): on a PostgreSQL spool the default namespace is the fleet's, so
+    the same message (Message-ID, recipient) is delivered once. Two listeners that set
+    different namespaces (two tenants) are two dedup scopes: delivered twice. (Before the
+    fleet default, each address was its own namespace: the first case delivered twice.)"""
+    up = upstream()
+    nodes = []
+    for i, ns in enumerate(namespaces):
+        listener: dict[str, Any] = {"address": "127.0.0.1:{port}", "allow": ["127.0.0.0/8"]}
+        if ns is not None:
+            listener["namespace"] = ns
+        config = {"spool": {"backend": "postgresql", "dsn": pg_dsn}, "listen": [listener]}
+        nodes.append(relay(upstream=up, config=config, name=f"lb-{i}"))
+    assert nodes[0].port != nodes[1].port
+    msg = make_message(1, message_id="<lb-retry@app.example>")
+    first, second = (data_reply(n.port, msg) for n in nodes)
+    assert first[0] == 250 and first[1].startswith(b"2.0.0 Ok: queued as ")
+    if copies == 1:
+        assert second == (250, b"2.0.0 Ok: already queued (duplicate suppressed)")
+    else:
+        assert second[0] == 250 and second[1].startswith(b"2.0.0 Ok: queued as ")
+    up.wait_for(copies)
+    deadline = time.monotonic() + 30
+    while rows(pg_dsn, "SELECT count(*) FROM recipients WHERE state <> 'delivered'")[0][0]:
+        assert time.monotonic() < deadline, "the queue did not drain"
+        time.sleep(0.1)
+    assert rows(pg_dsn, "SELECT count(*) FROM recipients")[0][0] == copies
+    assert [m.rcpt_tos for m in up.received] == [["u@example.org"]] * copies

@@ -4,10 +4,13 @@ at once) and `relay queue purge --older-than`; dedup keys outlive them (dedup.wi
 from __future__ import annotations
 
 import smtplib
+import time
 from collections.abc import Callable
 
 import pytest
 
+from relay import dedup
+from relay.spool import db, ops
 from tests.harness import RelayProcess, Upstream, make_message, send
 
 pytestmark = pytest.mark.slow
@@ -81,3 +84,63 @@ def test_queue_purge_deletes_finished_messages_only(
     assert [m["message_id"] for m in r.queue(all=True)] == ["waiting@retention"]
     assert _files(r) == []
     assert r.cli("queue", "purge", "--older-than", "soon").returncode == 2
+
+
+def test_the_prune_works_off_a_backlog_beyond_one_batch_in_one_pass(
+    upstream: Callable[..., Upstream],
+    relay: Callable[..., RelayProcess],
+) -> None:
+    """12,000 finished messages past `spool.retention` (a node that accepted ~20/s for a
+    week more than the old prune removed): gone within seconds of the start, while a
+    message still waiting stays. The old prune removed at most 5,000 per 600 s (~8.3/s):
+    7,000 were left for ten minutes, and above that rate the spool grew without bound."""
+    up = upstream()
+    r = relay(upstream=up, start=False, config={"spool": {"retention": "1d"}})
+    old = time.time() - 2 * 86400
+    conn = db.open_spool(r.spool)
+    with db.transaction(conn):
+        for i in range(12_001):
+            rcpt = f"u{i}@example.org"
+            mid = f"<old-{i}@retention>"
+            ops.accept(
+                conn,
+                ops.NewMessage(
+                    queue_id=f"OLD{i:06d}",
+                    message_id=dedup.normalize_message_id(mid),
+                    sender="app@example.com",
+                    size=20,
+                    created_at=old,
+                    client="listener:test",
+                    peer="127.0.0.1",
+                    lane="transactional",
+                    lane_prio=0,
+                    identity="example.com",
+                    body=b"Subject: s\r\n\r\nhi\r\n",
+                    body_path=None,
+                    recipients=(
+                        ops.NewRecipient(rcpt, "example.org", dedup.dedup_key("t", mid, rcpt)),
+                    ),
+                ),
+                86400.0,
+            )
+        # all but the last delivered long ago; OLD012000 still waits (a later retry)
+        conn.execute("UPDATE recipients SET state = 'delivered' WHERE msg_id <> 'OLD012000'")
+        conn.execute(
+            "UPDATE recipients SET state = 'deferred', next_attempt_at = ?"
+            " WHERE msg_id = 'OLD012000'",
+            (time.time() + 86400,),
+        )
+    conn.close()
+    r.start()
+
+    def left() -> int:
+        c = db.open_spool(r.spool, create=False)
+        try:
+            return int(c.execute("SELECT count(*) FROM messages").fetchone()[0])
+        finally:
+            c.close()
+
+    r.wait_until(lambda: left() == 1, timeout=30, what="the backlog pruned")
+    pruned = [e for e in r.events() if e.get("event") == "pruned"]
+    assert sum(e["messages"] for e in pruned) == 12_000
+    assert [m["id"] for m in r.queue(all=True)] == ["OLD012000"]

@@ -592,6 +592,24 @@ def test_prune_removes_old_finished_messages_and_expired_dedup_keys(
     assert ops.body_paths(conn) == set()
 
 
+def test_prune_finished_deletes_at_most_its_limit_and_says_how_many(
+    conn: sqlite3.Connection,
+) -> None:
+    """The daemon repeats the batch while it comes back full (relay/daemon.py _prune)."""
+    day = 86400.0
+    now = T0 + 30 * day
+    for i in range(5):
+        accept(conn, new_message(f"DONE{i}", [f"u{i}@example.org"], message_id=f"<{i}@x>"))
+    conn.execute("UPDATE recipients SET state = 'delivered'")
+    with db.transaction(conn):
+        assert ops.prune_finished(conn, now, 7 * day, limit=2) == (2, [])
+    with db.transaction(conn):
+        assert ops.prune_finished(conn, now, 7 * day, limit=2)[0] == 2
+    with db.transaction(conn):
+        assert ops.prune_finished(conn, now, 7 * day, limit=2)[0] == 1  # short: none left
+    assert conn.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+
+
 # --- the group-commit writer ------------------------------------------------------------------
 
 

@@ -74,6 +74,9 @@ from relay.ops.logs import redact_webhook_url
 
 EX_CONFIG = 78
 DEFAULT_PATH = "/etc/relay/relay.yaml"
+# the dedup namespace of a PostgreSQL spool's unauthenticated clients whose listener sets no
+# `namespace` (dedup keys hash `listener:fleet`; on SQLite the default stays the address)
+FLEET_NAMESPACE = "fleet"
 
 DEFAULTS: dict[str, Any] = {
     "hostname": None,
@@ -318,8 +321,9 @@ class ListenerAuth:
 @dataclass(frozen=True, slots=True)
 class Listener:
     name: str  # "host:port" as written
-    # the dedup namespace of unauthenticated clients: `namespace:`, by default the name;
-    # listeners of a fleet that take the same clients share one (README, fleet)
+    # the dedup namespace of unauthenticated clients: `namespace:`, by default the name on
+    # SQLite and FLEET_NAMESPACE on PostgreSQL (one for every listener of every node, so a
+    # retry through a load balancer to another node is a duplicate; docs/fleet.md)
     namespace: str
     host: str
     port: int
@@ -1007,7 +1011,9 @@ def from_mapping(data: object, base_dir: Path, path: Path | None = None) -> Conf
         errors,
     )
     identities = _identities(merged["identities"], base_dir, errors)
-    listeners = _listeners(merged["listen"], base_dir, errors)
+    listeners = _listeners(
+        merged["listen"], base_dir, errors, fleet=typed.spool.backend != "sqlite"
+    )
     config = _from_mapping(data, base_dir, path, typed, destinations, identities, listeners, errors)
     if errors:
         errors.sort(key=_place)
@@ -1397,8 +1403,12 @@ def _aliases_path(value: str, base_dir: Path) -> Path:
     return Path(out)
 
 
-def _listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener, ...]:
-    """`listen`: each listener validated once (its certificate and users file read)."""
+def _listeners(
+    raw: object, base_dir: Path, errors: list[str], *, fleet: bool = False
+) -> tuple[Listener, ...]:
+    """`listen`: each listener validated once (its certificate and users file read).
+    `fleet` (a PostgreSQL spool): a listener without `namespace` is in the fleet's one
+    namespace (FLEET_NAMESPACE) instead of its own address's."""
     if not isinstance(raw, list) or not raw:
         errors.append("listen: expected a non-empty list of listeners")
         return ()
@@ -1417,7 +1427,7 @@ def _listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener
         out.append(
             Listener(
                 name=m.address,
-                namespace=m.namespace or m.address,
+                namespace=m.namespace or (FLEET_NAMESPACE if fleet else m.address),
                 host=host,
                 port=port,
                 allow=m.allow,

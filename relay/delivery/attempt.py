@@ -427,11 +427,15 @@ def record_jobs(c: Any, recs: list[_Record]) -> list[None]:
     for r in recs:
         by_node.setdefault(r.node, []).append(r)
     for node, mine in by_node.items():
-        ops.record_many(c, [(r.outcomes, r.now, r.day) for r in mine], owner=node)
         release: dict[str, int] = {}
         for r in mine:
             for scope, n in (r.release or {}).items():
                 release[scope] = release.get(scope, 0) + n
+        # a fleet's ceiling scopes are exactly what its jobs release (finish: the scopes
+        # they reserved); the other counters go with the COMMIT (ops.record_many)
+        ops.record_many(
+            c, [(r.outcomes, r.now, r.day) for r in mine], owner=node, ceilings=set(release)
+        )
         if release and node is not None:
             ops.ceiling_release(c, node, dict(sorted(release.items())))
     for r in recs:

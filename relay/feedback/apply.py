@@ -236,6 +236,10 @@ def _attempt(conn: sqlite3.Connection, m: _Match, now: float, outcome: str, text
 
 def _count(conn: sqlite3.Connection, identity: str, now: float, column: str) -> None:
     assert column in ("bounced", "complained")
+    add_counts = getattr(conn, "add_counts", None)
+    if add_counts is not None:  # PostgreSQL: with the COMMIT, as every node's (pg.py)
+        add_counts("identity_hours", (identity, int(now // 3600)), **{column: 1})
+        return
     conn.execute(
         f"INSERT INTO identity_hours (identity, hour, {column}) VALUES (?, ?, 1)"
         f" ON CONFLICT (identity, hour) DO UPDATE SET {column} = identity_hours.{column} + 1",

@@ -15,7 +15,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -637,8 +637,12 @@ def _record_each(
         for mid in chunk:
             if mid in by_id:
                 per_identity[by_id[mid]] = per_identity.get(by_id[mid], 0) + 1
+    add_counts = getattr(conn, "add_counts", None)  # PostgreSQL: with the COMMIT
     for identity in sorted(per_identity):
         n = per_identity[identity]
+        if add_counts is not None:
+            add_counts("identity_hours", (identity, int(now // 3600)), delivered=n)
+            continue
         conn.execute(
             "INSERT INTO identity_hours (identity, hour, delivered) VALUES (?, ?, ?)"
             " ON CONFLICT (identity, hour) DO UPDATE SET delivered = identity_hours.delivered + ?",
@@ -668,13 +672,20 @@ def record_many(
     conn: sqlite3.Connection,
     calls: Sequence[tuple[Sequence[RcptUpdate], float, str | None]],
     owner: str | None = None,
+    ceilings: Collection[str] | None = None,
 ) -> list[int]:
     """`record` of several (outcomes, now, day) calls, each with the count it would have
     returned alone. PostgreSQL: one UPDATE over every outcome (RETURNING what changed and
     its identity), then at most one INSERT each for the attempt log, the suppression list,
     the daily counters and the hourly delivered counts, instead of a few statements per
     outcome (each a round trip). The counters are summed and locked in `record`'s order.
-    SQLite, or one recipient twice among the outcomes: `record` one call after the other."""
+    SQLite, or one recipient twice among the outcomes: `record` one call after the other.
+
+    `ceilings`: the scopes among the counters that are under a fleet's daily ceiling (a
+    claim later in the same transaction reads them, ceiling_take): counted here. The other
+    counters (a destination without a ceiling, the identities' hours: the rows every node
+    bumps) are counted in the COMMIT's round trip (pg.COUNTER_TABLES says why). None: all
+    daily counters here."""
     flat = [(i, o, now, day) for i, (outs, now, day) in enumerate(calls) for o in outs]
     ids = [o.rcpt_id for _i, o, _n, _d in flat]
     if db.dialect(conn) != "postgresql" or len(set(ids)) != len(ids):
@@ -740,6 +751,14 @@ def record_many(
         if o.state is RcptState.DELIVERED and identity_of[o.rcpt_id] is not None:
             key = (identity_of[o.rcpt_id], int(now // 3600))
             hours[key] = hours.get(key, 0) + 1
+    add_counts = getattr(conn, "add_counts", None)
+    if add_counts is not None and ceilings is not None:
+        for scope_day in [k for k in bumps if k[0] not in ceilings]:
+            add_counts("daily_counts", scope_day, count=bumps.pop(scope_day))
+    if add_counts is not None:
+        for hour_key, n in hours.items():
+            add_counts("identity_hours", hour_key, delivered=n)
+        hours = {}
     if bumps:  # the fleet's hot rows: in one order (see record)
         order = sorted(bumps)
         conn.execute(
@@ -889,11 +908,30 @@ def recover(conn: sqlite3.Connection, now: float, owner: str | None = None) -> i
 
 
 FEEDBACK_EVENT_DAYS = 30
+# finished messages one prune job deletes: the daemon repeats the job while a batch comes
+# back full (relay/daemon.py _prune), each its own writer job, so a backlog is worked off
+# without holding the writer for more than one batch (~0.1 s) at a time
+PRUNE_BATCH = 1000
 
 
-def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: float) -> list[str]:
-    """Forget expired dedup keys and finished messages older than `retention`; returns the
-    body files to delete (after the commit)."""
+def prune(
+    conn: sqlite3.Connection,
+    now: float,
+    dedup_window: float,
+    retention: float,
+    limit: int = PRUNE_BATCH,
+) -> list[str]:
+    """Forget expired dedup keys, the side tables' old rows and (at most `limit`) finished
+    messages older than `retention`; returns the body files to delete (after the commit)."""
+    prune_side_tables(conn, now, dedup_window, retention)
+    return prune_finished(conn, now, retention, limit)[1]
+
+
+def prune_side_tables(
+    conn: sqlite3.Connection, now: float, dedup_window: float, retention: float
+) -> None:
+    """Expired dedup keys and the side tables' rows past their horizons (one statement
+    each, whatever their number)."""
     conn.execute("DELETE FROM dedup WHERE created_at < ?", (now - dedup_window,))
     conn.execute("DELETE FROM engine_commands WHERE at < ?", (now - 86400,))
     # feedback: events are remembered 30 days (a provider's redelivery stays a no-op), the
@@ -905,16 +943,26 @@ def prune(conn: sqlite3.Connection, now: float, dedup_window: float, retention: 
         "DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
         (now - max(retention, 86400),),
     )
+
+
+def prune_finished(
+    conn: sqlite3.Connection, now: float, retention: float, limit: int
+) -> tuple[int, list[str]]:
+    """At most `limit` finished messages older than `retention` deleted: (how many, the
+    body files to delete after the commit). Fewer than `limit`: none is left. On
+    PostgreSQL the nodes of a fleet skip each other's batches (SKIP LOCKED) instead of
+    waiting to delete the same rows."""
     finals = ",".join(f"'{s.value}'" for s in FINAL)
+    lock = " FOR UPDATE OF m SKIP LOCKED" if db.dialect(conn) == "postgresql" else ""
     old = [
         r[0]
         for r in conn.execute(
             f"SELECT m.id FROM messages m WHERE m.created_at < ? AND NOT EXISTS (SELECT 1 FROM"
-            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT 5000",
-            (now - retention,),
+            f" recipients r WHERE r.msg_id = m.id AND r.state NOT IN ({finals})) LIMIT ?{lock}",
+            (now - retention, limit),
         )
     ]
-    return delete_messages(conn, old)
+    return len(old), delete_messages(conn, old)
 
 
 def finished_before(conn: sqlite3.Connection, cutoff: float) -> list[str]:

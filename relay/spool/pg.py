@@ -35,7 +35,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -166,6 +166,35 @@ def _wrap(e: psycopg.Error) -> sqlite3.Error:
 # statements whose answer nobody reads: sent with the next statement, in one round trip
 DEFERRED = frozenset({"BEGIN", "SAVEPOINT job", "RELEASE job"})
 
+# Counters added at COMMIT (PgConnection.add_counts): per table, its key columns and types
+# and its counter columns. The rows every node bumps (`dest:smarthost` today, an identity's
+# hour) are a fleet's hot rows: an upsert in the middle of a batch held the row lock until
+# the batch's COMMIT, through every later statement's round trip, and the other nodes'
+# writers waited on it (measured: bench/README.md, Issue 31). Sent in the COMMIT's own
+# round trip, the lock is held for the upsert and the WAL flush only. The tables in this
+# order and each table's rows sorted: commit-time locks are taken in one global order, and
+# nothing else locks these rows mid-transaction but a fleet's daily-ceiling scopes, which
+# the spool's code keeps inline (ops.record_many) and never adds here.
+COUNTER_TABLES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {
+    "daily_counts": ((("scope", "text"), ("day", "text")), ("count",)),
+    "identity_hours": (
+        (("identity", "text"), ("hour", "bigint")),
+        ("delivered", "bounced", "complained"),
+    ),
+}
+
+
+@cache
+def _counter_upsert(table: str) -> str:
+    keys, cols = COUNTER_TABLES[table]
+    names = [k for k, _t in keys] + list(cols)
+    arrays = ", ".join([f"?::{t}[]" for _k, t in keys] + ["?::integer[]"] * len(cols))
+    sets = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in cols)
+    return (
+        f"INSERT INTO {table} ({', '.join(names)}) SELECT * FROM unnest({arrays})"
+        f" ON CONFLICT ({', '.join(k for k, _t in keys)}) DO UPDATE SET {sets}"
+    )
+
 
 class _Deferred:
     """What execute() returns for a DEFERRED statement (sent later, with the next)."""
@@ -197,6 +226,10 @@ class PgConnection:
         self._password = password
         self._lock = threading.Lock()  # one statement at a time (CLI threads, tests)
         self._deferred: list[str] = []
+        # add_counts of the open transaction, and as they were at the job's SAVEPOINT (a
+        # job rolled back to it takes its counts back with it)
+        self._counts: dict[str, dict[tuple[Any, ...], list[int]]] = {}
+        self._counts_at_savepoint: dict[str, dict[tuple[Any, ...], list[int]]] = {}
         self._conn = self._open()
 
     def _open(self) -> psycopg.Connection[Any]:
@@ -211,21 +244,72 @@ class PgConnection:
         conn.execute("SET lock_timeout = '5s'")
         return conn
 
+    def add_counts(self, table: str, key: tuple[Any, ...], **counts: int) -> None:
+        """Add `counts` to the counter columns of `table`'s row `key` (made if absent) in
+        the COMMIT of the open transaction, in its round trip (see COUNTER_TABLES)."""
+        cols = COUNTER_TABLES[table][1]
+        if not self.in_transaction:  # autocommit (the CLI, tests): now
+            values = [counts.get(c, 0) for c in cols]
+            self.execute(_counter_upsert(table), [*([k] for k in key), *([v] for v in values)])
+            return
+        row = self._counts.setdefault(table, {}).setdefault(key, [0] * len(cols))
+        for name, n in counts.items():
+            row[cols.index(name)] += n
+
+    def flush_counts(self) -> None:
+        """Send the open transaction's counters now (a reader later in the same
+        transaction, the tests): as its COMMIT would."""
+        with self._lock:
+            pending = self._track_counts("COMMIT")
+        for q, p in pending:
+            self.execute(q, p)
+
+    def _counts_copy(self) -> dict[str, dict[tuple[Any, ...], list[int]]]:
+        return {t: {k: list(v) for k, v in rows.items()} for t, rows in self._counts.items()}
+
+    def _track_counts(self, query: str) -> list[tuple[str, list[Any]]]:
+        """The transaction's counters at `query`; at COMMIT, the upserts to send with it."""
+        if query in ("BEGIN", "ROLLBACK"):
+            self._counts, self._counts_at_savepoint = {}, {}
+        elif query == "SAVEPOINT job":
+            self._counts_at_savepoint = self._counts_copy()
+        elif query == "ROLLBACK TO job":
+            self._counts = self._counts_at_savepoint
+            self._counts_at_savepoint = self._counts_copy()
+        elif query == "COMMIT" and self._counts:
+            out: list[tuple[str, list[Any]]] = []
+            for table in COUNTER_TABLES:  # one order of tables, and of rows in each
+                rows = self._counts.get(table)
+                if not rows:
+                    continue
+                keys = sorted(rows)
+                width = len(COUNTER_TABLES[table][0])
+                params: list[Any] = [[k[i] for k in keys] for i in range(width)]
+                ncols = len(COUNTER_TABLES[table][1])
+                params += [[rows[k][j] for k in keys] for j in range(ncols)]
+                out.append((_counter_upsert(table), params))
+            self._counts, self._counts_at_savepoint = {}, {}
+            return out
+        return []
+
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         query = translate(sql)
         with self._lock:
             if query == "BEGIN" and self._conn.broken:
                 self._deferred.clear()
                 self._conn = self._open()
+            at_commit = self._track_counts(query) if not params else []
             if query in DEFERRED and not params:
                 self._deferred.append(query)
                 return _Deferred()
             try:
-                if self._deferred:
+                if self._deferred or at_commit:
                     deferred, self._deferred = self._deferred, []
                     with self._conn.pipeline():
                         for q in deferred:
                             self._conn.execute(q)
+                        for q, p in at_commit:
+                            self._conn.execute(translate(q), p)
                         cur = self._conn.execute(query, params)
                 else:
                     cur = self._conn.execute(query, params)
