@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import sqlite3
 import time
@@ -48,7 +47,7 @@ from relay.auth_mechanisms import AuthMechanisms
 from relay.config import Config, Listener
 from relay.feedback import bounces
 from relay.feedback.service import FeedbackService
-from relay.guard import InboundGuard
+from relay.guard import InboundGuard, is_allowed
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.transport import InboundProtocol
 from relay.lanes import LANE_PRIORITY, classify_lane
@@ -191,16 +190,16 @@ class InboundHandler(AuthMechanisms):
     def _peer_allowed(self, session: Session) -> bool:
         if session.authenticated:
             return True
+        allow = self.listener.allow
         peer = session.peer
+        known = session.allowed_by
+        if known is not None and known[0] is allow and known[1] is peer:  # decided already
+            return known[2]
         if not peer:
             return False
-        try:
-            ip = ipaddress.ip_address(peer[0] if isinstance(peer, tuple) else str(peer))
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return any(ip in net for net in self.listener.allow)
+        ok = is_allowed(_peer_text(peer), allow)
+        session.allowed_by = (allow, peer, ok)
+        return ok
 
     async def handle_RCPT(
         self,
@@ -215,7 +214,7 @@ class InboundHandler(AuthMechanisms):
             # most feedback.rate_per_ip such messages per client and window (counted once
             # per transaction): an outsider cannot fill the spool with them
             if not any(self.feedback.is_feedback_rcpt(r) for r in envelope.rcpt_tos):
-                ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+                ip = session.ip or _peer_text(session.peer)
                 allowed = self._peer_allowed(session)
                 refusal = self.guard.feedback_mail(ip, allowed, self.listener.name)
                 if refusal is not None:
@@ -325,7 +324,7 @@ class InboundHandler(AuthMechanisms):
         cfg = self.config
         now = time.time()
         queue_id = ops.new_queue_id(now)
-        peer_ip = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer)
+        peer_ip = session.ip or _peer_text(session.peer)
         try:
             await incoming.finish()
             head = incoming.header_block()
@@ -682,6 +681,10 @@ def _head_of(incoming: IncomingBody, limit: int) -> bytes:
         return incoming.inline()[:limit]
     with path.open("rb") as f:
         return f.read(limit)
+
+
+def _peer_text(peer: object) -> str:
+    return str(peer[0]) if isinstance(peer, tuple) else str(peer)
 
 
 def _storable(text: str) -> str:
