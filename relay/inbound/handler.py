@@ -329,12 +329,19 @@ class InboundHandler(AuthMechanisms):
             await incoming.finish()
             head = incoming.header_block()
             domain = cfg.local.domain
-            # `To: root` from an allow-listed app: qualified like the envelope; the header
-            # block (up to limits.max_header_size) is read in a thread, off the event loop
+            # `To: root` from an allow-listed app: qualified like the envelope; a header
+            # block over QUALIFY_INLINE octets (up to limits.max_header_size) is read in a
+            # thread, off the event loop; a small one here (tens of microseconds: less than
+            # the hop to a thread and back)
             if (
                 self._peer_allowed(session)
                 and head
-                and await asyncio.to_thread(qualify_header_block, head, domain) is not None
+                and (
+                    qualify_header_block(head, domain)
+                    if len(head) <= QUALIFY_INLINE
+                    else await asyncio.to_thread(qualify_header_block, head, domain)
+                )
+                is not None
             ):
                 await incoming.rewrite(lambda d: qualify_header_block(d, domain))
             if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/longlines.py)
@@ -670,6 +677,9 @@ def _utf8(text: str) -> bool:
 
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
+# a header block up to this size is checked for bare local parts in the event loop (a
+# typical app's block: ~20 us; 1 KiB of nothing but address fields: ~0.5 ms at worst)
+QUALIFY_INLINE = 1024
 REUSED = "message_id_reused"  # the log event and alert of a Message-ID reused (README "Dedup")
 
 
