@@ -644,6 +644,12 @@ def setup_logging(
                     h.flush()  # its stream may be closed already (a CLI run under a test)
                 h.close()  # does not close the underlying stream
         root.setLevel(lvl)
+        # what our formatters never print is not gathered per record either (the logging
+        # HOWTO's "Optimization"): the caller's file and line (a walk up the stack), the
+        # process id (a getpid system call per record) and the multiprocessing name
+        logging._srcfile = None
+        logging.logProcesses = False
+        logging.logMultiprocessing = False
         # aiosmtpd logs SMTP command lines (addresses) at INFO and DATA (bodies) at DEBUG.
         aiosmtpd_level = max(lvl, logging.INFO) if unmask else max(lvl, logging.WARNING)
         logging.getLogger(_AIOSMTPD_LOGGER).setLevel(aiosmtpd_level)
