@@ -450,19 +450,21 @@ class InboundHandler(AuthMechanisms):
         lane = self.listener.lane or classify_lane(
             self._lane_rules, sender=sender, headers=headers, listener=self.listener.name
         )
+        # the namespace and Message-ID (or key) hashed once for all the recipients
+        keys = (
+            dedup.dedup_keys(namespace, mid, rcpts)
+            if ikey is None
+            else dedup.idempotency_dedup_keys(namespace, ikey, rcpts)
+        )
         new_rcpts = tuple(
             ops.NewRecipient(
                 address=r,
                 destination=r.rpartition("@")[2].lower(),
-                dedup_key=(
-                    dedup.dedup_key(namespace, mid, r)
-                    if ikey is None
-                    else dedup.idempotency_dedup_key(namespace, ikey, r)
-                ),
+                dedup_key=key,
                 content_hash=chash,
                 fingerprint=fingerprint,
             )
-            for r in rcpts
+            for r, key in zip(rcpts, keys, strict=True)
         )
         identity = self.identity_of(sender)
         body_path: str | None = None
@@ -473,7 +475,7 @@ class InboundHandler(AuthMechanisms):
                 body_path = await incoming.commit(queue_id)
                 inline = prefix
             else:
-                inline = prefix + incoming.inline()
+                inline = incoming.inline(prefix)  # one copy of the data, after our prefix
             msg = ops.NewMessage(
                 queue_id=queue_id,
                 message_id=_storable(dedup.normalize_message_id(mid)),
