@@ -132,15 +132,26 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
     conflicts: list[str] = []
     reused: dict[str, str] = {}
     seen: set[str] = set()
+    # every recipient's key in one statement (a message to 5 is not 5 round trips)
+    wanted = list(dict.fromkeys(r.dedup_key for r in msg.recipients))
+    rows: dict[str, tuple[Any, ...]] = (
+        {
+            row[0]: tuple(row[1:])
+            for row in conn.execute(
+                "SELECT key, created_at, content_hash, msg_id, fingerprint FROM dedup"
+                f" WHERE key IN ({','.join('?' * len(wanted))})",
+                wanted,
+            )
+        }
+        if wanted
+        else {}
+    )
     for r in msg.recipients:
         if r.dedup_key in seen:
             dupes.append(r.address)
             continue
         seen.add(r.dedup_key)
-        row = conn.execute(
-            "SELECT created_at, content_hash, msg_id, fingerprint FROM dedup WHERE key = ?",
-            (r.dedup_key,),
-        ).fetchone()
+        row = rows.get(r.dedup_key)
         if row is None or row[0] <= cutoff:
             fresh.append((r, r.dedup_key))
         elif r.content_hash is not None and row[1] is not None and row[1] != r.content_hash:
@@ -165,22 +176,39 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
     # Take the keys before queueing: on a database a fleet shares, another node may have
     # taken one since the read above. Its INSERT waits on ours (or ours on its) at the
     # unique key; the loser finds a live key, writes nothing and reports a duplicate.
-    fresh_rcpts: list[NewRecipient] = []
-    for r, key in fresh:
-        took = conn.execute(
-            "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
-            " VALUES (?,?,?,?,?)"
-            " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+    # one statement takes them all, in key order (one lock order for every node of a
+    # fleet); RETURNING says which it took
+    fresh.sort(key=lambda rk: rk[1])
+    took: set[str] = {
+        row[0]
+        for row in conn.execute(
+            "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint) VALUES "
+            + ",".join(["(?,?,?,?,?)"] * len(fresh))
+            + " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
             " created_at = excluded.created_at, content_hash = excluded.content_hash,"
             " fingerprint = excluded.fingerprint"
             " WHERE dedup.created_at <= ? RETURNING key",
-            (key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint, cutoff),
-        ).fetchone()
-        if took is None:
+            [
+                *(
+                    v
+                    for r, key in fresh
+                    for v in (key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint)
+                ),
+                cutoff,
+            ],
+        ).fetchall()
+    }
+    fresh_rcpts: list[NewRecipient] = []
+    by_address = {r.address: (r, key) for r, key in fresh}
+    for r in msg.recipients:  # in the message's order, as before
+        hit = by_address.pop(r.address, None)
+        if hit is None:
+            continue
+        if hit[1] in took:
+            fresh_rcpts.append(r)
+        else:
             dupes.append(r.address)
             reused.pop(r.address, None)
-        else:
-            fresh_rcpts.append(r)
     if not fresh_rcpts:
         return AcceptResult(None, (), tuple(dupes))
     conn.execute(
