@@ -1,16 +1,18 @@
 """Inbound CPU per message: the relay's SMTP process only, from /proc, two source trees side
 by side (issue 29: our own SMTP server against aiosmtpd's).
 
-    .venv/bin/python bench/inbound_cpu.py --base 062d7a2 --rounds 3
+    .venv/bin/python bench/inbound_cpu.py --base d23213b --rounds 3
+    .venv/bin/python bench/inbound_cpu.py --base d23213b --base <commit> --rcpts 5 --size 102400
 
 Each tree runs the daemon from its own source (`PYTHONPATH`, this venv's packages) with
 `inbound.processes: 1`, so one child process takes SMTP and nothing else; its upstream is a
 closed port, so the main process's delivery attempts never share that child's CPU. A simple
 asyncio client (here, in this process) sends `--messages` messages of `--size` octets, one
-message per connection (EHLO, MAIL, RCPT, DATA, QUIT: no pipelining), `--sessions` at a time,
-after a warm-up of 200. The figure is the inbound child's user+system CPU (utime+stime in
-/proc/<pid>/stat) over the measured messages, divided by their number; rounds alternate
-the trees. Not part of `make test`; it needs no root and no Postfix.
+message per connection (EHLO, MAIL, `--rcpts` RCPTs, DATA, QUIT: no pipelining),
+`--sessions` at a time, after a warm-up of 200. The figure is the inbound child's
+user+system CPU (utime+stime in /proc/<pid>/stat) over the measured messages, divided by
+their number; rounds alternate the trees (every `--base` given, then the working tree).
+Not part of `make test`; it needs no root and no Postfix.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class Daemon:
         self.log.close()
 
 
-async def one(port: int, body: bytes, i: int) -> None:
+async def one(port: int, body: bytes, i: int, rcpts: int = 1) -> None:
     r, w = await asyncio.open_connection("127.0.0.1", port)
 
     async def reply() -> bytes:
@@ -126,7 +128,10 @@ async def one(port: int, body: bytes, i: int) -> None:
                 return line
 
     await reply()
-    for cmd in (b"EHLO bench.test", b"MAIL FROM:<app@example.com>", b"RCPT TO:<u@example.org>"):
+    to = [
+        b"RCPT TO:<u%d@example.org>" % k if k else b"RCPT TO:<u@example.org>" for k in range(rcpts)
+    ]
+    for cmd in (b"EHLO bench.test", b"MAIL FROM:<app@example.com>", *to):
         w.write(cmd + b"\r\n")
         assert (await reply()).startswith(b"250"), cmd
     w.write(b"DATA\r\n")
@@ -140,7 +145,7 @@ async def one(port: int, body: bytes, i: int) -> None:
     await w.wait_closed()
 
 
-async def load(port: int, n: int, sessions: int, size: int, start: int) -> float:
+async def load(port: int, n: int, sessions: int, size: int, start: int, rcpts: int = 1) -> float:
     line = b"x" * 76 + b"\r\n"
     head = b"From: app@example.com\r\nTo: u@example.org\r\nSubject: bench\r\n\r\n"
     body = head + line * max(1, (size - len(head)) // len(line))
@@ -148,7 +153,7 @@ async def load(port: int, n: int, sessions: int, size: int, start: int) -> float
 
     async def worker() -> None:
         for i in queue:
-            await one(port, body, i)
+            await one(port, body, i, rcpts)
 
     t = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(sessions)))
@@ -158,9 +163,9 @@ async def load(port: int, n: int, sessions: int, size: int, start: int) -> float
 def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float]:
     d = Daemon(tree, work)
     try:
-        asyncio.run(load(d.port, 200, a.sessions, a.size, 0))  # warm-up
+        asyncio.run(load(d.port, 200, a.sessions, a.size, 0, a.rcpts))  # warm-up
         before = cpu_seconds(d.inbound)
-        wall = asyncio.run(load(d.port, a.messages, a.sessions, a.size, 10_000))
+        wall = asyncio.run(load(d.port, a.messages, a.sessions, a.size, 10_000, a.rcpts))
         used = cpu_seconds(d.inbound) - before
     finally:
         d.stop()
@@ -169,32 +174,40 @@ def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base", default="062d7a2", help="commit to compare with (git archive)")
+    p.add_argument(
+        "--base",
+        action="append",
+        help="commit to compare with (git archive); repeat for more (default 062d7a2)",
+    )
     p.add_argument("--messages", type=int, default=2000)
     p.add_argument("--size", type=int, default=2048)
+    p.add_argument("--rcpts", type=int, default=1, help="recipients per message")
     p.add_argument("--sessions", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {"base": [], "this tree": []}
+    bases = a.base or ["062d7a2"]
+    results: dict[str, list[tuple[float, float]]] = {b: [] for b in bases}
+    results["this tree"] = []
     with tempfile.TemporaryDirectory(prefix="inbound-cpu-") as tmp:
-        base = export(a.base, Path(tmp) / "base")
+        trees = [(b, export(b, Path(tmp) / f"base-{k}")) for k, b in enumerate(bases)]
+        trees.append(("this tree", ROOT))
         for n in range(a.rounds):
-            for name, tree in (("base", base), ("this tree", ROOT)):
-                ms, rate = measure(tree, Path(tmp) / f"{name.replace(' ', '_')}-{n}", a)
+            for k, (name, tree) in enumerate(trees):
+                ms, rate = measure(tree, Path(tmp) / f"run-{k}-{n}", a)
                 results[name].append((ms, rate))
                 print(f"round {n + 1} {name:9}: {ms:.3f} ms CPU/message, {rate:.0f} msg/s")
     print(
-        f"\n{a.messages} x {a.size} B, {a.sessions} sessions, one message per connection, "
-        f"medians of {a.rounds}:"
+        f"\n{a.messages} x {a.size} B x {a.rcpts} recipient(s), {a.sessions} sessions, one"
+        f" message per connection, medians of {a.rounds}:"
     )
     for name, rows in results.items():
         ms = statistics.median(r[0] for r in rows)
         rate = statistics.median(r[1] for r in rows)
-        label = a.base if name == "base" else "working tree"
-        print(f"  {name:9} ({label}): {ms:.3f} ms CPU/message, {rate:.0f} msg/s")
-    b = statistics.median(r[0] for r in results["base"])
+        print(f"  {name:9}: {ms:.3f} ms CPU/message, {rate:.0f} msg/s")
     t = statistics.median(r[0] for r in results["this tree"])
-    print(f"  inbound CPU per message, this tree / base: {t / b:.2f}")
+    for b in bases:
+        ms = statistics.median(r[0] for r in results[b])
+        print(f"  inbound CPU per message, this tree / {b}: {t / ms:.2f}")
     return 0
 
 

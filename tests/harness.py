@@ -398,6 +398,9 @@ class RelayProcess:
             "retry": {"schedule": ["1s", "2s"], "max_age": "1h", "min_delay": "0.2s"},
             "delivery": {"poll_interval": "0.2s"},
             "shutdown_timeout": "10s",
+            # SMTP in the main process, as the tests were written (their counters, metrics
+            # and fault files are that process's); the default, auto, may start a child
+            "inbound": {"processes": 0},
         }
         self.config = deep_merge(base, config)
         for lst in self.config["listen"]:  # a listener given by the test: "{port}" is ours

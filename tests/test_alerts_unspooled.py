@@ -1,4 +1,4 @@
-"""A health alert the spool cannot record (relay/alerts.py rules; found by
+"""A health alert the spool cannot record (relay/ops/alerts.py rules; found by
 tests/test_pg_faults_e2e.py: a PostgreSQL spool's database away, and the alert saying so
 was lost). It is sent from memory at once and recorded once the spool takes writes again;
 no sink is given it twice, a sink that failed is owed it by the outbox."""
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from relay import alerts, faults
-from relay.config import load_config
+from relay.config.tree import load_config
+from relay.ops import alerts, faults
 from relay.spool.writer import SpoolError, SpoolWriter
 from tests.webhook import Receiver
 

@@ -486,3 +486,21 @@ def test_admin_console_needs_users_off_loopback() -> None:
     ]
     c = from_mapping({"admin": {"listen": "0.0.0.0:9025", "console": False}}, BASE)
     assert c.admin_console is False and c.admin_users_file is None
+
+
+def test_inbound_processes_default_to_one_with_two_cores_and_none_with_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """issue 29 item 6: the relay as shipped is the fast one: an SMTP process beside the main
+    one when the machine has the cores for it; a number given is kept as given."""
+    import relay.config.tree as config_
+
+    for cores, want in ((1, 0), (2, 1), (16, 1)):
+        monkeypatch.setattr(config_, "usable_cores", lambda n=cores: n)
+        assert from_mapping({}, BASE).inbound_processes == want, cores
+        assert from_mapping({"inbound": {"processes": "auto"}}, BASE).inbound_processes == want
+        assert from_mapping({"inbound": {"processes": 0}}, BASE).inbound_processes == 0
+        assert from_mapping({"inbound": {"processes": 3}}, BASE).inbound_processes == 3
+    assert _error({"inbound": {"processes": "many"}}) == [
+        "inbound.processes: expected auto or a whole number, got str 'many'"
+    ]

@@ -361,3 +361,19 @@ def test_stdlib_headers_without_bare_addresses_are_byte_identical(
 
 def _full(a: Address) -> Address:
     return a if a.domain else Address(a.display_name, a.username, "fill.example")
+
+
+_SAFE = [b"root", b"a@b.example", b"<root>", b"<c@d.example>", b"Name", b" ", b"\r\n ", b","]
+_SAFE += [b";", b":", b"@", b"<", b">", b".", b"=?x?=", b"\xc3\xa9"]
+# mostly what the quick check reads; now and then what makes it unsure
+_PIECES = st.sampled_from(_SAFE * 4 + [b'"q,r"', b"(c)", b"\\", b"[1.2.3.4]"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(_PIECES, max_size=8))
+def test_the_quick_check_never_skips_a_bare_local_part(pieces: list[bytes]) -> None:
+    """addrlist._all_qualified lets qualify_field skip tokenizing a field: it may say so
+    only of a field the full reading leaves unchanged (issue 29: the accept path)."""
+    field = b"To: " + b"".join(pieces)
+    if addrlist._all_qualified(field, 3):
+        assert addrlist.bare_local_parts(field, 3) in (None, [])

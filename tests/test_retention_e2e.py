@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from relay import dedup
-from relay.spool import db, ops
+from relay.spool import db, dedup, ops
 from tests.harness import RelayProcess, Upstream, make_message, send
 
 pytestmark = pytest.mark.slow

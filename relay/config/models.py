@@ -174,9 +174,26 @@ def _at_most_64(value: int) -> int:
     return value
 
 
+def _processes(value: object) -> int | str:
+    """inbound.processes: `auto` (relay/config/tree.py picks from the machine's cores) or 0-64."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected auto or a whole number, got {t.kind(value)}")
+    return _at_most_64(t.integer(value))
+
+
+Processes = t._type(
+    int | str,
+    _processes,
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 64}, {"const": "auto"}]},
+)
+
+
 class InboundSection(Section):
-    # extra processes that take SMTP on the same ports and spool (relay/inbound/processes.py)
-    processes: Annotated[t.Int(0), AfterValidator(_at_most_64)] = 0  # type: ignore[valid-type]
+    # extra processes that take SMTP on the same ports and spool (relay/inbound/processes.py);
+    # auto: one on a machine with two or more cores, none on one (relay/config/tree.py)
+    processes: Processes = "auto"  # type: ignore[valid-type]
 
 
 class AdminSection(Section):

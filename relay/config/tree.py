@@ -148,6 +148,23 @@ class ConfigError(Exception):
     """A configuration problem; the message starts with the offending key path."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a cpuset or taskset counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_inbound_processes(value: int | str) -> int:
+    """`inbound.processes`: a number as given; `auto` (the default): one SMTP process
+    beside the main one when there are two or more cores to run on, none on one core (where
+    a second process would only share the core: README "Using every core")."""
+    if value == "auto":
+        return 1 if usable_cores() >= 2 else 0
+    return int(value)
+
+
 def parse_duration(value: object, key: str) -> float:
     """Seconds from `30s`, `5m`, `2h`, `7d` or a number (relay.config.values.duration)."""
     return _keyed(types.duration, value, key)
@@ -1317,7 +1334,7 @@ def _from_mapping(
     log = LogConf(**typed.log.model_dump())
 
     shutdown_timeout = attempt(lambda: top.duration("shutdown_timeout"), 30.0)
-    inbound_processes = typed.inbound.processes
+    inbound_processes = auto_inbound_processes(typed.inbound.processes)
     for name in top.data:  # every unknown key, not the first
         if name not in top.used:
             errors.append(_unknown_key(_shown(str(name)), str(name), sorted(top.used)))

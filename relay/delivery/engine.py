@@ -49,7 +49,6 @@ from typing import Any
 from relay import __version__
 from relay.authenticity import mtasts
 from relay.config.tree import Config
-from relay.ops import faults
 from relay.delivery import (
     attempt,
     deadletters,
@@ -66,7 +65,7 @@ from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
 from relay.delivery.routes import Route, UpstreamHost
-from relay.ops import alerts
+from relay.ops import alerts, faults
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
 from relay.spool import ops

@@ -74,6 +74,8 @@ class FeedbackService:
         self.config = config
         self.writer = writer
         self.metrics = metrics
+        # (config, unsubscribe mailto address -> identity) of that config
+        self._mailtos: tuple[Config, dict[str, str]] | None = None
         self.alert_sinks = alert_sinks  # (coalesce window, sinks) of alerts now
         self.on_suppressed = on_suppressed  # the inbound/engine in-memory list
         self.clock = clock
@@ -209,11 +211,15 @@ class FeedbackService:
         return self._unsubscribe_identity(address) is not None
 
     def _unsubscribe_identity(self, address: str) -> str | None:
-        addr = address.strip("<>").lower()
-        for name, u in self.config().unsubscribe_confs().items():
-            if u.mailto is not None and u.mailto.lower() == addr:
-                return name
-        return None
+        cfg = self.config()
+        known = self._mailtos
+        if known is None or known[0] is not cfg:  # worked out once per config, not per RCPT
+            by_addr: dict[str, str] = {}
+            for name, u in cfg.unsubscribe_confs().items():
+                if u.mailto is not None:
+                    by_addr.setdefault(u.mailto.lower(), name)  # the first, as before
+            known = self._mailtos = (cfg, by_addr)
+        return known[1].get(address.strip("<>").lower())
 
     async def unsubscribe_mail(self, data: bytes, *, peer: str, sender: str) -> bool:
         """Mail to an unsubscribe `mailto`: the token in its Subject (as our List-Unsubscribe

@@ -59,6 +59,26 @@ def is_allowed(ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Netwo
     return any(addr in net for net in allow)
 
 
+def peer_facts(
+    ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+) -> tuple[bool, str]:
+    """`is_allowed(ip, allow)` and `anvil.client_key(ip)` from one parse of the address
+    (a connection's peer is read once, at connection_made)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False, ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+            key = str(addr)
+        else:
+            key = str(ipaddress.IPv6Network((addr, 64), strict=False))
+    else:
+        key = str(addr)
+    return any(addr in net for net in allow), key
+
+
 def _policy(config: Config) -> anvil.AuthPolicy:
     a = config.auth
     return anvil.AuthPolicy(
@@ -123,10 +143,12 @@ class InboundGuard:
 
     # --- connections -----------------------------------------------------------------------
 
-    def admit(self, ip: str, allowed: bool, listener: str) -> str | None:
-        """Count a new connection, or return the `421 4.7.0` reply that refuses it."""
+    def admit(self, ip: str, allowed: bool, listener: str, key: str | None = None) -> str | None:
+        """Count a new connection, or return the `421 4.7.0` reply that refuses it. `key`:
+        `anvil.client_key(ip)` when the caller has it already (peer_facts)."""
         now = self.clock()
-        key = anvil.client_key(ip)
+        if key is None:
+            key = anvil.client_key(ip)
         banned = self.auth_failures.banned_until(key, now) is not None
         reason = anvil.refuse_connection(
             self.limits, self.connections.total, self.connections.from_ip(key), allowed, banned
@@ -154,8 +176,8 @@ class InboundGuard:
             )
         return f"421 4.7.0 {_TEXT[reason]}"
 
-    def release(self, ip: str) -> None:
-        self.connections.closed(anvil.client_key(ip))
+    def release(self, ip: str, key: str | None = None) -> None:
+        self.connections.closed(anvil.client_key(ip) if key is None else key)
         if self.metrics is not None:
             self.metrics.connections_open.set(self.connections.total)
 

@@ -12,8 +12,9 @@ Rules:
   writer of its own. The writers of all processes take turns through an flock on the
   spool's lock file (relay/spool/writer.py), so dedup keys stay one set: a resubmission is
   answered `250` and queued once, whichever process takes it.
-- After each message it queues it writes one byte to a pipe the main process reads: the
-  engine claims the new mail at once instead of at its next poll.
+- After the messages it queues it writes one byte to a pipe the main process reads (one
+  per turn of its event loop, however many it queued in that turn): the engine claims the
+  new mail at once instead of at its next poll.
 - It runs no delivery, no admin or metrics endpoint, no health checks and no alerts: those
   stay in the main process. Its per-IP limits and AUTH failure counters are its own (a
   client spread over N+1 processes may open up to N+1 times `max_connections_per_ip`).
@@ -63,9 +64,19 @@ class InboundProcess:
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         # spool.reserve: this process has no health pass; 452 4.3.1 below it, as the daemon
+        self._notify_due = False  # a `q` for the main process is scheduled (_queued)
         self.reserve = ReserveGate(lambda: (self.config.spool_path, self.config.spool_reserve))
 
     def _queued(self) -> None:
+        """A message is queued: one `q` to the main process per turn of the event loop, not
+        per message (the accepts of one spool commit end in the same turn: one write)."""
+        if self.notify_fd is None or self._notify_due:
+            return
+        self._notify_due = True
+        asyncio.get_running_loop().call_soon(self._notify)
+
+    def _notify(self) -> None:
+        self._notify_due = False
         if self.notify_fd is None:
             return
         with contextlib.suppress(BlockingIOError, OSError):  # a full pipe: a wake is pending

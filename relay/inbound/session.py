@@ -21,6 +21,10 @@ class Session:
     authenticated: bool | None = None
     auth_data: Any = None  # the username an AUTH proved
     login_data: Any = None
+    ip: str | None = None  # the peer's address as text (set once, by the transport)
+    # (the `allow` networks and the peer it was checked for, inside them): InboundHandler's
+    # peer_allowed parses the address again only when a SIGHUP changed the networks
+    allowed_by: tuple[Any, Any, bool] | None = None
 
 
 @dataclass(slots=True)

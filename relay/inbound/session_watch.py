@@ -38,6 +38,7 @@ class SessionWatch:
         self._close = close
         self.errors = 0
         self._command_timer: asyncio.TimerHandle | None = None
+        self._command_deadline: float | None = None  # loop time; None: not running
         self._rate: DataRate | None = None
         self._rate_timer: asyncio.TimerHandle | None = None
         self._tail = b""
@@ -82,7 +83,7 @@ class SessionWatch:
     def received(self, data: bytes) -> None:
         if self.closed:
             return
-        if self._command_timer is not None and b"\n" in data:
+        if self._command_deadline is not None and b"\n" in data:
             self._stop_command_timer()
         if self._rate is not None:
             # only ever the end (dots at the start of a data line are doubled)
@@ -96,6 +97,9 @@ class SessionWatch:
     def stop(self) -> None:
         self.closed = True
         self._stop_command_timer()
+        if self._command_timer is not None:  # a closed session holds no timer
+            self._command_timer.cancel()
+            self._command_timer = None
         self._stop_rate()
 
     # --- timers ----------------------------------------------------------------------------
@@ -105,16 +109,27 @@ class SessionWatch:
             self.stop()
             self._close(reason)
 
+    # The command timer is a deadline and one timer handle: starting it moves the deadline,
+    # stopping it clears the deadline; the handle is armed again only when it fires with
+    # the deadline still ahead (a client that answers at once costs no timer per command).
+
     def _start_command_timer(self) -> None:
-        self._stop_command_timer()
-        self._command_timer = self.loop.call_later(
-            self.limits.command_timeout, self._fire, "command_timeout"
-        )
+        self._command_deadline = self.loop.time() + self.limits.command_timeout
+        if self._command_timer is None:
+            self._command_timer = self.loop.call_at(self._command_deadline, self._command_due)
 
     def _stop_command_timer(self) -> None:
-        if self._command_timer is not None:
-            self._command_timer.cancel()
-            self._command_timer = None
+        self._command_deadline = None
+
+    def _command_due(self) -> None:
+        self._command_timer = None
+        deadline = self._command_deadline
+        if deadline is None or self.closed:
+            return
+        if self.loop.time() < deadline:
+            self._command_timer = self.loop.call_at(deadline, self._command_due)
+            return
+        self._fire("command_timeout")
 
     def _start_rate(self) -> None:
         self._stop_rate()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 from relay.inbound import core as core_
 from relay.inbound import longlines
 from relay.inbound.auth_mechanisms import MISSING
-from relay.inbound.guard import is_allowed
+from relay.inbound.guard import peer_facts
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.session_watch import CommandTimeout, DataTooSlow, SessionWatch
 from relay.ops.logs import log_event
@@ -137,6 +137,7 @@ class InboundProtocol(asyncio.Protocol):
         self.core: core_.ServerCore | None = None
         self.hostname = handler.config.hostname
         self._peer_ip: str | None = None  # set once the connection is counted
+        self._peer_key = ""  # its per-IP key (anvil.client_key), from the same parse
         self._task: asyncio.Task[None] | None = None
         self._incoming: IncomingBody | None = None
         self._store_error: OSError | None = None
@@ -162,16 +163,17 @@ class InboundProtocol(asyncio.Protocol):
         peer = t.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         lst = self.relay_listener
-        allowed = is_allowed(ip, lst.allow)
-        refusal = h.guard.admit(ip, allowed, lst.name)
+        allowed, key = peer_facts(ip, lst.allow)  # the one parse of the peer's address
+        refusal = h.guard.admit(ip, allowed, lst.name, key)
         if refusal is not None:  # RFC 5321 §3.8: 421, then close
             t.write(refusal.encode() + b"\r\n")
             t.close()
             return
         self._peer_ip = ip
+        self._peer_key = key
         h.stats.sessions += 1
         self.transport = t
-        self.session = Session(peer=peer)
+        self.session = Session(peer=peer, ip=ip, allowed_by=(lst.allow, peer, allowed))
         settings = settings_for(h, lst, allowed)
         self.core = core_.ServerCore(settings)
         if settings.implicit_tls:  # TLS from the first byte (RFC 8314 §3)
@@ -191,7 +193,7 @@ class InboundProtocol(asyncio.Protocol):
             self._idle_timer.cancel()
             self._idle_timer = None
         if self._peer_ip is not None:
-            self.handler.guard.release(self._peer_ip)
+            self.handler.guard.release(self._peer_ip, self._peer_key)
             self._peer_ip = None
         if self._task is not None:  # as aiosmtpd: a decision in flight is cancelled
             self._task.cancel()
@@ -515,7 +517,12 @@ class InboundProtocol(asyncio.Protocol):
             return
         self.transport = new
         # RFC 3207 §4.2: a new session, over TLS
-        self.session = Session(peer=self.session.peer if self.session else None)
+        old = self.session
+        self.session = Session(
+            peer=old.peer if old else None,
+            ip=old.ip if old else None,
+            allowed_by=old.allowed_by if old else None,
+        )
         self.session.ssl = {k: new.get_extra_info(k) for k in _TLS_KEYS}
         self.envelope = Envelope()
         core.tls_started()

@@ -214,6 +214,8 @@ def qualify_field(field: bytes, domain: str) -> bytes | None:
     colon = field.find(b":")
     if colon < 0:
         return None
+    if _all_qualified(field, colon + 1):
+        return None
     try:
         field.decode("utf-8")
     except UnicodeDecodeError:
@@ -232,6 +234,25 @@ def qualify_field(field: bytes, domain: str) -> bytes | None:
     if all(len(line) <= MAX_LINE for line in new.split(b"\r\n")):
         return new
     return _refold(new, field.split(b"\r\n"))
+
+
+# what makes the quick check below unsure: a quoted string, a comment, an escape, a
+# domain literal (inside them a separator or "@" is only text)
+_UNSURE = re.compile(rb'["(\\\[]')
+_SEPARATORS = re.compile(rb"[,;:]")
+
+
+def _all_qualified(field: bytes, pos: int) -> bool:
+    """True when the address list `field[pos:]` surely has no bare local part (the common
+    field, `a@b.example, Name <c@d.example>`), without tokenizing it: no quoted string,
+    comment, escape or domain literal, and an "@" between every two separators. A bare
+    local part is a lone atom or `<atom>` of its own element, so never shares its
+    element with an "@" (bare_local_parts is unsure of such an element anyway). False
+    means: read it whole (bare_local_parts)."""
+    value = field[pos:]
+    if _UNSURE.search(value) is not None:
+        return False
+    return all(b"@" in part or not part.strip() for part in _SEPARATORS.split(value))
 
 
 def _refold(new: bytes, old_lines: list[bytes]) -> bytes | None:

@@ -274,8 +274,11 @@ def redact_text(text: str) -> str:
 
 
 def _redact_tree(value: object) -> object:
-    if isinstance(value, str):
-        return redact_text(value)
+    kind = type(value)
+    if kind is int or kind is float or kind is bool or value is None:  # the usual fields
+        return value
+    if kind is str or isinstance(value, str):
+        return redact_text(value)  # type: ignore[arg-type]
     if isinstance(value, list):
         return [_redact_tree(v) for v in value]
     if isinstance(value, dict):
@@ -361,19 +364,44 @@ def _is_secret_key(key: str) -> bool:
     return k in _SECRET_KEYS or k.endswith(_SECRET_SUFFIXES)
 
 
+# what a field's name says about its value, from its lower-cased name: a secret, an
+# address, text left unscrubbed, or other (worked out once per name: the names are the call
+# sites' keywords, a few dozen)
+_SECRET, _ADDRESS, _NO_SCRUB, _OTHER = range(4)
+_KEY_KINDS: dict[str, int] = {}
+
+
+def _key_kind(key: str) -> int:
+    kind = _KEY_KINDS.get(key)
+    if kind is None:
+        k = key.lower()
+        kind = (
+            _SECRET
+            if _is_secret_key(k)
+            else _ADDRESS
+            if k in _ADDRESS_KEYS
+            else _NO_SCRUB
+            if k in _NO_SCRUB_KEYS
+            else _OTHER
+        )
+        if len(_KEY_KINDS) < 4096:  # names built from data would not grow it without end
+            _KEY_KINDS[key] = kind
+    return kind
+
+
 def _sanitize(key: str, value: object, unmask: bool, depth: int = 0) -> object:
     """Return a JSON-compatible, privacy-safe rendering of one field value."""
-    k = key.lower()
-    if _is_secret_key(k):
+    kind = _key_kind(key)
+    if kind == _SECRET:
         return REDACTED
-    if k in _ADDRESS_KEYS and not unmask:
+    if kind == _ADDRESS and not unmask:
         return _mask_value(value)
     if depth >= _MAX_DEPTH:
         return "[...]"
     if value is None or isinstance(value, bool | int | float):
         return value
     if isinstance(value, str):
-        return value if unmask or k in _NO_SCRUB_KEYS else _scrub(value)
+        return value if unmask or kind == _NO_SCRUB else _scrub(value)
     if isinstance(value, bytes | bytearray | memoryview):
         return f"<{len(value)} bytes>"
     if isinstance(value, enum.Enum):
@@ -395,8 +423,18 @@ def _sanitize(key: str, value: object, unmask: bool, depth: int = 0) -> object:
 # --------------------------------------------------------------------------- formatters
 
 
+_ts_cache: tuple[int, str] = (-1, "")  # (second, its text): formatted once a second
+
+
 def _iso_ts(record: logging.LogRecord) -> str:
-    base = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    global _ts_cache
+    second = int(record.created)
+    cached = _ts_cache
+    if cached[0] == second:
+        base = cached[1]
+    else:
+        base = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        _ts_cache = (second, base)
     return f"{base}.{int(record.msecs):03d}Z"
 
 
@@ -429,12 +467,17 @@ class _StructuredFormatter(logging.Formatter):
         }
         fields = getattr(record, "fields", None)
         if isinstance(fields, Mapping):
+            unmask = self.unmask
             for raw_key, value in fields.items():
                 if value is None:  # an absent value is left out, never printed as null
                     continue
-                key = str(raw_key)
+                key = raw_key if type(raw_key) is str else str(raw_key)
                 out_key = f"field_{key}" if key in _RESERVED_KEYS else key
-                out[out_key] = _sanitize(key, value, self.unmask)
+                kind = type(value)
+                if (kind is int or kind is float) and _key_kind(key) == _OTHER:
+                    out[out_key] = value  # a number: as _sanitize would give it, sooner
+                else:
+                    out[out_key] = _sanitize(key, value, unmask)
         exc_info = record.exc_info
         if exc_info and exc_info[0] is not None and exc_info[1] is not None:
             out["exc_type"] = _exc_type_name(exc_info[0])
@@ -448,23 +491,33 @@ class _StructuredFormatter(logging.Formatter):
         if record.stack_info and self.include_traceback:
             out["stack"] = self._text(record.stack_info)
         # secrets and URLs' passwords and query values, in every field, even unmasked
-        return {
-            k: _replace_secrets(v)
-            if k in _WHOLE_URL_KEYS and isinstance(v, str)
-            else _redact_tree(v)
-            for k, v in out.items()
-        }
+        # (a plain string with no secret to replace and no URL stays as it is: the usual)
+        plain = not _secrets
+        for k, v in out.items():
+            kind = type(v)
+            if kind is str:
+                if k in _WHOLE_URL_KEYS:
+                    out[k] = _replace_secrets(v)  # type: ignore[arg-type]
+                elif not plain or "://" in v:  # type: ignore[operator]
+                    out[k] = redact_text(v)  # type: ignore[arg-type]
+            elif kind is not int and kind is not float and kind is not bool and v is not None:
+                out[k] = _redact_tree(v)
+        return out
 
 
 def _json_default(value: object) -> object:
     return str(value)
 
 
+# json.dumps with these arguments, made once (json.dumps builds an encoder per call)
+_JSON: Final = json.JSONEncoder(separators=(",", ":"), default=_json_default)
+
+
 class JSONFormatter(_StructuredFormatter):
     """One JSON object per line (non-ASCII escaped, so it is always a single line)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(self.payload(record), separators=(",", ":"), default=_json_default)
+        return _JSON.encode(self.payload(record))
 
 
 _LOGFMT_KEY_RE: Final = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -591,6 +644,12 @@ def setup_logging(
                     h.flush()  # its stream may be closed already (a CLI run under a test)
                 h.close()  # does not close the underlying stream
         root.setLevel(lvl)
+        # what our formatters never print is not gathered per record either (the logging
+        # HOWTO's "Optimization"): the caller's file and line (a walk up the stack), the
+        # process id (a getpid system call per record) and the multiprocessing name
+        logging._srcfile = None
+        logging.logProcesses = False
+        logging.logMultiprocessing = False
         # aiosmtpd logs SMTP command lines (addresses) at INFO and DATA (bodies) at DEBUG.
         aiosmtpd_level = max(lvl, logging.INFO) if unmask else max(lvl, logging.WARNING)
         logging.getLogger(_AIOSMTPD_LOGGER).setLevel(aiosmtpd_level)

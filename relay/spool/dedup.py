@@ -52,6 +52,33 @@ def dedup_key(namespace: str, message_id: str, recipient: str) -> str:
     return h.hexdigest()[:40]
 
 
+def dedup_keys(namespace: str, message_id: str, recipients: list[str]) -> list[str]:
+    """`dedup_key` of each recipient of one message: the namespace and Message-ID are
+    normalized and hashed once, and each recipient's key continues a copy of that hash."""
+    head = hashlib.sha256()
+    for part in (namespace, normalize_message_id(message_id)):
+        head.update(part.encode("utf-8", errors="surrogateescape"))
+        head.update(b"\x00")
+    return [_finish(head, r) for r in recipients]
+
+
+def idempotency_dedup_keys(namespace: str, key: str, recipients: list[str]) -> list[str]:
+    """`idempotency_dedup_key` of each recipient of one message (as `dedup_keys`)."""
+    head = hashlib.sha256(b"idempotency-key\x00")
+    head.update(namespace.encode("utf-8", errors="surrogateescape"))
+    head.update(b"\x00")
+    head.update(key.encode("utf-8", errors="surrogateescape"))
+    head.update(b"\x00")
+    return [_finish(head, r) for r in recipients]
+
+
+def _finish(head: hashlib._Hash, recipient: str) -> str:
+    h = head.copy()
+    h.update(normalize_address(recipient).encode("utf-8", errors="surrogateescape"))
+    h.update(b"\x00")
+    return h.hexdigest()[:40]
+
+
 def idempotency_dedup_key(namespace: str, key: str, recipient: str) -> str:
     """An `Idempotency-Key` header's dedup key: in place of the Message-ID, compared exactly
     (a key is the app's own token: no case folding), still per namespace and recipient."""

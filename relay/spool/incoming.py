@@ -63,9 +63,11 @@ class IncomingBody:
     def tmp_path(self) -> Path | None:
         return self._tmp
 
-    def inline(self) -> bytes:
+    def inline(self, prefix: bytes = b"") -> bytes:
+        """The message held in memory, after `prefix` (our Received: line and such): one
+        copy of the data, not one to bytes and another to put the prefix in front."""
         assert self._tmp is None
-        return bytes(self._mem)
+        return prefix + self._mem  # bytes + bytearray: bytes
 
     # --- the header block ---------------------------------------------------------------
 
