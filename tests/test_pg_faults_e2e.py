@@ -245,9 +245,9 @@ def no_250_while_down(load: Load, down: float, up_again: float) -> int:
 
 
 def test_a_database_restart_under_load_loses_and_doubles_nothing(
+    private_pg: PrivatePg,  # first: dropped after the daemons are gone
     upstream: UpFactory,
     relay: RelayFactory,
-    private_pg: PrivatePg,
     tmp_path: Path,
     stoppers: Stoppers,
 ) -> None:
@@ -312,9 +312,9 @@ def _health_ok(r: RelayProcess) -> bool:
 
 
 def test_terminated_sessions_under_load_lose_and_double_nothing(
+    private_pg: PrivatePg,  # first: dropped after the daemons are gone
     upstream: UpFactory,
     relay: RelayFactory,
-    private_pg: PrivatePg,
     tmp_path: Path,
     stoppers: Stoppers,
 ) -> None:
@@ -344,9 +344,9 @@ LEASE = 3.0
 
 
 def test_a_node_killed_while_it_holds_claims_is_taken_over(
+    private_pg: PrivatePg,  # first: dropped after the daemons are gone
     upstream: UpFactory,
     relay: RelayFactory,
-    private_pg: PrivatePg,
     tmp_path: Path,
     stoppers: Stoppers,
 ) -> None:
@@ -426,9 +426,9 @@ END $$;
 
 
 def test_a_full_database_takes_nothing_and_loses_nothing(
+    private_pg: PrivatePg,  # first: dropped after the daemons are gone
     upstream: UpFactory,
     relay: RelayFactory,
-    private_pg: PrivatePg,
     tmp_path: Path,
     stoppers: Stoppers,
 ) -> None:
@@ -471,9 +471,9 @@ def test_a_full_database_takes_nothing_and_loses_nothing(
 
 
 def test_a_claim_whose_commit_answer_is_lost_is_delivered_by_the_same_node(
+    private_pg: PrivatePg,  # first: dropped after the daemons are gone
     upstream: UpFactory,
     relay: RelayFactory,
-    private_pg: PrivatePg,
     tmp_path: Path,
 ) -> None:
     """A claim pass that committed but whose answer the engine never got (the fault seam
