@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -98,6 +99,7 @@ def main() -> int:
         for r in nodes:
             r.stop()
         sink.stop()
+        shutil.rmtree(work, ignore_errors=True)
     took = marks["all"] - t0
     steady = (ok * 9 // 10 - ok // 10) / max(1e-9, marks["p90"] - marks["p10"])
     print(
