@@ -232,7 +232,7 @@ async def apply(
             )
         if res is not None and res.verdict.throttled:
             throttled = True
-            rule_hit = rule_hit or shaping.match_rules(e.rules, reply)
+            rule_hit = rule_hit or shaping.match_rules(e.dests.rules, reply)
         if d.kind == "delivered":
             delivered += 1
             e.last_delivery_at = now
@@ -287,7 +287,7 @@ async def apply(
         st.breaker.on_failure(now)
     else:
         st.breaker.on_success(now)
-    e.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
+    e.dests.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
     if throttled:
         hold = 0.0
         if rule_hit is not None and rule_hit.action == "suspend":
@@ -313,9 +313,9 @@ async def apply(
                 rate=st.adaptive.effective_rate(),
                 connections=st.adaptive.effective_connections(),
             )
-        e.retune(st)
+        e.dests.retune(st)
     elif delivered and st.adaptive.on_success(now):
-        e.retune(st)
+        e.dests.retune(st)
         e.spawn_workers(st)
     e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
     await finish(e, job, outcomes, delivered)
@@ -387,7 +387,7 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
     n = len(job.claims)
     st = e.dests[job.destination]
     by = e.dests[job.carrier] if job.carrier is not None else st  # after a hand-over
-    scopes = e.ledger.release(
+    scopes = e.dests.ledger.release(
         job.reserved, n, delivered, e.clock(), by.name, by.conf.daily_limit is not None
     )
     st.reserved = max(0, st.reserved - n)
@@ -444,7 +444,7 @@ async def record(
     e: Engine, outcomes: Sequence[ops.RcptUpdate], release: dict[str, int] | None = None
 ) -> None:
     now = e.clock()
-    day = e.ledger.day_of(now)
+    day = e.dests.ledger.day_of(now)
     delay = min(RECORD_RETRY_FIRST, e.config.delivery.poll_interval)
     # the alerts of the dead letters these outcomes make, in the same commit: a crash
     # cannot record a dead letter and lose its alert

@@ -50,14 +50,15 @@ async def open_for(
         return conn, st, failure, True
     chain = [st]
     if job.route is not None and st.name in job.route.via:
-        chain += [e.dest(n) for n in job.route.via[job.route.via.index(st.name) + 1 :]]
+        chain += [e.dests.dest(n) for n in job.route.via[job.route.via.index(st.name) + 1 :]]
     last: tuple[DestState, ConnectFailed] | None = None
     for i, d in enumerate(chain):
         now = e.clock()
         if i > 0 and not e.fleet:
             # the backup carries the transaction under its own daily ceiling (one engine;
             # a fleet counts it to the upstream it was dispatched to, README Known limits)
-            room = e.ledger.room(e.ledger.limits(d.name, d.conf.daily_limit, "", None, now), now)
+            ledger = e.dests.ledger
+            room = ledger.room(ledger.limits(d.name, d.conf.daily_limit, "", None, now), now)
             if room is not None and room[0] < len(rcpts):
                 log_event(
                     log,
@@ -124,7 +125,7 @@ async def open_for(
         if last is not None:
             _charge(e, *last)
         if i > 0 and not e.fleet:
-            job.reserved = e.ledger.hand_over(
+            job.reserved = e.dests.ledger.hand_over(
                 job.reserved, len(job.claims), st.name, d.name, d.conf.daily_limit
             )
             job.carrier = d.name
@@ -155,7 +156,7 @@ def _charge(e: Engine, d: DestState, ex: ConnectFailed) -> None:
     now = e.clock()
     before = d.breaker.state(now)
     d.breaker.on_failure(now)
-    e.breaker_changed(d, before, now, str(ex.reply))
+    e.dests.breaker_changed(d, before, now, str(ex.reply))
 
 
 def _config_error(d: DestState, c: Connection, ex: ConnectFailed) -> None:

@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.delivery.engine")
 
 
-def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
-    """The first upstream of a route that is not waiting (circuit, suspension); the
-    first one when all are (the job then waits on it)."""
-    for name in via:
-        st = e.dest(name)
-        if st.suspended_until <= now and st.breaker.state(now) != "open":
-            return name
-    return via[0]
-
-
 def dispatch(
     e: Engine,
     job: Job,
@@ -79,8 +69,8 @@ def dispatch(
     job.claims = keep
     if not keep:
         return out
-    st = e.dest(job.destination)
-    limits = e.ledger.limits(
+    st = e.dests.dest(job.destination)
+    limits = e.dests.ledger.limits(
         st.name, st.conf.daily_limit, job.identity, e.config.identity(job.identity), now
     )
     # state(), not allow(): allow() hands out the one half-open trial, which belongs to
@@ -95,7 +85,7 @@ def dispatch(
         suspended_until=st.suspended_until,
         suspend_reason=st.suspend_reason,
         circuit_until=circuit,
-        room=e.ledger.room(limits, now) if limits else None,
+        room=e.dests.ledger.room(limits, now) if limits else None,
     )
     if isinstance(verdict, decide.Wait):
         outs, dead = decide.wait(
@@ -126,7 +116,7 @@ def dispatch(
     n = len(job.claims)
     st.reserved += n
     job.reserved = tuple(scope for scope, _name, _limit in limits)
-    e.ledger.reserve(job.reserved, n)
+    e.dests.ledger.reserve(job.reserved, n)
     st.queues.get(job.lane, st.queues["transactional"]).append(job)
     e.job_queued(n)
     e.spawn_workers(st)

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import random
 import socket
@@ -49,13 +48,11 @@ from relay.delivery import (
     dispatch,
     operator,
     outbound,
-    shaping,
     views,
     workers,
 )
+from relay.delivery.destinations import Destinations
 from relay.delivery.jobs import DeadLetter, DestState, Job
-from relay.delivery.lanes import LANE_PRIORITY
-from relay.delivery.ledger import Ledger
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
 from relay.delivery.routes import Route, UpstreamHost
@@ -148,7 +145,7 @@ class Engine:
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
         self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
         self.on_suppressed = on_suppressed
-        self.dests: dict[str, DestState] = {}
+        self.dests = Destinations(config, metrics=self.metrics, clock=clock)
         self._wake = asyncio.Event()
         self.stopping = False
         self._inflight = 0
@@ -180,7 +177,6 @@ class Engine:
     def apply_config(self, config: Config) -> None:
         # everything that can fail first, into locals: a bad reload changes nothing
         tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
-        operator_rules = list(config.shaping.rules)
         resolver = self.resolver
         ns = config.upstream.mx.nameservers
         if resolver is None or ns != self._ns:
@@ -190,15 +186,7 @@ class Engine:
                 rng=self.rng,
             )
         self.config = config
-        old = getattr(self, "ledger", None)
-        self.ledger = Ledger(tz, config.shaping.window_length)
-        if old is not None:
-            self.ledger.day, self.ledger.counts, self.ledger.reserved = (
-                old.day,
-                old.counts,
-                old.reserved,
-            )
-        self.rules = [*operator_rules, *shaping.DEFAULT_RULES]
+        self.dests.apply_config(config, tz)
         self.resolver = resolver
         self._ns = ns
         mx = config.upstream.mx
@@ -219,47 +207,10 @@ class Engine:
                 else None
             )
             self._sts_conf = sts_conf
-        for name, st in self.dests.items():
-            conf = config.destination(name)
-            st.conf = conf
-            if st.upstream is not None:
-                st.upstream = config.routing.upstreams.get(name, st.upstream)
-            st.adaptive.base_rate = conf.rate or shaping.UNLIMITED
-            st.adaptive.base_connections = conf.max_connections
-            st.adaptive.cooldown = conf.slowdown_cooldown
-            st.breaker.threshold = conf.circuit_failures
-            st.breaker.cooldown = conf.circuit_cooldown
-            self.retune(st)
 
     def reconfigure(self, config: Config) -> None:
         self.apply_config(config)
         self.wake()
-
-    def dest(self, name: str) -> DestState:
-        st = self.dests.get(name)
-        if st is None:
-            conf = self.config.destination(name)
-            bucket = None
-            if conf.rate:
-                bucket = shaping.TokenBucket(rate=conf.rate, burst=conf.burst, updated=self.clock())
-            st = DestState(
-                name=name,
-                conf=conf,
-                bucket=bucket,
-                adaptive=shaping.Adaptive(
-                    base_rate=conf.rate or shaping.UNLIMITED,
-                    base_connections=conf.max_connections,
-                    cooldown=conf.slowdown_cooldown,
-                ),
-                breaker=shaping.Breaker(
-                    threshold=conf.circuit_failures, cooldown=conf.circuit_cooldown
-                ),
-                upstream=self.config.routing.upstreams.get(name),
-            )
-            self.dests[name] = st
-            if self.fleet_size > 1:
-                self.retune(st)
-        return st
 
     def token_source(self, up: UpstreamHost) -> TokenSource | None:
         """One OAuth2 token cache per upstream, kept while its OAuth settings stay."""
@@ -270,23 +221,6 @@ class Engine:
             have = (up, TokenSource(up.oauth, clock=self.clock))
             self._tokens[up.name] = have
         return have[1]
-
-    def retune(self, st: DestState) -> None:
-        rate = st.adaptive.effective_rate()
-        burst = st.conf.burst
-        if rate and self.fleet_size > 1:  # each live node sends its share of the rate
-            rate = rate / self.fleet_size
-            burst = max(1, math.ceil(burst / self.fleet_size))
-        now = self.clock()
-        if not rate:
-            st.bucket = None
-        elif st.bucket is None:
-            st.bucket = shaping.TokenBucket(rate=rate, burst=burst, updated=now)
-        else:
-            st.bucket.burst = burst
-            st.bucket.set_rate(rate, now)
-        self.metrics.effective_rate.labels(st.name).set(rate or 0)
-        self.metrics.effective_connections.labels(st.name).set(st.adaptive.effective_connections())
 
     # --- main loop ------------------------------------------------------------------------
 
@@ -299,7 +233,7 @@ class Engine:
         # work, like every later pass
         while True:
             now = self.clock()
-            day = self.ledger.day_of(now)
+            day = self.dests.ledger.day_of(now)
             try:
                 recovered, counts = await self.writer.run(
                     functools.partial(_start_up, now, day, self.node, self.fleet)
@@ -319,7 +253,7 @@ class Engine:
                 "claims left by a crash are due again",
                 count=recovered,
             )
-        self.ledger.load(day, counts)
+        self.dests.ledger.load(day, counts)
         beat = asyncio.create_task(self._heartbeat_loop(), name="fleet-heartbeat")
         failures = 0  # claim passes failed in a row (a full disk, a spool that is away)
         try:
@@ -374,7 +308,7 @@ class Engine:
         share each destination's rate."""
         while True:
             now = self.clock()
-            day = self.ledger.day_of(now)
+            day = self.dests.ledger.day_of(now)
             try:
                 size, counts, self.fleet_nodes = await self.writer.run(
                     functools.partial(self._beat, now, day, self._inflight)
@@ -382,12 +316,10 @@ class Engine:
             except Exception as e:
                 log_event(log, logging.ERROR, "engine_error", "fleet heartbeat failed", exc=e)
             else:
-                if counts is not None:  # the fleet's deliveries today, for stats and _waiting
-                    self.ledger.load(day, counts)
-                if size != self.fleet_size:  # each node's share of the rates changed
-                    self.fleet_size = size
-                    for st in self.dests.values():
-                        self.retune(st)
+                if counts is not None:  # the fleet's deliveries today, for stats and `waiting`
+                    self.dests.ledger.load(day, counts)
+                self.fleet_size = size  # each node's share of the rates
+                self.dests.set_share(size)
             await asyncio.sleep(self.lease / 3)
 
     def _beat(
@@ -414,52 +346,9 @@ class Engine:
 
     def _max_inflight(self) -> int:
         # a memory bound over all destinations; each destination is bounded on its own by
-        # _queue_cap, so one slow destination cannot fill this and starve the others
+        # its queue cap (Destinations.queue_cap), so one slow destination cannot fill this
+        # and starve the others
         return max(self.config.delivery.batch, 1) * 4
-
-    def _queue_cap(self, st: DestState) -> int:
-        """How many jobs of one lane a destination may hold in memory: enough to keep its
-        connections busy, and about two seconds of its rate."""
-        rate = st.adaptive.effective_rate()
-        return max(4, 2 * st.adaptive.effective_connections(), math.ceil((rate or 0) * 2))
-
-    def _waiting(self, now: float) -> list[tuple[int, str | None]]:
-        """(lane priority, domain) pairs whose destination takes no attempt now (circuit
-        open): not claimed, so that a backlog behind a dead upstream is not
-        claimed and written back as deferred on every pass. Upstream routing: only when
-        every upstream waits (a route fails over to the next one). MX: per domain. With MX
-        and upstream routes mixed, nothing is skipped (a domain may go either way)."""
-        routes = self.config.routing.routes
-        prios = sorted(set(LANE_PRIORITY.values()))
-
-        def waits(st: DestState) -> bool:
-            # a suspension (operator, rule) is left to dispatch: it defers each recipient
-            # once, until the suspension ends, with the reason `queue list` shows
-            return st.breaker.state(now) == "open"
-
-        if all(r.mx for r in routes):
-            return [
-                (p, st.name)
-                for st in self.dests.values()
-                if st.upstream is None and waits(st)
-                for p in prios
-            ]
-        if any(r.mx for r in routes):
-            return []
-        names = {n for r in routes for n in r.via}
-        if names and all(waits(self.dest(n)) for n in names):
-            return [(p, None) for p in prios]
-        return []
-
-    def _full_queues(self) -> list[tuple[int, str | None]]:
-        skip: list[tuple[int, str | None]] = []
-        for st in self.dests.values():
-            cap = self._queue_cap(st)
-            for lane, q in st.queues.items():
-                if len(q) >= cap:  # an upstream takes every domain: skip the whole lane
-                    domain = None if st.upstream is not None else st.name
-                    skip.append((LANE_PRIORITY.get(lane, 0), domain))
-        return skip
 
     async def stop(self, timeout: float) -> None:
         """Stop claiming; let the deliveries under way finish up to `timeout`; put the rest
@@ -477,8 +366,8 @@ class Engine:
         if cap <= 0:
             return 0
         now = self.clock()
-        skip = self._full_queues()
-        waiting = self._waiting(now)
+        skip = self.dests.full_queues()
+        waiting = self.dests.waiting(now)
         expired_before = float("-inf")
         if waiting and now >= self._next_expiry_pass:
             # what waits stays in the spool, but what is past retry.max_age is claimed
@@ -489,10 +378,8 @@ class Engine:
         # the upstream each route sends through now, chosen once for this pass: the claim
         # takes its ceiling room for it and dispatch sends there (one choice, two places)
         conf = self.config
-        via = {
-            r.via: dispatch.first_open(self, r.via, now) for r in conf.routing.routes if not r.mx
-        }
-        day = self.ledger.day_of(now)
+        via = {r.via: self.dests.first_open(r.via, now) for r in conf.routing.routes if not r.mx}
+        day = self.dests.ledger.day_of(now)
         until = now + self.lease
 
         def claim(c: Any) -> _Claimed:
@@ -528,19 +415,13 @@ class Engine:
 
         # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
         cmds, claims, envs, susp, stored, dests, grants = await self.writer.run(claim, lazy=True)
-        self.ledger.grants = grants
+        self.dests.ledger.grants = grants
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
-            operator.command(self, action, name, now)
+            operator.command(self.dests, self.spawn_workers, action, name, now)
         if cmds:
             self.wake()  # a kick or reset may open what this pass skipped: claim again
-        for name, (until, reason) in susp.items():
-            st = self.dest(name)
-            if until > st.suspended_until or st.suspend_reason.startswith("operator"):
-                st.suspended_until, st.suspend_reason = until, f"operator: {reason}"
-        for st in self.dests.values():
-            if st.suspend_reason.startswith("operator") and st.name not in susp:
-                st.suspended_until, st.suspend_reason = 0.0, ""
+        self.dests.apply_suspensions(susp)
         jobs: dict[tuple[str, str, int], Job] = {}
         for cl, (dname, route) in zip(claims, dests, strict=True):
             env = envs.get(cl.msg_id)
@@ -579,11 +460,11 @@ class Engine:
                 )
                 immediate.extend(_retry_later(job, now, e))
         left: dict[str, int] | None = None
-        if self.ledger.grants is not None:
+        if self.dests.ledger.grants is not None:
             # room taken for this pass and not used (suppressed, suspended, split) goes back,
             # in the commit of this pass's immediate outcomes when there are any
-            left = {s: n for s, n in self.ledger.grants.items() if n > 0} or None
-            self.ledger.grants = None
+            left = {s: n for s, n in self.dests.ledger.grants.items() if n > 0} or None
+            self.dests.ledger.grants = None
         if immediate:
             await attempt.record(self, immediate, left)
         elif left:
@@ -606,7 +487,7 @@ class Engine:
             if route is None:
                 continue
             ident = conf.identity(cl.identity)
-            for scope, _name, limit in self.ledger.limits(
+            for scope, _name, limit in self.dests.ledger.limits(
                 dname, conf.destination(dname).daily_limit, cl.identity, ident, now
             ):
                 wants[scope] = (limit, wants.get(scope, (limit, 0))[1] + 1)
@@ -649,9 +530,6 @@ class Engine:
         evs, self._alert_backlog = self._alert_backlog, []
         return evs
 
-    def breaker_changed(self, st: DestState, before: str, now: float, why: str) -> None:
-        operator.breaker_changed(self, st, before, now, why)
-
     # --- delegated: workers (relay/delivery/workers.py), views (relay/delivery/views.py) --
 
     def spawn_workers(self, st: DestState) -> None:
@@ -661,13 +539,16 @@ class Engine:
         await workers.wait_token(self, st)
 
     def health(self) -> list[views.DestHealth]:
-        return views.health(self)
+        return views.health(self.dests)
 
     def dead_letters_last_hour(self) -> int:
-        return views.dead_letters_last_hour(self)
+        cutoff = self.clock() - 3600
+        while self.dead_times and self.dead_times[0] < cutoff:
+            self.dead_times.popleft()
+        return len(self.dead_times)
 
     def snapshot(self) -> views.Snapshot:
-        return views.snapshot(self)
+        return views.snapshot(self.dests, self._inflight)
 
     @property
     def inflight(self) -> int:
