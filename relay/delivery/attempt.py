@@ -27,18 +27,15 @@ from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
 from relay.delivery.upstream_ids import upstream_id
-from relay.ops import alerts, faults
+from relay.ops import alerts
 from relay.ops.logs import log_event
 from relay.spool import bodies, ops
 from relay.spool.model import RcptState
-from relay.spool.writer import Grouped
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine
 
 log = logging.getLogger("relay.delivery.engine")
-
-RECORD_RETRY_FIRST = 0.5  # seconds; doubles up to 30 s while the spool refuses an outcome
 
 
 async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -> Connection | None:
@@ -61,7 +58,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
             outs, dead = decide.wait(
                 job, job.claims, until, reason, now=now, max_age=e.config.retry.max_age
             )
-            e.emit_dead(dead)
+            e.recorder.emit_dead(dead)
             await finish(e, job, outs, delivered=0)
             return conn
         allowed = False  # failover routes: the next upstream may take it
@@ -235,7 +232,7 @@ async def apply(
             rule_hit = rule_hit or shaping.match_rules(e.dests.rules, reply)
         if d.kind == "delivered":
             delivered += 1
-            e.last_delivery_at = now
+            e.recorder.last_delivery_at = now
             e.metrics.delivered.labels(st.name).inc()
             e.metrics.latency.observe(max(0.0, now - cl.created_at))
             log_event(
@@ -317,7 +314,7 @@ async def apply(
     elif delivered and st.adaptive.on_success(now):
         e.dests.retune(st)
         e.spawn_workers(st)
-    e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
+    e.recorder.emit_dead(dead, host)  # before the record: its alerts go in the same commit
     await finish(e, job, outcomes, delivered)
     if delayed is not None:
         await delay_warning(e, st, job, *delayed)
@@ -367,7 +364,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
         age=age,
         reply=reply,
     )
-    e.hook(
+    e.recorder.hook(
         {
             "event": "delayed",
             "queue_id": job.msg_id,
@@ -400,79 +397,9 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
     # a fleet releases the room it held under the ceilings in the commit that counts
     release = {scope: n for scope in job.reserved} if e.fleet and job.reserved else None
     try:
-        await record(e, outcomes, release)
+        await e.recorder.record(outcomes, release)
     finally:
         e.job_done(n)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Record:
-    """One `record` job: outcomes, the room they release, the alerts they raise."""
-
-    outcomes: tuple[ops.RcptUpdate, ...]
-    now: float
-    day: str
-    node: str | None
-    release: dict[str, int] | None
-    evs: list[alerts.Event]
-    coalesce: float
-    sinks: Sequence[str]
-
-
-def record_jobs(c: Any, recs: list[_Record]) -> list[None]:
-    """The record jobs of one writer batch: their outcomes in one `ops.record_many`, the
-    room they release summed per node and scope (releasing a then b is releasing a + b),
-    then their alerts. Hot rows are locked in `record`'s order, then the node's holds."""
-    by_node: dict[str | None, list[_Record]] = {}
-    for r in recs:
-        by_node.setdefault(r.node, []).append(r)
-    for node, mine in by_node.items():
-        ops.record_many(c, [(r.outcomes, r.now, r.day) for r in mine], owner=node)
-        release: dict[str, int] = {}
-        for r in mine:
-            for scope, n in (r.release or {}).items():
-                release[scope] = release.get(scope, 0) + n
-        if release and node is not None:
-            ops.ceiling_release(c, node, dict(sorted(release.items())))
-    for r in recs:
-        for ev in r.evs:
-            alerts.record(c, ev, r.now, r.coalesce, r.sinks)
-    return [None] * len(recs)
-
-
-async def record(
-    e: Engine, outcomes: Sequence[ops.RcptUpdate], release: dict[str, int] | None = None
-) -> None:
-    now = e.clock()
-    day = e.dests.ledger.day_of(now)
-    delay = min(RECORD_RETRY_FIRST, e.config.delivery.poll_interval)
-    # the alerts of the dead letters these outcomes make, in the same commit: a crash
-    # cannot record a dead letter and lose its alert
-    evs = e.take_alerts()
-    conf = e.config.alerts
-    sinks = alerts.sinks_of(conf)
-
-    # grouped: the records of one writer batch are a few statements on PostgreSQL
-    job = Grouped(
-        record_jobs, _Record(tuple(outcomes), now, day, e.node, release, evs, conf.coalesce, sinks)
-    )
-
-    while True:
-        try:
-            faults.hit("engine.record")
-            await e.writer.run(job)
-            if e.on_recorded is not None:
-                e.on_recorded(o.msg_id for o in outcomes)
-            return
-        except Exception as ex:
-            log_event(
-                log, logging.ERROR, "spool_error", "could not record outcomes; retrying", exc=ex
-            )
-            if e.stopping:
-                # left `sending`: the next start makes them due again (at-least-once)
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)  # until the spool takes it (disk full, lock)
 
 
 def _age(seconds: float) -> str:

@@ -91,7 +91,7 @@ def dispatch(
         outs, dead = decide.wait(
             job, keep, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
         )
-        e.emit_dead(dead)
+        e.recorder.emit_dead(dead)
         return out + outs
     if isinstance(verdict, decide.Split):
         # what fits goes now; the rest of the recipients waits for the next window
@@ -109,7 +109,7 @@ def dispatch(
         outs, dead = decide.wait(
             job, rest, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
         )
-        e.emit_dead(dead)
+        e.recorder.emit_dead(dead)
         out.extend(outs)
         if not job.claims:
             return out

@@ -35,16 +35,13 @@ import random
 import socket
 import time
 import zoneinfo
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from relay import __version__
 from relay.authenticity import mtasts
 from relay.config.tree import Config
 from relay.delivery import (
-    attempt,
-    deadletters,
     dispatch,
     operator,
     outbound,
@@ -52,11 +49,11 @@ from relay.delivery import (
     workers,
 )
 from relay.delivery.destinations import Destinations
-from relay.delivery.jobs import DeadLetter, DestState, Job
+from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
+from relay.delivery.recorder import DeadLetterHook, Recorder
 from relay.delivery.routes import Route, UpstreamHost
-from relay.ops import alerts
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
 from relay.spool import ops
@@ -68,7 +65,6 @@ CLAIM_BACKOFF_MAX = 10.0  # seconds: the longest wait after failed claim passes 
 
 log = logging.getLogger(__name__)
 
-DeadLetterHook = Callable[[dict[str, Any]], Awaitable[None]]
 # one claim transaction: operator commands, claims, their envelopes, suspensions, and the
 # spool's suppression entries of claimed addresses
 _Claimed = tuple[
@@ -138,9 +134,6 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.rng = rng or random.Random()
-        self.on_dead_letter = on_dead_letter
-        # told the queue ids of every record committed (the outbox's incremental write-back)
-        self.on_recorded: Callable[[Iterable[str]], None] | None = None
         self.is_suppressed = is_suppressed
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
         self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
@@ -150,11 +143,7 @@ class Engine:
         self.stopping = False
         self._inflight = 0
         self._loop_exited = asyncio.Event()
-        self._hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
-        self._alert_backlog: list[alerts.Event] = []  # recorded with the next outcomes
         self._tokens: dict[str, tuple[UpstreamHost, TokenSource]] = {}
-        self.dead_times: deque[float] = deque()  # dead letters of the last hour
-        self.last_delivery_at: float | None = None
         self._cmd_seen: int | None = None  # engine_commands read so far
         self._next_expiry_pass = 0.0  # when _claim_and_dispatch next claims expired waits
         self.resolver = resolver
@@ -170,6 +159,15 @@ class Engine:
         self.fleet_size = 1
         self.fleet_nodes: list[dict[str, Any]] = []  # at the last heartbeat (a fleet only)
         self.started_at = clock()
+        self.recorder = Recorder(
+            writer,
+            config=lambda: self.config,
+            ledger=self.dests.ledger,
+            node=self.node,
+            clock=clock,
+            stopping=lambda: self.stopping,
+            on_dead_letter=on_dead_letter,
+        )
         self.apply_config(config)
 
     # --- configuration ------------------------------------------------------------------
@@ -357,7 +355,7 @@ class Engine:
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
-        await workers.drain(self, timeout, list(self._hooks))
+        await workers.drain(self, timeout, list(self.recorder.hooks))
 
     # --- claiming and dispatch ------------------------------------------------------------
 
@@ -466,7 +464,7 @@ class Engine:
             left = {s: n for s, n in self.dests.ledger.grants.items() if n > 0} or None
             self.dests.ledger.grants = None
         if immediate:
-            await attempt.record(self, immediate, left)
+            await self.recorder.record(immediate, left)
         elif left:
             await self.writer.run(
                 functools.partial(ops.ceiling_release, node=self.node, scopes=left)
@@ -500,36 +498,6 @@ class Engine:
         self._inflight = max(0, self._inflight - n)
         self.wake()
 
-    # --- dead letters, hooks, alerts --------------------------------------------------------
-
-    def emit_dead(self, dead: list[DeadLetter], host: str | None = None) -> None:
-        """Log each dead letter, queue its alert for the next record, run the DSN hook."""
-        for d in dead:
-            self.dead_times.append(self.clock())
-            self._alert_backlog.append(deadletters.alert(d))
-            deadletters.log_lines(d, host)
-            self.hook(d.as_doc())
-
-    def hook(self, doc: dict[str, Any]) -> None:
-        """The daemon's DSN hook, in the background: a slow one must not hold this worker,
-        and with it the destination's connection."""
-        if self.on_dead_letter is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._run_hook(doc))
-        self._hooks.add(task)
-        task.add_done_callback(self._hooks.discard)
-
-    async def _run_hook(self, doc: dict[str, Any]) -> None:
-        assert self.on_dead_letter is not None
-        try:
-            await self.on_dead_letter(doc)
-        except Exception as e:
-            log_event(log, logging.ERROR, "alert_failed", "dead-letter hook failed", exc=e)
-
-    def take_alerts(self) -> list[alerts.Event]:
-        evs, self._alert_backlog = self._alert_backlog, []
-        return evs
-
     # --- delegated: workers (relay/delivery/workers.py), views (relay/delivery/views.py) --
 
     def spawn_workers(self, st: DestState) -> None:
@@ -542,10 +510,7 @@ class Engine:
         return views.health(self.dests)
 
     def dead_letters_last_hour(self) -> int:
-        cutoff = self.clock() - 3600
-        while self.dead_times and self.dead_times[0] < cutoff:
-            self.dead_times.popleft()
-        return len(self.dead_times)
+        return self.recorder.dead_letters_last_hour()
 
     def snapshot(self) -> views.Snapshot:
         return views.snapshot(self.dests, self._inflight)
@@ -553,3 +518,18 @@ class Engine:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    # --- what the daemon reads and sets of the recorder -----------------------------------
+
+    @property
+    def last_delivery_at(self) -> float | None:
+        return self.recorder.last_delivery_at
+
+    @property
+    def on_recorded(self) -> Callable[[Iterable[str]], None] | None:
+        """Told the queue ids of every record committed (the outbox's write-back)."""
+        return self.recorder.on_recorded
+
+    @on_recorded.setter
+    def on_recorded(self, fn: Callable[[Iterable[str]], None] | None) -> None:
+        self.recorder.on_recorded = fn

@@ -167,10 +167,10 @@ async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> N
                 outs, dead = decide.wait(
                     job, job.claims, now, "daemon stopped", now=now, max_age=e.config.retry.max_age
                 )
-                e.emit_dead(dead)
+                e.recorder.emit_dead(dead)
                 back.extend(outs)
     if back:
-        await attempt.record(e, back)
+        await e.recorder.record(back)
 
     def give_back(c: Any) -> None:  # this node's claims only: the fleet's others are theirs
         ops.recover(c, now, owner=e.node)
