@@ -30,15 +30,12 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import random
-import socket
 import time
 import zoneinfo
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from relay import __version__
 from relay.authenticity import mtasts
 from relay.config.tree import Config
 from relay.delivery import (
@@ -49,6 +46,7 @@ from relay.delivery import (
     workers,
 )
 from relay.delivery.destinations import Destinations
+from relay.delivery.fleet import Fleet
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import Resolver
 from relay.delivery.oauth import TokenSource
@@ -107,15 +105,6 @@ def _retry_later(job: Job, now: float, e: Exception) -> list[ops.RcptUpdate]:
     ]
 
 
-def _start_up(now: float, day: str, node: str, fleet: bool, c: Any) -> tuple[int, dict[str, int]]:
-    if not fleet:  # the one engine of a SQLite spool: every claim in the spool was ours
-        return ops.recover(c, now), ops.daily_counts(c, day)
-    # a fleet: claims of this node's previous life (a stable fleet.node), and those of any
-    # node whose lease ran out; live nodes' claims are theirs
-    n = ops.recover(c, now, owner=node) + ops.reclaim_expired(c, now, node, day)
-    return n, ops.daily_counts(c, day)
-
-
 class Engine:
     def __init__(
         self,
@@ -154,16 +143,20 @@ class Engine:
         self.sts_seen: dict[tuple[str, str], int] = {}  # failures already in the metric
         # the fleet (spool.backend: postgresql): this node's name, its leases, and how many
         # nodes share each destination's rate (README "Running a fleet")
-        self.fleet = config.spool_pg is not None
-        self.node = config.fleet.node or f"{socket.gethostname()}:{os.getpid()}"
-        self.fleet_size = 1
-        self.fleet_nodes: list[dict[str, Any]] = []  # at the last heartbeat (a fleet only)
-        self.started_at = clock()
+        self.membership = Fleet(
+            config,
+            writer,
+            get_config=lambda: self.config,
+            ledger=self.dests.ledger,
+            clock=clock,
+            inflight=lambda: self._inflight,
+            on_share=self.dests.set_share,
+        )
         self.recorder = Recorder(
             writer,
             config=lambda: self.config,
             ledger=self.dests.ledger,
-            node=self.node,
+            node=self.membership.node,
             clock=clock,
             stopping=lambda: self.stopping,
             on_dead_letter=on_dead_letter,
@@ -233,9 +226,7 @@ class Engine:
             now = self.clock()
             day = self.dests.ledger.day_of(now)
             try:
-                recovered, counts = await self.writer.run(
-                    functools.partial(_start_up, now, day, self.node, self.fleet)
-                )
+                recovered, counts = await self.membership.start(now, day)
                 break
             except Exception as e:
                 log_event(log, logging.ERROR, "engine_error", "start-up pass failed", exc=e)
@@ -252,7 +243,7 @@ class Engine:
                 count=recovered,
             )
         self.dests.ledger.load(day, counts)
-        beat = asyncio.create_task(self._heartbeat_loop(), name="fleet-heartbeat")
+        beat = asyncio.create_task(self.membership.heartbeat_loop(), name="fleet-heartbeat")
         failures = 0  # claim passes failed in a row (a full disk, a spool that is away)
         try:
             while not self.stopping:
@@ -296,52 +287,6 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
 
-    @property
-    def lease(self) -> float:
-        return self.config.fleet.lease
-
-    async def _heartbeat_loop(self) -> None:
-        """Every lease/3: renew this node's leases and heartbeat; in a fleet, also give the
-        claims of nodes whose lease ran out back to the queue, and learn how many nodes
-        share each destination's rate."""
-        while True:
-            now = self.clock()
-            day = self.dests.ledger.day_of(now)
-            try:
-                size, counts, self.fleet_nodes = await self.writer.run(
-                    functools.partial(self._beat, now, day, self._inflight)
-                )
-            except Exception as e:
-                log_event(log, logging.ERROR, "engine_error", "fleet heartbeat failed", exc=e)
-            else:
-                if counts is not None:  # the fleet's deliveries today, for stats and `waiting`
-                    self.dests.ledger.load(day, counts)
-                self.fleet_size = size  # each node's share of the rates
-                self.dests.set_share(size)
-            await asyncio.sleep(self.lease / 3)
-
-    def _beat(
-        self, now: float, day: str, inflight: int, c: Any
-    ) -> tuple[int, dict[str, int] | None, list[dict[str, Any]]]:
-        ops.renew_leases(c, self.node, now + self.lease)
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
-        ops.heartbeat(c, self.node, self.started_at, now, inflight, info)
-        if not self.fleet:
-            return 1, None, []
-        n = ops.reclaim_expired(c, now, self.node, day)
-        if n:
-            log_event(
-                log,
-                logging.WARNING,
-                "recovered",
-                "claims of a node whose lease expired are due again",
-                count=n,
-            )
-        ops.prune_nodes(c, now, 86400.0)
-        nodes = ops.list_nodes(c, now, self.lease)
-        live = max(1, sum(1 for n in nodes if n["alive"]))
-        return live, ops.daily_counts(c, day), nodes
-
     def _max_inflight(self) -> int:
         # a memory bound over all destinations; each destination is bounded on its own by
         # its queue cap (Destinations.queue_cap), so one slow destination cannot fill this
@@ -356,6 +301,7 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
         await workers.drain(self, timeout, list(self.recorder.hooks))
+        await self.membership.leave(self.clock())
 
     # --- claiming and dispatch ------------------------------------------------------------
 
@@ -378,7 +324,7 @@ class Engine:
         conf = self.config
         via = {r.via: self.dests.first_open(r.via, now) for r in conf.routing.routes if not r.mx}
         day = self.dests.ledger.day_of(now)
-        until = now + self.lease
+        until = now + self.membership.lease
 
         def claim(c: Any) -> _Claimed:
             # operator commands in the same transaction: a `queue flush` makes recipients
@@ -390,7 +336,14 @@ class Engine:
             else:
                 cmds = ops.engine_commands(c, self._cmd_seen)
             claims = ops.claim_due(
-                c, now, cap, skip, waiting, expired_before, self.node, now + self.lease
+                c,
+                now,
+                cap,
+                skip,
+                waiting,
+                expired_before,
+                self.membership.node,
+                now + self.membership.lease,
             )
             envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
@@ -403,12 +356,12 @@ class Engine:
             }
             dests = [_destination(conf, cl, envs.get(cl.msg_id), via) for cl in claims]
             grants = None
-            if self.fleet:
+            if self.membership.enabled:
                 # a fleet's daily ceilings: the room this pass may use, taken in the claim's
                 # own transaction (relay/delivery/ledger.py); if it fails, nothing is claimed
                 wants = self._ceiling_wants(conf, claims, dests, now)
                 if wants:
-                    grants = ops.ceiling_take(c, self.node, day, wants, until)
+                    grants = ops.ceiling_take(c, self.membership.node, day, wants, until)
             return cmds, claims, envs, ops.suspensions(c, now), stored, dests, grants
 
         # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
@@ -467,7 +420,7 @@ class Engine:
             await self.recorder.record(immediate, left)
         elif left:
             await self.writer.run(
-                functools.partial(ops.ceiling_release, node=self.node, scopes=left)
+                functools.partial(ops.ceiling_release, node=self.membership.node, scopes=left)
             )
         return len(claims)
 
@@ -533,3 +486,24 @@ class Engine:
     @on_recorded.setter
     def on_recorded(self, fn: Callable[[Iterable[str]], None] | None) -> None:
         self.recorder.on_recorded = fn
+
+    # --- what the daemon reads of the fleet -----------------------------------------------
+
+    @property
+    def fleet(self) -> bool:
+        """A fleet node (spool.backend: postgresql)."""
+        return self.membership.enabled
+
+    @property
+    def node(self) -> str:
+        return self.membership.node
+
+    @property
+    def fleet_size(self) -> int:
+        """Live nodes at the last heartbeat."""
+        return self.membership.size
+
+    @property
+    def fleet_nodes(self) -> list[dict[str, Any]]:
+        """The node list at the last heartbeat (a fleet only)."""
+        return self.membership.nodes

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from relay.delivery import attempt, decide
 from relay.delivery.jobs import DestState, Job
@@ -137,8 +137,8 @@ async def wait_token(e: Engine, st: DestState) -> None:
 
 async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> None:
     """At stop: each worker finishes its current transaction (up to `timeout`), then the
-    DSN hooks; jobs queued but not started go back to deferred, due now; claims still
-    `sending` are recovered."""
+    DSN hooks; jobs queued but not started go back to deferred, due now (then the engine
+    gives back the claims still `sending`: relay/delivery/fleet.py `leave`)."""
     deadline = time.monotonic() + timeout
     for st in e.dests.values():
         st.wake.set()
@@ -171,9 +171,3 @@ async def drain(e: Engine, timeout: float, hooks: list[asyncio.Task[None]]) -> N
                 back.extend(outs)
     if back:
         await e.recorder.record(back)
-
-    def give_back(c: Any) -> None:  # this node's claims only: the fleet's others are theirs
-        ops.recover(c, now, owner=e.node)
-        ops.node_gone(c, e.node)
-
-    await e.writer.run(give_back)
