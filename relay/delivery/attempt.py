@@ -22,7 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from relay.delivery import connect, decide, outbound, rewrite, shaping
+from relay.delivery import decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
@@ -113,7 +113,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
         conn = None
     used = st
     if conn is None:
-        conn, used, failure, tried = await connect.open_for(e, st, job, first_allowed=allowed)
+        conn, used, failure, tried = await e.connector.open_for(st, job, first_allowed=allowed)
         if conn is None:
             assert failure is not None
             await apply(

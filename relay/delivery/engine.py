@@ -45,13 +45,13 @@ from relay.delivery import (
     views,
     workers,
 )
+from relay.delivery.connect import Connector
 from relay.delivery.destinations import Destinations
 from relay.delivery.fleet import Fleet
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import Resolver
-from relay.delivery.oauth import TokenSource
 from relay.delivery.recorder import DeadLetterHook, Recorder
-from relay.delivery.routes import Route, UpstreamHost
+from relay.delivery.routes import Route
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
 from relay.spool import ops
@@ -132,15 +132,8 @@ class Engine:
         self.stopping = False
         self._inflight = 0
         self._loop_exited = asyncio.Event()
-        self._tokens: dict[str, tuple[UpstreamHost, TokenSource]] = {}
         self._cmd_seen: int | None = None  # engine_commands read so far
         self._next_expiry_pass = 0.0  # when _claim_and_dispatch next claims expired waits
-        self.resolver = resolver
-        self._ns: object = None
-        self.mta_sts: mtasts.MtaStsResolver | None = None  # MX mode, upstream.mx.mta_sts
-        self._sts_conf: object = None
-        self.sts_hosts: dict[str, str] = {}  # mta-sts.<domain> -> address (nameservers set)
-        self.sts_seen: dict[tuple[str, str], int] = {}  # failures already in the metric
         # the fleet (spool.backend: postgresql): this node's name, its leases, and how many
         # nodes share each destination's rate (README "Running a fleet")
         self.membership = Fleet(
@@ -151,6 +144,14 @@ class Engine:
             clock=clock,
             inflight=lambda: self._inflight,
             on_share=self.dests.set_share,
+        )
+        self.connector = Connector(
+            self.dests,
+            metrics=self.metrics,
+            clock=clock,
+            rng=self.rng,
+            fleet=self.membership.enabled,
+            resolver=resolver,
         )
         self.recorder = Recorder(
             writer,
@@ -168,50 +169,14 @@ class Engine:
     def apply_config(self, config: Config) -> None:
         # everything that can fail first, into locals: a bad reload changes nothing
         tz = zoneinfo.ZoneInfo(config.shaping.window_tz)
-        resolver = self.resolver
-        ns = config.upstream.mx.nameservers
-        if resolver is None or ns != self._ns:
-            resolver = Resolver(
-                nameservers=list(ns) if ns else None,
-                timeout=config.upstream.mx.dns_timeout,
-                rng=self.rng,
-            )
+        resolver = self.connector.resolver_for(config)
         self.config = config
         self.dests.apply_config(config, tz)
-        self.resolver = resolver
-        self._ns = ns
-        mx = config.upstream.mx
-        sts_conf = (mx.mta_sts, ns, mx.dns_timeout, mx.ca_file, mx.mta_sts_port, config.spool_path)
-        if sts_conf != self._sts_conf:
-            self.mta_sts = (
-                mtasts.MtaStsResolver(
-                    nameservers=list(ns) if ns else None,
-                    timeout=mx.dns_timeout,
-                    https_port=mx.mta_sts_port,
-                    ca_file=str(mx.ca_file) if mx.ca_file else None,
-                    # with upstream.mx.nameservers, the policy host is looked up there too
-                    connect_host=(lambda h: self.sts_hosts.get(h, h)) if ns else None,
-                    cache_path=config.spool_path / "mta-sts.json",
-                    clock=self.clock,
-                )
-                if mx.mta_sts
-                else None
-            )
-            self._sts_conf = sts_conf
+        self.connector.apply_config(config, resolver)
 
     def reconfigure(self, config: Config) -> None:
         self.apply_config(config)
         self.wake()
-
-    def token_source(self, up: UpstreamHost) -> TokenSource | None:
-        """One OAuth2 token cache per upstream, kept while its OAuth settings stay."""
-        if up.oauth is None:
-            return None
-        have = self._tokens.get(up.name)
-        if have is None or have[0].oauth != up.oauth:
-            have = (up, TokenSource(up.oauth, clock=self.clock))
-            self._tokens[up.name] = have
-        return have[1]
 
     # --- main loop ------------------------------------------------------------------------
 
@@ -507,3 +472,8 @@ class Engine:
     def fleet_nodes(self) -> list[dict[str, Any]]:
         """The node list at the last heartbeat (a fleet only)."""
         return self.membership.nodes
+
+    @property
+    def mta_sts(self) -> mtasts.MtaStsResolver | None:
+        """The MTA-STS resolver (MX mode, upstream.mx.mta_sts): the daemon closes it."""
+        return self.connector.mta_sts
