@@ -141,7 +141,7 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
         e.dests.dest("smarthost")
         now["t"] = 1101.0  # the next window starts; j1's delivery lands in it
         await attempt.finish(
-            e,
+            e.attempt,
             j1,
             [ops.RcptUpdate(ids["M1"], "M1", RcptState.DELIVERED, True, None, "250")],
             delivered=1,

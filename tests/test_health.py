@@ -424,7 +424,7 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
         job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", [fresh, old], env)
         st = e.dests.dest("smarthost")
         busy = {a: _res(451, Phase.RCPT) for a in ("fresh@x.test", "old@x.test")}
-        await attempt.apply(e, st, job, busy, host=None, duration=0.0)
+        await attempt.apply(e.attempt, st, job, busy, host=None, duration=0.0)
         rows = await w.run(lambda c: c.execute("SELECT address, state FROM recipients").fetchall())
         return dict(rows)
 

@@ -12,6 +12,9 @@ Rules:
 - A connection opened by failover carries this one transaction and is closed: the
   worker's reusable connection stays with its own destination.
 - Dead letters' alerts are recorded in the same commit as the outcomes that make them.
+
+`Attempt` is what an attempt reads of the engine's parts: the destinations, the connector,
+the recorder and the worker pool, each given by the engine that composes them.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import random
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relay.delivery import decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
@@ -33,12 +37,48 @@ from relay.spool import bodies, ops
 from relay.spool.model import RcptState
 
 if TYPE_CHECKING:
-    from relay.delivery.engine import Engine
+    from relay.config.tree import Config
+    from relay.delivery.connect import Connector
+    from relay.delivery.destinations import Destinations
+    from relay.delivery.recorder import Recorder
+    from relay.ops.metrics import Metrics
 
 log = logging.getLogger("relay.delivery.engine")
 
 
-async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -> Connection | None:
+class Workers(Protocol):
+    """What an attempt asks of the worker pool (relay/delivery/workers.py)."""
+
+    def spawn_workers(self, st: DestState) -> None: ...
+
+    async def wait_token(self, st: DestState) -> None: ...
+
+    def job_done(self, n: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attempt:
+    """The parts one attempt works with (the engine composes it once)."""
+
+    get_config: Callable[[], Config]
+    clock: Callable[[], float]
+    rng: random.Random
+    metrics: Metrics
+    dests: Destinations
+    connector: Connector
+    recorder: Recorder
+    pool: Workers
+    fleet: bool  # a fleet releases the ceiling room it held in the commit that counts
+    on_suppressed: Callable[[str, str, float], None]  # a hard bounce: suppress the address
+
+    @property
+    def config(self) -> Config:
+        return self.get_config()
+
+
+async def deliver(
+    e: Attempt, st: DestState, job: Job, conn: Connection | None
+) -> Connection | None:
     """One job through `st` (the worker's destination), reusing `conn` when it can.
     Returns the connection to keep for the next job (None: none)."""
     now = e.clock()
@@ -72,7 +112,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
             "cooldown over: this connection is the trial",
             destination=st.name,
         )
-    await e.wait_token(st)
+    await e.pool.wait_token(st)
     body: bytes | bodies.StoredBody | None = job.envelope.body
     if job.envelope.body_path:
         try:  # streamed from the file by the transport; here only checked to be there
@@ -143,7 +183,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
     return conn
 
 
-async def _not_sent(e: Engine, st: DestState, job: Job, reply: Reply) -> None:
+async def _not_sent(e: Attempt, st: DestState, job: Job, reply: Reply) -> None:
     """Our own failure before the upstream saw anything: every recipient deferred with
     `reply`; the destination's health is not touched."""
     await apply(
@@ -164,13 +204,29 @@ async def _not_sent(e: Engine, st: DestState, job: Job, reply: Reply) -> None:
     )
 
 
+async def internal_error(e: Attempt, st: DestState, job: Job, ex: Exception) -> None:
+    """An attempt that raised (a bug, an unforeseen error): every recipient is recorded as
+    a transient failure, so no claim stays stranded in memory."""
+    reply = Reply(451, "4.3.0", f"internal error: {type(ex).__name__}")
+    v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+    await apply(
+        e,
+        st,
+        job,
+        {c.address: RcptResult(v, reply, Phase.CONNECT) for c in job.claims},
+        host=None,
+        duration=0.0,
+        upstream_seen=False,
+    )
+
+
 async def _drop(conn: Connection | None) -> None:
     if conn is not None:
         await conn.quit()
 
 
 async def apply(
-    e: Engine,
+    e: Attempt,
     st: DestState,
     job: Job,
     results: dict[str, RcptResult],
@@ -313,14 +369,14 @@ async def apply(
         e.dests.retune(st)
     elif delivered and st.adaptive.on_success(now):
         e.dests.retune(st)
-        e.spawn_workers(st)
+        e.pool.spawn_workers(st)
     e.recorder.emit_dead(dead, host)  # before the record: its alerts go in the same commit
     await finish(e, job, outcomes, delivered)
     if delayed is not None:
         await delay_warning(e, st, job, *delayed)
 
 
-async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
+async def delay_warning(e: Attempt, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
     """Once per message: a `delayed` alert, and (by the hook) a delay DSN."""
     now = e.clock()
     conf = e.config.alerts
@@ -340,7 +396,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
         return True
 
     try:
-        first = await e.writer.run(mark)
+        first = await e.recorder.writer.run(mark)
     except Exception as ex:
         log_event(
             log,
@@ -377,7 +433,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     )
 
 
-async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
+async def finish(e: Attempt, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
     if job.done:
         return
     job.done = True
@@ -399,7 +455,7 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
     try:
         await e.recorder.record(outcomes, release)
     finally:
-        e.job_done(n)
+        e.pool.job_done(n)
 
 
 def _age(seconds: float) -> str:

@@ -1,6 +1,9 @@
-"""The delivery engine's shell: claims due recipients, dispatches them to destinations,
-runs the workers; the decisions are relay/delivery/decide.py's, one attempt is
-relay/delivery/attempt.py's.
+"""The delivery engine: composes its parts and runs the claim loop. The parts, each owning
+its state: the destinations (relay/delivery/destinations.py: buckets, breakers, AIMD,
+suspensions, the daily ledger), the connector (connect.py: resolver, MTA-STS, tokens),
+the recorder (recorder.py: outcomes into the spool, alerts, hooks), the worker pool
+(workers.py), the fleet (fleet.py: node, leases, heartbeat). The decisions are
+relay/delivery/decide.py's, one attempt is relay/delivery/attempt.py's.
 
 Rules:
 - The spool is the queue. The engine claims due recipients (`sending`, transactional lane
@@ -38,20 +41,15 @@ from typing import Any
 
 from relay.authenticity import mtasts
 from relay.config.tree import Config
-from relay.delivery import (
-    dispatch,
-    operator,
-    outbound,
-    views,
-    workers,
-)
+from relay.delivery import attempt, dispatch, operator, outbound, views
 from relay.delivery.connect import Connector
 from relay.delivery.destinations import Destinations
 from relay.delivery.fleet import Fleet
-from relay.delivery.jobs import DestState, Job
+from relay.delivery.jobs import Job
 from relay.delivery.mx import Resolver
 from relay.delivery.recorder import DeadLetterHook, Recorder
 from relay.delivery.routes import Route
+from relay.delivery.workers import WorkerPool
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
 from relay.spool import ops
@@ -126,11 +124,9 @@ class Engine:
         self.is_suppressed = is_suppressed
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
         self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
-        self.on_suppressed = on_suppressed
         self.dests = Destinations(config, metrics=self.metrics, clock=clock)
         self._wake = asyncio.Event()
         self.stopping = False
-        self._inflight = 0
         self._loop_exited = asyncio.Event()
         self._cmd_seen: int | None = None  # engine_commands read so far
         self._next_expiry_pass = 0.0  # when _claim_and_dispatch next claims expired waits
@@ -142,7 +138,7 @@ class Engine:
             get_config=lambda: self.config,
             ledger=self.dests.ledger,
             clock=clock,
-            inflight=lambda: self._inflight,
+            inflight=lambda: self.pool.inflight,
             on_share=self.dests.set_share,
         )
         self.connector = Connector(
@@ -161,6 +157,28 @@ class Engine:
             clock=clock,
             stopping=lambda: self.stopping,
             on_dead_letter=on_dead_letter,
+        )
+        self.pool = WorkerPool(
+            self.dests,
+            self.recorder,
+            config=lambda: self.config,
+            clock=clock,
+            stopping=lambda: self.stopping,
+            deliver=lambda st, job, conn: attempt.deliver(self.attempt, st, job, conn),
+            failed=lambda st, job, ex: attempt.internal_error(self.attempt, st, job, ex),
+            on_done=self.wake,
+        )
+        self.attempt = attempt.Attempt(
+            get_config=lambda: self.config,
+            clock=clock,
+            rng=self.rng,
+            metrics=self.metrics,
+            dests=self.dests,
+            connector=self.connector,
+            recorder=self.recorder,
+            pool=self.pool,
+            fleet=self.membership.enabled,
+            on_suppressed=on_suppressed,
         )
         self.apply_config(config)
 
@@ -232,7 +250,7 @@ class Engine:
                     failures = 0
                 if self.stopping:
                     break
-                if claimed and self._inflight < self._max_inflight():
+                if claimed and self.pool.inflight < self._max_inflight():
                     continue
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -265,13 +283,13 @@ class Engine:
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
-        await workers.drain(self, timeout, list(self.recorder.hooks))
+        await self.pool.drain(timeout)
         await self.membership.leave(self.clock())
 
     # --- claiming and dispatch ------------------------------------------------------------
 
     async def _claim_and_dispatch(self) -> int:
-        cap = min(self._max_inflight() - self._inflight, self.config.delivery.batch)
+        cap = min(self._max_inflight() - self.pool.inflight, self.config.delivery.batch)
         if cap <= 0:
             return 0
         now = self.clock()
@@ -334,7 +352,7 @@ class Engine:
         self.dests.ledger.grants = grants
         for cid, action, name in cmds:
             self._cmd_seen = max(self._cmd_seen or 0, cid)
-            operator.command(self.dests, self.spawn_workers, action, name, now)
+            operator.command(self.dests, self.pool.spawn_workers, action, name, now)
         if cmds:
             self.wake()  # a kick or reset may open what this pass skipped: claim again
         self.dests.apply_suspensions(susp)
@@ -364,7 +382,19 @@ class Engine:
         immediate: list[ops.RcptUpdate] = []
         for job in jobs.values():
             try:
-                immediate.extend(dispatch.dispatch(self, job, now, stored))
+                immediate.extend(
+                    dispatch.dispatch(
+                        job,
+                        now,
+                        stored,
+                        dests=self.dests,
+                        pool=self.pool,
+                        recorder=self.recorder,
+                        config=self.config,
+                        metrics=self.metrics,
+                        is_suppressed=self.is_suppressed,
+                    )
+                )
             except Exception as e:  # never strand a claim: wait a minute and try again
                 log_event(
                     log,
@@ -409,20 +439,7 @@ class Engine:
                 wants[scope] = (limit, wants.get(scope, (limit, 0))[1] + 1)
         return wants
 
-    def job_queued(self, n: int) -> None:
-        self._inflight += n
-
-    def job_done(self, n: int) -> None:
-        self._inflight = max(0, self._inflight - n)
-        self.wake()
-
-    # --- delegated: workers (relay/delivery/workers.py), views (relay/delivery/views.py) --
-
-    def spawn_workers(self, st: DestState) -> None:
-        workers.spawn_workers(self, st)
-
-    async def wait_token(self, st: DestState) -> None:
-        await workers.wait_token(self, st)
+    # --- what the daemon reads: views (relay/delivery/views.py), the recorder, the fleet --
 
     def health(self) -> list[views.DestHealth]:
         return views.health(self.dests)
@@ -431,11 +448,11 @@ class Engine:
         return self.recorder.dead_letters_last_hour()
 
     def snapshot(self) -> views.Snapshot:
-        return views.snapshot(self.dests, self._inflight)
+        return views.snapshot(self.dests, self.pool.inflight)
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self.pool.inflight
 
     # --- what the daemon reads and sets of the recorder -----------------------------------
 
