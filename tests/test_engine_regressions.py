@@ -21,7 +21,8 @@ import yaml
 
 from relay.config.tree import load_config
 from relay.delivery import attempt
-from relay.delivery.engine import Engine, Job
+from relay.delivery.engine import Engine
+from relay.delivery.jobs import Job
 from relay.spool import ops
 from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter

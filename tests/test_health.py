@@ -18,7 +18,8 @@ import yaml
 from relay.config.tree import ConfigError, load_config
 from relay.delivery import attempt, shaping
 from relay.delivery.decide import refused_mail
-from relay.delivery.engine import Engine, Job
+from relay.delivery.engine import Engine
+from relay.delivery.jobs import Job
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
 from relay.ops import alerts, health
