@@ -76,11 +76,10 @@ class Engine:
         is_suppressed: Callable[[str, str | None], tuple[str, float] | None] = lambda a, i: None,
         on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
     ) -> None:
-        self.writer = writer
-        self.metrics = metrics or Metrics()
+        metrics = metrics or Metrics()
+        rng = rng or random.Random()
         self.clock = clock
-        self.rng = rng or random.Random()
-        self.dests = Destinations(config, metrics=self.metrics, clock=clock)
+        self.dests = Destinations(config, metrics=metrics, clock=clock)
         self._wake = asyncio.Event()
         self.stopping = False
         self._loop_exited = asyncio.Event()
@@ -97,9 +96,9 @@ class Engine:
         )
         self.connector = Connector(
             self.dests,
-            metrics=self.metrics,
+            metrics=metrics,
             clock=clock,
-            rng=self.rng,
+            rng=rng,
             fleet=self.membership.enabled,
             resolver=resolver,
         )
@@ -125,8 +124,8 @@ class Engine:
         self.attempt = attempt.Attempt(
             get_config=lambda: self.config,
             clock=clock,
-            rng=self.rng,
-            metrics=self.metrics,
+            rng=rng,
+            metrics=metrics,
             dests=self.dests,
             connector=self.connector,
             recorder=self.recorder,
@@ -142,7 +141,7 @@ class Engine:
             pool=self.pool,
             recorder=self.recorder,
             membership=self.membership,
-            metrics=self.metrics,
+            metrics=metrics,
             is_suppressed=is_suppressed,
             wake=self.wake,
         )
