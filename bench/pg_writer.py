@@ -123,10 +123,10 @@ def record_job(cl: ops.Claim, owner: str) -> Any:
     )
     now, day = time.time(), "2026-12-04"
     try:
-        from relay.delivery import attempt
+        from relay.delivery import recorder
 
-        rec = attempt._Record((out,), now, day, owner, None, [], 60.0, ())
-        return writer_mod.Grouped(attempt.record_jobs, rec)
+        rec = recorder._Record((out,), now, day, owner, None, [], 60.0, ())
+        return writer_mod.Grouped(recorder.record_jobs, rec)
     except AttributeError:
         return lambda c: ops.record(c, [out], now, day, owner=owner)
 

@@ -238,7 +238,7 @@ class Daemon:
         if self.config.spool_pg is None:  # the failing time of each upstream, as left
             left = await self.writer.run(lambda c: ops.get_runtime(c, FAILING_SINCE))
             if left is not None and isinstance(left[0], dict):
-                views.seed_failing_since(self.engine, left[0])
+                views.seed_failing_since(self.engine.dests, left[0])
         # with inbound processes, they hold the listeners and this process delivers
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
@@ -500,7 +500,7 @@ class Daemon:
         now = time.time()
         node = self.engine.node
 
-        failing = views.failing_since(self.engine)
+        failing = views.failing_since(self.engine.dests)
 
         def put(c: Any) -> None:
             # a fleet: the last node's view as `daemon`, and each node's own view

@@ -21,7 +21,8 @@ import yaml
 
 from relay.config.tree import load_config
 from relay.delivery import attempt
-from relay.delivery.engine import Engine, Job
+from relay.delivery.engine import Engine
+from relay.delivery.jobs import Job
 from relay.spool import ops
 from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter
@@ -93,8 +94,8 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
 
     async def main() -> tuple[object, dict[str, int]]:
         e = Engine(cfg, w, clock=lambda: now["t"])
-        day = e.ledger.day_of(now["t"])
-        e.ledger.load(day, await w.run(lambda c: ops.daily_counts(c, day)))
+        day = e.dests.ledger.day_of(now["t"])
+        e.dests.ledger.load(day, await w.run(lambda c: ops.daily_counts(c, day)))
         for i in (1, 2):
             m = ops.NewMessage(
                 f"M{i}",
@@ -130,24 +131,24 @@ def test_day_rollover_keeps_counts_from_the_spool(tmp_path: Path) -> None:
             return Job(f"M{i}", "smarthost", "transactional", "x.test", "a@x.test", [cl], env)
 
         def room(j: Job) -> object:
-            limits = e.ledger.limits("smarthost", 1, j.identity, None, now["t"])
-            return e.ledger.room(limits, now["t"])
+            limits = e.dests.ledger.limits("smarthost", 1, j.identity, None, now["t"])
+            return e.dests.ledger.room(limits, now["t"])
 
         j1 = job(1)
         r1 = room(j1)
         assert r1 is not None and r1[0] == 1
         j1.reserved = ("dest:smarthost",)
-        e.ledger.reserve(j1.reserved, 1)
-        e.dest("smarthost")
+        e.dests.ledger.reserve(j1.reserved, 1)
+        e.dests.dest("smarthost")
         now["t"] = 1101.0  # the next window starts; j1's delivery lands in it
         await attempt.finish(
-            e,
+            e.attempt,
             j1,
             [ops.RcptUpdate(ids["M1"], "M1", RcptState.DELIVERED, True, None, "250")],
             delivered=1,
         )
         room2 = room(job(2))
-        db = await w.run(lambda c: ops.daily_counts(c, e.ledger.day_of(now["t"])))
+        db = await w.run(lambda c: ops.daily_counts(c, e.dests.ledger.day_of(now["t"])))
         return room2, db
 
     try:

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from relay.delivery import engine
+from relay.delivery import fleet
 from relay.spool import db, ops, pg
 from relay.spool.model import RcptState
 from tests.pgserver import BACKENDS, open_backend
@@ -458,7 +458,7 @@ def test_a_node_starting_counts_a_dead_nodes_holds_in_todays_window(
     window the ledger then loads (before the fix: in a window named "", lost)."""
     day = "2026-12-04"
     run(conn, ops.ceiling_take, "dead", day, {"dest:x.test": (10, 4)}, T0 + 10)
-    _, counts = run(conn, lambda c: engine._start_up(T0 + 11, day, "me", True, c))
+    _, counts = run(conn, lambda c: fleet.start_up(T0 + 11, day, "me", True, c))
     assert counts == {"dest:x.test": 4}
     assert holds(conn) == {}
 

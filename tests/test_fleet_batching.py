@@ -503,7 +503,7 @@ def test_a_claim_pass_takes_its_ceiling_room_in_the_claims_own_commit(
             m = _msg(f"M{i}", now - 1, (f"u{i}@x.test", f"k{i}", None))
             await w.run(lambda c, m=m: ops.accept(c, m, 3600))
         before = w.batches
-        claimed = await e._claim_and_dispatch()
+        claimed = await e.claims.claim_and_dispatch()
         batches = w.batches - before
         holds = await w.run(lambda c: c.execute("SELECT node, n FROM ceiling_holds").fetchall())
         states = await w.run(

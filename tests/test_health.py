@@ -18,7 +18,8 @@ import yaml
 from relay.config.tree import ConfigError, load_config
 from relay.delivery import attempt, shaping
 from relay.delivery.decide import refused_mail
-from relay.delivery.engine import Engine, Job
+from relay.delivery.engine import Engine
+from relay.delivery.jobs import Job
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
 from relay.ops import alerts, health
@@ -422,9 +423,9 @@ def test_each_recipient_of_a_job_expires_against_its_own_clock(tmp_path: Path) -
         )
         env = ops.Envelope("M1", "<1@x>", "a@x.test", 1, b"x", None)
         job = Job("M1", "smarthost", "transactional", "x.test", "a@x.test", [fresh, old], env)
-        st = e.dest("smarthost")
+        st = e.dests.dest("smarthost")
         busy = {a: _res(451, Phase.RCPT) for a in ("fresh@x.test", "old@x.test")}
-        await attempt.apply(e, st, job, busy, host=None, duration=0.0)
+        await attempt.apply(e.attempt, st, job, busy, host=None, duration=0.0)
         rows = await w.run(lambda c: c.execute("SELECT address, state FROM recipients").fetchall())
         return dict(rows)
 

@@ -107,12 +107,15 @@ class _Metric:
 
 
 class _Engine:
-    """What operator.command and views.health read of the engine."""
+    """What operator.command and views.health read of the engine's destinations."""
 
     def __init__(self, st: Any, now: float) -> None:
         self.dests = {st.name: st}
         self.now = now
         self.metrics = type("M", (), {"circuit_open": _Metric()})()
+
+    def values(self) -> Any:
+        return self.dests.values()
 
     def clock(self) -> float:
         return self.now
@@ -123,8 +126,10 @@ class _Engine:
     def retune(self, st: Any) -> None:
         pass
 
-    def spawn_workers(self, st: Any) -> None:
-        pass
+    def breaker_changed(self, st: Any, before: str, now: float, why: str) -> None:
+        from relay.delivery.destinations import Destinations
+
+        Destinations.breaker_changed(self, st, before, now, why)  # type: ignore[arg-type]
 
 
 def _dest(tmp_path: Path, upstream: bool = True) -> Any:
@@ -156,7 +161,7 @@ def test_the_engine_view_measures_the_failing_time_and_an_operator_reset_keeps_i
         True,
     )
     # `destination reset` closes the circuit, but no answer came: still failing since 900
-    operator.command(e, "reset", "smarthost", 1000.0)  # type: ignore[arg-type]
+    operator.command(e, lambda st: None, "reset", "smarthost", 1000.0)  # type: ignore[arg-type]
     (d,) = views.health(e)  # type: ignore[arg-type]
     assert (d.circuit, d.failures, d.failing_for, d.answered) == ("closed", 0, 100.0, False)
     assert not views.health(_Engine(_dest(tmp_path, upstream=False), 0.0))[0].upstream  # type: ignore[arg-type]
@@ -185,16 +190,16 @@ def test_the_failing_time_is_kept_for_the_next_start_of_a_configured_upstream(
 
     cfg = _load(tmp_path, {"upstream": {"smarthost": {"host": "127.0.0.1", "port": 2525}}})
     now = {"t": 5000.0}
-    e = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"])
+    e = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"]).dests
     e.dest("smarthost").breaker.on_failure(4000.0)
     e.dest("example.org")  # a recipient domain (MX): not an upstream, not kept
     e.dest("example.org").breaker.on_failure(4000.0)
     kept = views.failing_since(e)
     assert kept == {"smarthost": 4000.0}
     # the next start: a fresh engine, seeded; a name no longer configured is left out
-    again = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"])
+    again = Engine(cfg, SpoolWriter(cfg.spool_path), clock=lambda: now["t"]).dests
     views.seed_failing_since(again, {**kept, "gone": 1.0, "smarthost-typo": "x"})
-    assert set(again.dests) == {"smarthost"}
+    assert set(again) == {"smarthost"}
     (d,) = views.health(again)
     assert (d.failing_for, d.answered) == (1000.0, False)
     # an answer clears it, and nothing is kept

@@ -12,6 +12,9 @@ Rules:
 - A connection opened by failover carries this one transaction and is closed: the
   worker's reusable connection stays with its own destination.
 - Dead letters' alerts are recorded in the same commit as the outcomes that make them.
+
+`Attempt` is what an attempt reads of the engine's parts: the destinations, the connector,
+the recorder and the worker pool, each given by the engine that composes them.
 """
 
 from __future__ import annotations
@@ -19,29 +22,63 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import random
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from relay.delivery import connect, decide, outbound, rewrite, shaping
+from relay.delivery import decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
 from relay.delivery.upstream_ids import upstream_id
-from relay.ops import alerts, faults
+from relay.ops import alerts
 from relay.ops.logs import log_event
 from relay.spool import bodies, ops
 from relay.spool.model import RcptState
-from relay.spool.writer import Grouped
 
 if TYPE_CHECKING:
-    from relay.delivery.engine import Engine
+    from relay.config.tree import Config
+    from relay.delivery.connect import Connector
+    from relay.delivery.destinations import Destinations
+    from relay.delivery.recorder import Recorder
+    from relay.ops.metrics import Metrics
 
 log = logging.getLogger("relay.delivery.engine")
 
-RECORD_RETRY_FIRST = 0.5  # seconds; doubles up to 30 s while the spool refuses an outcome
+
+class Workers(Protocol):
+    """What an attempt asks of the worker pool (relay/delivery/workers.py)."""
+
+    def spawn_workers(self, st: DestState) -> None: ...
+
+    async def wait_token(self, st: DestState) -> None: ...
+
+    def job_done(self, n: int) -> None: ...
 
 
-async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -> Connection | None:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attempt:
+    """The parts one attempt works with (the engine composes it once)."""
+
+    get_config: Callable[[], Config]
+    clock: Callable[[], float]
+    rng: random.Random
+    metrics: Metrics
+    dests: Destinations
+    connector: Connector
+    recorder: Recorder
+    pool: Workers
+    fleet: bool  # a fleet releases the ceiling room it held in the commit that counts
+    on_suppressed: Callable[[str, str, float], None]  # a hard bounce: suppress the address
+
+    @property
+    def config(self) -> Config:
+        return self.get_config()
+
+
+async def deliver(
+    e: Attempt, st: DestState, job: Job, conn: Connection | None
+) -> Connection | None:
     """One job through `st` (the worker's destination), reusing `conn` when it can.
     Returns the connection to keep for the next job (None: none)."""
     now = e.clock()
@@ -61,7 +98,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
             outs, dead = decide.wait(
                 job, job.claims, until, reason, now=now, max_age=e.config.retry.max_age
             )
-            e.emit_dead(dead)
+            e.recorder.emit_dead(dead)
             await finish(e, job, outs, delivered=0)
             return conn
         allowed = False  # failover routes: the next upstream may take it
@@ -75,7 +112,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
             "cooldown over: this connection is the trial",
             destination=st.name,
         )
-    await e.wait_token(st)
+    await e.pool.wait_token(st)
     body: bytes | bodies.StoredBody | None = job.envelope.body
     if job.envelope.body_path:
         try:  # streamed from the file by the transport; here only checked to be there
@@ -116,7 +153,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
         conn = None
     used = st
     if conn is None:
-        conn, used, failure, tried = await connect.open_for(e, st, job, first_allowed=allowed)
+        conn, used, failure, tried = await e.connector.open_for(st, job, first_allowed=allowed)
         if conn is None:
             assert failure is not None
             await apply(
@@ -146,7 +183,7 @@ async def deliver(e: Engine, st: DestState, job: Job, conn: Connection | None) -
     return conn
 
 
-async def _not_sent(e: Engine, st: DestState, job: Job, reply: Reply) -> None:
+async def _not_sent(e: Attempt, st: DestState, job: Job, reply: Reply) -> None:
     """Our own failure before the upstream saw anything: every recipient deferred with
     `reply`; the destination's health is not touched."""
     await apply(
@@ -167,13 +204,29 @@ async def _not_sent(e: Engine, st: DestState, job: Job, reply: Reply) -> None:
     )
 
 
+async def internal_error(e: Attempt, st: DestState, job: Job, ex: Exception) -> None:
+    """An attempt that raised (a bug, an unforeseen error): every recipient is recorded as
+    a transient failure, so no claim stays stranded in memory."""
+    reply = Reply(451, "4.3.0", f"internal error: {type(ex).__name__}")
+    v = Verdict(Outcome.TRANSIENT, True, False, Scope.TRANSACTION)
+    await apply(
+        e,
+        st,
+        job,
+        {c.address: RcptResult(v, reply, Phase.CONNECT) for c in job.claims},
+        host=None,
+        duration=0.0,
+        upstream_seen=False,
+    )
+
+
 async def _drop(conn: Connection | None) -> None:
     if conn is not None:
         await conn.quit()
 
 
 async def apply(
-    e: Engine,
+    e: Attempt,
     st: DestState,
     job: Job,
     results: dict[str, RcptResult],
@@ -232,10 +285,10 @@ async def apply(
             )
         if res is not None and res.verdict.throttled:
             throttled = True
-            rule_hit = rule_hit or shaping.match_rules(e.rules, reply)
+            rule_hit = rule_hit or shaping.match_rules(e.dests.rules, reply)
         if d.kind == "delivered":
             delivered += 1
-            e.last_delivery_at = now
+            e.recorder.last_delivery_at = now
             e.metrics.delivered.labels(st.name).inc()
             e.metrics.latency.observe(max(0.0, now - cl.created_at))
             log_event(
@@ -287,7 +340,7 @@ async def apply(
         st.breaker.on_failure(now)
     else:
         st.breaker.on_success(now)
-    e.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
+    e.dests.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
     if throttled:
         hold = 0.0
         if rule_hit is not None and rule_hit.action == "suspend":
@@ -313,17 +366,17 @@ async def apply(
                 rate=st.adaptive.effective_rate(),
                 connections=st.adaptive.effective_connections(),
             )
-        e.retune(st)
+        e.dests.retune(st)
     elif delivered and st.adaptive.on_success(now):
-        e.retune(st)
-        e.spawn_workers(st)
-    e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
+        e.dests.retune(st)
+        e.pool.spawn_workers(st)
+    e.recorder.emit_dead(dead, host)  # before the record: its alerts go in the same commit
     await finish(e, job, outcomes, delivered)
     if delayed is not None:
         await delay_warning(e, st, job, *delayed)
 
 
-async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
+async def delay_warning(e: Attempt, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
     """Once per message: a `delayed` alert, and (by the hook) a delay DSN."""
     now = e.clock()
     conf = e.config.alerts
@@ -343,7 +396,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
         return True
 
     try:
-        first = await e.writer.run(mark)
+        first = await e.recorder.writer.run(mark)
     except Exception as ex:
         log_event(
             log,
@@ -367,7 +420,7 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
         age=age,
         reply=reply,
     )
-    e.hook(
+    e.recorder.hook(
         {
             "event": "delayed",
             "queue_id": job.msg_id,
@@ -380,14 +433,14 @@ async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply
     )
 
 
-async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
+async def finish(e: Attempt, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
     if job.done:
         return
     job.done = True
     n = len(job.claims)
     st = e.dests[job.destination]
     by = e.dests[job.carrier] if job.carrier is not None else st  # after a hand-over
-    scopes = e.ledger.release(
+    scopes = e.dests.ledger.release(
         job.reserved, n, delivered, e.clock(), by.name, by.conf.daily_limit is not None
     )
     st.reserved = max(0, st.reserved - n)
@@ -400,83 +453,9 @@ async def finish(e: Engine, job: Job, outcomes: Sequence[ops.RcptUpdate], delive
     # a fleet releases the room it held under the ceilings in the commit that counts
     release = {scope: n for scope in job.reserved} if e.fleet and job.reserved else None
     try:
-        await record(e, outcomes, release)
+        await e.recorder.record(outcomes, release)
     finally:
-        e.job_done(n)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Record:
-    """One `record` job: outcomes, the room they release, the alerts they raise."""
-
-    outcomes: tuple[ops.RcptUpdate, ...]
-    now: float
-    day: str
-    node: str | None
-    release: dict[str, int] | None
-    evs: list[alerts.Event]
-    coalesce: float
-    sinks: Sequence[str]
-
-
-def record_jobs(c: Any, recs: list[_Record]) -> list[None]:
-    """The record jobs of one writer batch: their outcomes in one `ops.record_many`, the
-    room they release summed per node and scope (releasing a then b is releasing a + b),
-    then their alerts. Hot rows are locked in `record`'s order, then the node's holds."""
-    by_node: dict[str | None, list[_Record]] = {}
-    for r in recs:
-        by_node.setdefault(r.node, []).append(r)
-    for node, mine in by_node.items():
-        release: dict[str, int] = {}
-        for r in mine:
-            for scope, n in (r.release or {}).items():
-                release[scope] = release.get(scope, 0) + n
-        # a fleet's ceiling scopes are exactly what its jobs release (finish: the scopes
-        # they reserved); the other counters go with the COMMIT (ops.record_many)
-        ops.record_many(
-            c, [(r.outcomes, r.now, r.day) for r in mine], owner=node, ceilings=set(release)
-        )
-        if release and node is not None:
-            ops.ceiling_release(c, node, dict(sorted(release.items())))
-    for r in recs:
-        for ev in r.evs:
-            alerts.record(c, ev, r.now, r.coalesce, r.sinks)
-    return [None] * len(recs)
-
-
-async def record(
-    e: Engine, outcomes: Sequence[ops.RcptUpdate], release: dict[str, int] | None = None
-) -> None:
-    now = e.clock()
-    day = e.ledger.day_of(now)
-    delay = min(RECORD_RETRY_FIRST, e.config.delivery.poll_interval)
-    # the alerts of the dead letters these outcomes make, in the same commit: a crash
-    # cannot record a dead letter and lose its alert
-    evs = e.take_alerts()
-    conf = e.config.alerts
-    sinks = alerts.sinks_of(conf)
-
-    # grouped: the records of one writer batch are a few statements on PostgreSQL
-    job = Grouped(
-        record_jobs, _Record(tuple(outcomes), now, day, e.node, release, evs, conf.coalesce, sinks)
-    )
-
-    while True:
-        try:
-            faults.hit("engine.record")
-            await e.writer.run(job)
-            if e.on_recorded is not None:
-                e.on_recorded(o.msg_id for o in outcomes)
-            return
-        except Exception as ex:
-            log_event(
-                log, logging.ERROR, "spool_error", "could not record outcomes; retrying", exc=ex
-            )
-            if e.stopping:
-                # left `sending`: the next start makes them due again (at-least-once)
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)  # until the spool takes it (disk full, lock)
+        e.pool.job_done(n)
 
 
 def _age(seconds: float) -> str:

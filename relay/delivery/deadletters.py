@@ -1,5 +1,5 @@
 """A dead letter's traces: the outcome line (bounced / failed / expired), the ERROR line
-`event=dead_letter`, and its alert (recorded with the outcome by relay/delivery/attempt.py).
+`event=dead_letter`, and its alert (recorded with the outcome by relay/delivery/recorder.py).
 """
 
 from __future__ import annotations

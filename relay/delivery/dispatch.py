@@ -13,35 +13,33 @@ Rules:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from relay.config.tree import Config
 from relay.delivery import decide
+from relay.delivery.destinations import Destinations
 from relay.delivery.jobs import Job
+from relay.delivery.recorder import Recorder
+from relay.delivery.workers import WorkerPool
 from relay.ops.logs import log_event
+from relay.ops.metrics import Metrics
 from relay.spool import ops
 from relay.spool.model import RcptState
-
-if TYPE_CHECKING:
-    from relay.delivery.engine import Engine
 
 log = logging.getLogger("relay.delivery.engine")
 
 
-def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
-    """The first upstream of a route that is not waiting (circuit, suspension); the
-    first one when all are (the job then waits on it)."""
-    for name in via:
-        st = e.dest(name)
-        if st.suspended_until <= now and st.breaker.state(now) != "open":
-            return name
-    return via[0]
-
-
 def dispatch(
-    e: Engine,
     job: Job,
     now: float,
     stored: dict[tuple[str, str], tuple[str, float] | None] | None = None,
+    *,
+    dests: Destinations,
+    pool: WorkerPool,
+    recorder: Recorder,
+    config: Config,
+    metrics: Metrics,
+    is_suppressed: Callable[[str, str | None], tuple[str, float] | None],
 ) -> list[ops.RcptUpdate]:
     """Queue a job on its destination, or answer at once (suppressed, suspended, circuit
     open, over the daily ceiling): those outcomes burn no attempt. `stored`: the spool's
@@ -49,13 +47,13 @@ def dispatch(
     out: list[ops.RcptUpdate] = []
     keep: list[ops.Claim] = []
     for cl in job.claims:
-        supp = e.is_suppressed(cl.address, cl.identity)
+        supp = is_suppressed(cl.address, cl.identity)
         if supp is not None and stored is not None and (cl.address, cl.identity) in stored:
             supp = stored[(cl.address, cl.identity)]
         if supp is None:
             keep.append(cl)
             continue
-        e.metrics.suppressed.labels(job.destination).inc()
+        metrics.suppressed.labels(job.destination).inc()
         log_event(
             log,
             logging.WARNING,
@@ -79,9 +77,9 @@ def dispatch(
     job.claims = keep
     if not keep:
         return out
-    st = e.dest(job.destination)
-    limits = e.ledger.limits(
-        st.name, st.conf.daily_limit, job.identity, e.config.identity(job.identity), now
+    st = dests.dest(job.destination)
+    limits = dests.ledger.limits(
+        st.name, st.conf.daily_limit, job.identity, config.identity(job.identity), now
     )
     # state(), not allow(): allow() hands out the one half-open trial, which belongs to
     # the worker that will actually connect, not to this check
@@ -95,18 +93,18 @@ def dispatch(
         suspended_until=st.suspended_until,
         suspend_reason=st.suspend_reason,
         circuit_until=circuit,
-        room=e.ledger.room(limits, now) if limits else None,
+        room=dests.ledger.room(limits, now) if limits else None,
     )
     if isinstance(verdict, decide.Wait):
         outs, dead = decide.wait(
-            job, keep, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
+            job, keep, verdict.until, verdict.reason, now=now, max_age=config.retry.max_age
         )
-        e.emit_dead(dead)
+        recorder.emit_dead(dead)
         return out + outs
     if isinstance(verdict, decide.Split):
         # what fits goes now; the rest of the recipients waits for the next window
         rest, job.claims = keep[verdict.fit :], keep[: verdict.fit]
-        e.metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
+        metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
         log_event(
             log,
             logging.INFO,
@@ -117,18 +115,18 @@ def dispatch(
             rcpts=[c.address for c in rest],
         )
         outs, dead = decide.wait(
-            job, rest, verdict.until, verdict.reason, now=now, max_age=e.config.retry.max_age
+            job, rest, verdict.until, verdict.reason, now=now, max_age=config.retry.max_age
         )
-        e.emit_dead(dead)
+        recorder.emit_dead(dead)
         out.extend(outs)
         if not job.claims:
             return out
     n = len(job.claims)
     st.reserved += n
     job.reserved = tuple(scope for scope, _name, _limit in limits)
-    e.ledger.reserve(job.reserved, n)
+    dests.ledger.reserve(job.reserved, n)
     st.queues.get(job.lane, st.queues["transactional"]).append(job)
-    e.job_queued(n)
-    e.spawn_workers(st)
+    pool.job_queued(n)
+    pool.spawn_workers(st)
     st.wake.set()
     return out

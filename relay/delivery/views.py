@@ -1,6 +1,6 @@
-"""What the engine shows: per-destination health for the daemon's health model, the
-dead-letter rate, and the runtime snapshot `relay stats` and `relay destination list`
-read."""
+"""What the engine shows of its destinations (relay/delivery/destinations.py): their
+health for the daemon's health model, and the runtime snapshot `relay stats` and
+`relay destination list` read."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from relay.delivery import shaping
 from relay.spool import ops
 
 if TYPE_CHECKING:
-    from relay.delivery.engine import Engine
+    from relay.delivery.destinations import Destinations
     from relay.delivery.jobs import DestState
 
 
@@ -34,10 +34,10 @@ class DestHealth:
     upstream: bool  # an upstream (smarthost, a route's); False: a recipient domain (MX)
 
 
-def health(e: Engine) -> list[DestHealth]:
-    now = e.clock()
+def health(dests: Destinations) -> list[DestHealth]:
+    now = dests.clock()
     out: list[DestHealth] = []
-    for st in e.dests.values():
+    for st in dests.values():
         b = st.breaker
         out.append(
             DestHealth(
@@ -54,32 +54,25 @@ def health(e: Engine) -> list[DestHealth]:
     return out
 
 
-def failing_since(e: Engine) -> dict[str, float]:
+def failing_since(dests: Destinations) -> dict[str, float]:
     """Each upstream failing since when (its first failure after its last answer): kept in
     the spool's `runtime` table so a restart does not reset the clock of the health
     model's `health.failing_after` (a single daemon; a fleet's nodes each start fresh)."""
     return {
         name: st.breaker.failing_since
-        for name, st in e.dests.items()
+        for name, st in dests.items()
         if st.upstream is not None and st.breaker.failing_since is not None
     }
 
 
-def seed_failing_since(e: Engine, since: dict[str, Any]) -> None:
+def seed_failing_since(dests: Destinations, since: dict[str, Any]) -> None:
     """At start: the failing time of each upstream still configured, as the last run left
     it (an upstream that answered since has no entry)."""
     for name, at in since.items():
-        if name in e.config.routing.upstreams and isinstance(at, int | float):
-            b = e.dest(name).breaker
+        if name in dests.config.routing.upstreams and isinstance(at, int | float):
+            b = dests.dest(name).breaker
             if b.failing_since is None:
                 b.failing_since = float(at)
-
-
-def dead_letters_last_hour(e: Engine) -> int:
-    cutoff = e.clock() - 3600
-    while e.dead_times and e.dead_times[0] < cutoff:
-        e.dead_times.popleft()
-    return len(e.dead_times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +116,11 @@ class Snapshot:
         return asdict(self)
 
 
-def snapshot(e: Engine) -> Snapshot:
-    now = e.clock()
+def snapshot(destinations: Destinations, inflight: int) -> Snapshot:
+    now = destinations.clock()
+    ledger = destinations.ledger
     dests = {}
-    for name, st in e.dests.items():
+    for name, st in destinations.items():
         up = st.upstream
         suspended = st.suspended_until > now
         dests[name] = DestinationView(
@@ -140,17 +134,17 @@ def snapshot(e: Engine) -> Snapshot:
             circuit_reopens_at=_reopens(st, now),
             suspended_until=ops.iso_utc(st.suspended_until) if suspended else None,
             suspend_reason=st.suspend_reason if suspended else None,
-            delivered_today=e.ledger.today(f"dest:{name}"),
+            delivered_today=ledger.today(f"dest:{name}"),
             daily_limit=st.conf.daily_limit,
             upstream=None if up is None else f"{up.host}:{up.port}",
             config_error=st.config_error,
         )
     idents = {}
-    for key, ident in e.config.identities.items():
-        warm = e.ledger.warmup_limit(ident, now)
+    for key, ident in destinations.config.identities.items():
+        warm = ledger.warmup_limit(ident, now)
         idents[key] = IdentityView(
-            today=e.ledger.today(f"id:{key}"),
+            today=ledger.today(f"id:{key}"),
             limit=shaping.effective_daily_limit(ident.daily_limit, warm),
             warmup_limit=warm,
         )
-    return Snapshot(dests, idents, e.ledger.day, e.inflight, ops.iso_utc(now))
+    return Snapshot(dests, idents, ledger.day, inflight, ops.iso_utc(now))
