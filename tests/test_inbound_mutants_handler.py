@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import inbound
 from relay.config.tree import from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions, auth
+from relay.inbound import auth
+from relay.inbound import core as inbound
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.tls_listener import implicit_context
 from relay.ops import faults

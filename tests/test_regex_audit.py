@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from relay import inbound
 from relay.authenticity import mtasts, unsubscribe
 from relay.delivery import dsn, replies, upstream_ids
 from relay.delivery.lanes import parse_lane_rules
 from relay.delivery.shaping import parse_rule
 from relay.feedback import bounces, providers
+from relay.inbound import core as inbound
 from relay.mail import message
 from relay.mail.regex_guard import MAX_SUBJECT, bounded, check_linear
 from relay.ops import logs

@@ -136,6 +136,8 @@ class Engine:
         on_dead_letter: DeadLetterHook | None = None,
         is_suppressed: Callable[[str, str | None], tuple[str, float] | None] = lambda a, i: None,
         on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
+        verp_sender: Callable[[str, int], str | None] = lambda q, r: None,
+        on_recorded: Callable[[Iterable[str]], None] | None = None,
     ) -> None:
         self.writer = writer
         self.metrics = metrics or Metrics()
@@ -143,10 +145,10 @@ class Engine:
         self.rng = rng or random.Random()
         self.on_dead_letter = on_dead_letter
         # told the queue ids of every record committed (the outbox's incremental write-back)
-        self.on_recorded: Callable[[Iterable[str]], None] | None = None
+        self.on_recorded = on_recorded
         self.is_suppressed = is_suppressed
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
-        self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
+        self.verp_sender = verp_sender
         self.on_suppressed = on_suppressed
         self.dests: dict[str, DestState] = {}
         self._wake = asyncio.Event()
