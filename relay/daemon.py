@@ -45,16 +45,16 @@ from collections.abc import Coroutine
 from typing import Any
 
 from relay import __version__
-from relay.authenticity.unsubscribe import UnsubscribeHandler
-from relay.cli.sendmail import Target
+from relay.authenticity.unsubscribe_http import UnsubscribeHandler
 from relay.config.tree import Config, ConfigError, load_config
 from relay.delivery import dsn, smtpclient_adapter
 from relay.delivery.engine import Engine
 from relay.feedback.service import FeedbackService
 from relay.inbound import fdlimit
 from relay.inbound.guard import InboundGuard
-from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
+from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
+from relay.inbound.stats import InboundStats
 from relay.inbound.supervisor import Supervisor
 from relay.ops import alerts, faults
 from relay.ops.admin import AdminServer
@@ -67,6 +67,7 @@ from relay.ops.sdnotify import Notifier, watchdog_loop
 from relay.spool import maildrop, pickup
 from relay.spool.lock import lock_spool
 from relay.spool.outbox import Outbox
+from relay.spool.submit import Target
 from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,8 @@ from relay.spool import bodies, ops
 if TYPE_CHECKING:
     from relay.config.tree import Config
     from relay.delivery.engine import Engine
-    from relay.inbound.handler import InboundStats, Suppressions
+    from relay.inbound.handler import Suppressions
+    from relay.inbound.stats import InboundStats
     from relay.spool.writer import SpoolWriter
 
 log = logging.getLogger(__name__)
