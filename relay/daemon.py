@@ -171,6 +171,43 @@ class Daemon:
         await asyncio.to_thread(self.writer.start)
         await self._make_maildrop()
         await self.suppressions.refresh(self.writer)
+        await self._start_feedback()
+        for warning in self.config.warnings():
+            log_event(log, logging.WARNING, "config_warning", warning)
+        engine = await self._build_engine()
+        await self._start_listeners(loop, engine)
+        await self._start_http()
+        for sig, fn in (
+            (signal.SIGTERM, self._stop.set),
+            (signal.SIGINT, self._stop.set),
+            (signal.SIGHUP, self._reload.set),
+        ):
+            loop.add_signal_handler(sig, fn)
+        if self.config.inbound_processes:
+            await self.inbound.start(loop)
+        if self.outbox is not None:
+            self.outbox.start()
+        self._pickup_task = loop.create_task(self.pickup.run(), name="maildrop")
+        await self.monitor.check()
+        self._tasks = [
+            loop.create_task(engine.run(), name="engine"),
+            loop.create_task(self.monitor.run(), name="health"),
+            loop.create_task(self.alerts.run(), name="alerts"),
+            loop.create_task(self.maintenance.run(), name="maintenance"),
+            loop.create_task(self._reloader(), name="reloader"),
+            loop.create_task(self._check_dkim_dns(), name="dkim-dns"),
+            loop.create_task(
+                watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
+            ),
+        ]
+        self._ready(loop)
+        await self._stop.wait()
+        await self.shutdown()
+        return 0
+
+    async def _start_feedback(self) -> None:
+        """Bounces and complaints (relay/feedback/), and the one-click unsubscribe endpoint
+        that suppresses through them."""
         self.feedback = FeedbackService(
             lambda: self.config,
             self.writer,
@@ -183,8 +220,10 @@ class Daemon:
         self.unsubscribe = UnsubscribeHandler(
             lambda: self.config.unsubscribe_confs(), self.feedback.suppress_for
         )
-        for warning in self.config.warnings():
-            log_event(log, logging.WARNING, "config_warning", warning)
+
+    async def _build_engine(self) -> Engine:
+        """The engine, and the parts that watch it: maintenance (the runtime snapshot it
+        writes, the failing times it restores) and the health monitor."""
         engine = self.engine = Engine(
             self.config,
             self.writer,
@@ -214,7 +253,11 @@ class Daemon:
             stopping=self._stop.is_set,
             started_at=self.started_at,
         )
-        # with inbound processes, they hold the listeners and this process delivers
+        return engine
+
+    async def _start_listeners(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
+        """One handler and server per `listen` entry; none with inbound processes (they hold
+        the listeners and this process delivers)."""
         for lst in self.config.listen if not self.config.inbound_processes else ():
             h = InboundHandler(
                 self.config,
@@ -233,30 +276,8 @@ class Daemon:
             srv = await listen(loop, h, self.config, LISTEN_BACKLOG, reuse_port=pg)
             self.handlers.append(h)
             self.servers.append(srv)
-        await self._start_http()
-        for sig, fn in (
-            (signal.SIGTERM, self._stop.set),
-            (signal.SIGINT, self._stop.set),
-            (signal.SIGHUP, self._reload.set),
-        ):
-            loop.add_signal_handler(sig, fn)
-        if self.config.inbound_processes:
-            await self.inbound.start(loop)
-        if self.outbox is not None:
-            self.outbox.start()
-        self._pickup_task = loop.create_task(self.pickup.run(), name="maildrop")
-        await self.monitor.check()
-        self._tasks = [
-            loop.create_task(engine.run(), name="engine"),
-            loop.create_task(self.monitor.run(), name="health"),
-            loop.create_task(self.alerts.run(), name="alerts"),
-            loop.create_task(self.maintenance.run(), name="maintenance"),
-            loop.create_task(self._reloader(), name="reloader"),
-            loop.create_task(self._check_dkim_dns(), name="dkim-dns"),
-            loop.create_task(
-                watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
-            ),
-        ]
+
+    def _ready(self, loop: asyncio.AbstractEventLoop) -> None:
         addrs = (
             [
                 f"{lst.host}:{s.sockets[0].getsockname()[1]}"
@@ -278,9 +299,6 @@ class Daemon:
         )  # uvloop | asyncio
         self.notifier.ready()
         self.notifier.status(f"accepting on {', '.join(addrs)}")
-        await self._stop.wait()
-        await self.shutdown()
-        return 0
 
     async def _start_http(self) -> None:
         """The admin listener (metrics, health, console) and the public routes: on
