@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.spool import db, dedup, ops
+from relay.spool import db, dedup, ops, schema
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
 
@@ -263,8 +263,8 @@ def test_an_existing_sqlite_spool_is_migrated_and_its_keys_keep_the_old_rule(
     path = tmp_path / "spool"
     path.mkdir()
     old = sqlite3.connect(db.db_path(path), isolation_level=None)
-    for version, script in enumerate(db.MIGRATIONS[:8]):
-        for stmt in db._statements(script):
+    for version, script in enumerate(schema.MIGRATIONS[:8]):
+        for stmt in schema.statements(script):
             old.execute(stmt)
         old.execute(f"PRAGMA user_version={version + 1}")
     key = dedup.dedup_key(NS, "<m@app.example>", "u@example.org")

@@ -28,7 +28,7 @@ from relay.feedback.bounces import PastBound, parse_feedback_mail
 from relay.feedback.events import FeedbackEvent
 from relay.feedback.service import FeedbackService
 from relay.ops.metrics import Metrics
-from relay.spool import db, ops
+from relay.spool import db, ops, schema
 from relay.spool.writer import SpoolWriter
 from tests.pgserver import BACKENDS, open_backend
 from tests.test_feedback_apply import T0, ev, queue, run, state
@@ -199,8 +199,8 @@ def test_the_address_index_is_added_to_an_existing_spool(tmp_path: Path) -> None
     spool.mkdir()
     # a spool at schema version 8: every migration before the index
     c = sqlite3.connect(db.db_path(spool), isolation_level=None)
-    for version, script in enumerate(db.MIGRATIONS[:8]):
-        for stmt in db._statements(script):
+    for version, script in enumerate(schema.MIGRATIONS[:8]):
+        for stmt in schema.statements(script):
             c.execute(stmt)
         c.execute(f"PRAGMA user_version={version + 1}")
     c.close()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from relay.daemon import HEALTH_FILE, spool_gone_advice
+from relay.ops.monitor import HEALTH_FILE, spool_gone_advice
 from relay.spool import db
 from tests.harness import RelayProcess, Upstream, make_message, send
 

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from relay.config import credentials
+from relay.config.pgdsn import dsn_passwords, redact
 from relay.config.tree import ConfigError, from_mapping
 from relay.ops import logs
 from relay.ops.alerts import post_webhook
 from relay.ops.logs import log_event, redact_text, redact_url, redact_webhook_url, set_secrets
-from relay.spool.pg import dsn_passwords, redact
 
 
 @pytest.mark.parametrize(

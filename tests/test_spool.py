@@ -24,7 +24,7 @@ import yaml
 from relay.config.tree import from_mapping
 from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.session import Envelope, Session
-from relay.spool import bodies, db, dedup, ops
+from relay.spool import bodies, db, dedup, ops, schema
 from relay.spool.incoming import IncomingBody
 from relay.spool.model import RcptState
 from relay.spool.writer import SpoolError, SpoolWriter
@@ -931,7 +931,7 @@ def test_migration_from_version_1_keeps_the_queue(tmp_path: Path) -> None:
     path = tmp_path / "old"
     path.mkdir()
     c = sqlite3.connect(db.db_path(path), isolation_level=None)
-    for stmt in db._statements(db.MIGRATIONS[0]):
+    for stmt in schema.statements(schema.MIGRATIONS[0]):
         c.execute(stmt)
     c.execute("PRAGMA user_version=1")
     c.execute(

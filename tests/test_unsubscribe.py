@@ -18,13 +18,12 @@ from hypothesis import strategies as st
 from relay.authenticity.unsubscribe import (
     MAX_TOKEN,
     UnsubscribeConf,
-    UnsubscribeHandler,
     add_headers,
     mailto_token,
     make_token,
-    one_click,
     read_token,
 )
+from relay.authenticity.unsubscribe_http import UnsubscribeHandler, one_click
 from relay.mail.message import header, parse_headers, split_message
 from relay.ops.http import HttpServer, Request
 
@@ -652,13 +651,13 @@ def test_headers_go_below_the_trace_fields(message: bytes, at: int) -> None:
     ],
 )
 def test_one_click_bodies(body: bytes, ctype: str, expected: bool) -> None:
-    assert u.one_click(body, ctype) is expected
+    assert one_click(body, ctype) is expected
 
 
 def test_path_prefix_must_be_a_folder() -> None:
     for bad in ("u/", "/u", "u"):
         with pytest.raises(ValueError, match="path_prefix"):
-            u.UnsubscribeHandler(lambda: {}, _never, bad)
+            UnsubscribeHandler(lambda: {}, _never, bad)
 
 
 async def _never(identity: str, recipient: str, source: str) -> bool:

@@ -418,8 +418,8 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
 def _status(args: argparse.Namespace, spool: Any) -> int:
     """`relay status`: the daemon's health file, judged like a monitoring plugin. Reads no
     database: it works when the spool is the problem."""
-    from relay.daemon import HEALTH_FILE
     from relay.ops.health import UNKNOWN_EXIT, plugin_output
+    from relay.ops.monitor import HEALTH_FILE
 
     path = spool / HEALTH_FILE
     doc: dict[str, Any]
@@ -520,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (sqlite3.Error, OSError) as e:
         where = str(config.spool_path)
         if config.spool_pg is not None:
-            from relay.spool.pg import redact
+            from relay.config.pgdsn import redact
 
             where = redact(config.spool_pg.dsn)
         print(f"relay: cannot open the spool at {where}: {e}", file=sys.stderr)

@@ -729,7 +729,7 @@ class LogConf:
 class PgSpool:
     """spool.backend: postgresql (relay/spool/pg.py)."""
 
-    dsn: str = field(repr=False)  # may hold a password: shown only through pg.redact
+    dsn: str = field(repr=False)  # may hold a password: shown only through pgdsn.redact
     password_file: Path | None = None
 
 
@@ -862,7 +862,7 @@ class Config:
             sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
         sp = out.get("spool", {})
         if isinstance(sp, dict) and isinstance(sp.get("dsn"), str):
-            from relay.spool.pg import redact
+            from relay.config.pgdsn import redact
 
             sp["dsn"] = redact(sp["dsn"])
         wh = out.get("alerts", {}).get("webhook")
@@ -899,7 +899,7 @@ class Config:
             if ident.unsubscribe is not None:
                 values.append(ident.unsubscribe.secret)
         if self.spool_pg is not None:
-            from relay.spool.pg import dsn_passwords
+            from relay.config.pgdsn import dsn_passwords
 
             values += dsn_passwords(self.spool_pg.dsn)
             if self.spool_pg.password_file is not None:  # read at connect, by pg.py

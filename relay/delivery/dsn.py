@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import re
 import time
 import uuid
@@ -25,11 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from relay.delivery.lanes import LANE_PRIORITY
 from relay.mail.message import split_message
+from relay.ops.logs import log_event
 from relay.spool import bodies, dedup, ops
 
 if TYPE_CHECKING:
     from relay.config.tree import Config
     from relay.spool.writer import SpoolWriter
+
+log = logging.getLogger(__name__)
 
 _ENHANCED = re.compile(r"(?<![\d.])[45]\.\d{1,3}\.\d{1,3}(?![\d.])")
 
@@ -173,3 +177,23 @@ async def queue_dsn(
     res = await writer.run(lambda c: ops.accept(c, msg, window))
     wake()
     return res.queue_id
+
+
+async def on_dead_letter(
+    cfg: Config, writer: SpoolWriter, doc: dict[str, Any], wake: Callable[[], None]
+) -> None:
+    """The engine's dead-letter hook: a dead letter or a delay warning. Its alert is in the
+    outbox already (recorded with the outcome); here only the DSN to the sender, when
+    `dsn.enabled`. A DSN that cannot be queued is logged, never raised."""
+    if cfg.dsn.enabled and doc.get("sender"):
+        try:
+            await queue_dsn(cfg, writer, doc, wake)
+        except Exception as e:
+            log_event(
+                log,
+                logging.ERROR,
+                "dsn_failed",
+                "could not queue a DSN",
+                exc=e,
+                queue_id=doc.get("queue_id"),
+            )

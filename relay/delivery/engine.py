@@ -75,6 +75,8 @@ class Engine:
         on_dead_letter: DeadLetterHook | None = None,
         is_suppressed: Callable[[str, str | None], tuple[str, float] | None] = lambda a, i: None,
         on_suppressed: Callable[[str, str, float], None] = lambda a, r, t: None,
+        verp_sender: Callable[[str, int], str | None] = lambda q, r: None,
+        on_recorded: Callable[[Iterable[str]], None] | None = None,
     ) -> None:
         metrics = metrics or Metrics()
         rng = rng or random.Random()
@@ -111,6 +113,7 @@ class Engine:
             stopping=lambda: self.stopping,
             on_dead_letter=on_dead_letter,
         )
+        self.recorder.on_recorded = on_recorded  # the outbox's write-back (the daemon's)
         self.pool = WorkerPool(
             self.dests,
             self.recorder,
@@ -145,6 +148,7 @@ class Engine:
             is_suppressed=is_suppressed,
             wake=self.wake,
         )
+        self.claims.verp_sender = verp_sender  # feedback.verp (the daemon's)
         self.apply_config(config)
 
     # --- configuration ------------------------------------------------------------------
@@ -260,16 +264,12 @@ class Engine:
     def inflight(self) -> int:
         return self.pool.inflight
 
-    # --- what the daemon sets: the VERP sender, the outbox's write-back hook --------------
+    # --- the daemon's hooks: the VERP sender, the outbox's write-back --------------------
 
     @property
     def verp_sender(self) -> Callable[[str, int], str | None]:
         """feedback.verp: (queue id, recipient row) -> the envelope sender, or None."""
         return self.claims.verp_sender
-
-    @verp_sender.setter
-    def verp_sender(self, fn: Callable[[str, int], str | None]) -> None:
-        self.claims.verp_sender = fn
 
     @property
     def last_delivery_at(self) -> float | None:
@@ -279,10 +279,6 @@ class Engine:
     def on_recorded(self) -> Callable[[Iterable[str]], None] | None:
         """Told the queue ids of every record committed (the outbox's write-back)."""
         return self.recorder.on_recorded
-
-    @on_recorded.setter
-    def on_recorded(self, fn: Callable[[Iterable[str]], None] | None) -> None:
-        self.recorder.on_recorded = fn
 
     # --- what the daemon reads of the fleet -----------------------------------------------
 

@@ -1,9 +1,7 @@
-"""Inbound SMTP: our SMTP server and everything it decides.
+"""Inbound SMTP (our SMTP server): the accept step's decisions in `handler`, the sans-I/O
+protocol core in `core`, the asyncio transport in `transport`, the guard, limits, AUTH, TLS,
+DATA parsing and long lines in modules of their own.
 
-The sans-I/O protocol core (`core`), the asyncio transport (`transport`), the session
-state (`session`), the accept step's decisions (`handler`), DATA as it arrives (`dataflow`,
-`longlines`), AUTH (`auth`, `auth_mechanisms`), the per-IP and per-connection limits
-(`anvil`, `guard`, `session_limits`, `session_watch`, `fdlimit`), implicit TLS
-(`tls_listener`) and the inbound processes (`processes`). Import from the modules; this
-package file imports nothing, so importing one of them never loads the rest.
+Docstring only: import from the modules (importing any relay.inbound module runs this
+file; tests/importgraph.py).
 """

@@ -26,16 +26,16 @@ import binascii
 import logging
 from base64 import b64decode
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relay.inbound import auth as auth_
 from relay.inbound.guard import AuthBusy, InboundGuard
 from relay.ops.logs import log_event
 
 if TYPE_CHECKING:
-    from relay.config.tree import Config
-    from relay.inbound.handler import InboundStats
-    from relay.inbound.transport import InboundProtocol as SMTP
+    from relay.config.tree import Config, Listener
+    from relay.inbound.session import Session
+    from relay.inbound.stats import InboundStats
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,23 @@ class AuthResult:
     handled: bool = True
     message: str | None = None
     auth_data: Any = None
+
+
+class SMTP(Protocol):
+    """What a mechanism needs of its connection: our protocol (relay/inbound/transport.py
+    InboundProtocol), named as aiosmtpd's `server` was."""
+
+    AuthLoginUsernameChallenge: str
+    AuthLoginPasswordChallenge: str
+    relay_listener: Listener
+    relay_auth_failures: int
+    session: Session | None
+
+    async def challenge_auth(
+        self, challenge: str | bytes, encode_to_b64: bool = True, log_client_response: bool = False
+    ) -> Any: ...
+
+    async def push(self, status: str | bytes) -> None: ...
 
 
 def _b64(text: str) -> bytes | None:

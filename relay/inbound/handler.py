@@ -41,7 +41,6 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from relay.config.tree import Config, Listener
@@ -53,6 +52,7 @@ from relay.inbound import longlines
 from relay.inbound.auth_mechanisms import AuthMechanisms
 from relay.inbound.guard import InboundGuard, is_allowed
 from relay.inbound.session import Envelope, Session, TLSSetupException
+from relay.inbound.stats import InboundStats
 from relay.inbound.transport import InboundProtocol
 from relay.mail import address as address_
 from relay.mail.message import (
@@ -66,7 +66,6 @@ from relay.mail.message import (
 )
 from relay.ops import alerts, faults
 from relay.ops.logs import log_event
-from relay.ops.metrics import Metrics
 from relay.spool import bodies, dedup, ops
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import Grouped, SpoolError, SpoolWriter
@@ -77,22 +76,6 @@ log = logging.getLogger("relay.inbound")  # the name its log lines have always c
 # keep aiosmtpd's names, so their code reads as before.
 SMTP: TypeAlias = InboundProtocol
 RelaySMTP: TypeAlias = InboundProtocol
-
-
-@dataclass(slots=True)
-class InboundStats:
-    accepted: int = 0
-    deduplicated: int = 0
-    rejected: int = 0
-    sessions: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    metrics: Metrics | None = None
-
-    def reject(self, reason: str) -> None:
-        self.rejected += 1
-        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
-        if self.metrics is not None:
-            self.metrics.rejected.labels(reason).inc()
 
 
 class Suppressions:
@@ -156,7 +139,7 @@ class InboundHandler(AuthMechanisms):
         self.writer = writer
         self.suppressions = suppressions
         self.on_queued = on_queued
-        self.stats = stats or InboundStats()
+        self.stats: InboundStats = stats or InboundStats()
         # shared by every listener of the daemon: connection counts, AUTH checks and bans
         self.guard = guard or InboundGuard(config, self.stats.metrics)
         self.closing = False

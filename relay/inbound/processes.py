@@ -2,7 +2,7 @@
 the same spool, so that taking mail and delivering it use more than one core.
 
 Rules:
-- The main process (relay/daemon.py) starts N of these (`relay serve` re-executed with
+- The main process (relay/inbound/supervisor.py) starts N of these (`relay serve` re-executed with
   RELAY_ROLE=inbound), waits until they listen, restarts one that dies, forwards SIGHUP,
   and stops them first at shutdown. The main process then listens for SMTP no more: it
   delivers, and serves admin, metrics and health, on a core of its own. Listener sockets
@@ -34,7 +34,8 @@ from typing import Any
 from relay.config.tree import Config, ConfigError, load_config
 from relay.feedback.service import FeedbackService
 from relay.inbound.guard import InboundGuard
-from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
+from relay.inbound.handler import InboundHandler, Suppressions
+from relay.inbound.stats import InboundStats
 from relay.inbound.tls_listener import implicit_context
 from relay.ops import alerts, faults
 from relay.ops.logs import log_event, reconfigure

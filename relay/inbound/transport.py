@@ -34,7 +34,7 @@ import asyncio
 import logging
 import types
 from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from relay.inbound import core as core_
 from relay.inbound import longlines
@@ -46,8 +46,10 @@ from relay.ops.logs import log_event
 from relay.spool.incoming import IncomingBody
 
 if TYPE_CHECKING:
-    from relay.config.tree import Listener
-    from relay.inbound.handler import InboundHandler
+    from relay.config.tree import Config, Listener
+    from relay.inbound.auth_mechanisms import AuthResult
+    from relay.inbound.guard import InboundGuard
+    from relay.inbound.stats import InboundStats
 
 log = logging.getLogger("relay.inbound")
 
@@ -55,6 +57,63 @@ _TLS_KEYS = ("ssl_object", "peercert", "cipher")
 CODE_SUCCESS = "235 2.7.0 Authentication successful"
 CODE_INVALID = "535 5.7.8 Authentication credentials invalid"
 TOO_MANY_AUTH = "421 4.7.0 too many authentication failures"
+
+
+class InboundHandler(Protocol):
+    """What the transport needs of the accept step (relay/inbound/handler.py InboundHandler,
+    which builds one protocol per connection): its settings, the guard and counters, and the
+    hooks, named as aiosmtpd's were."""
+
+    closing: bool
+    config: Config
+    guard: InboundGuard
+    listener: Listener
+    stats: InboundStats
+
+    async def handle_EHLO(
+        self,
+        server: InboundProtocol,
+        session: Session,
+        envelope: Envelope,
+        hostname: str,
+        responses: list[str],
+    ) -> list[str]: ...
+
+    async def handle_MAIL(
+        self,
+        server: InboundProtocol,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        mail_options: list[str],
+    ) -> str: ...
+
+    async def handle_RCPT(
+        self,
+        server: InboundProtocol,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        rcpt_options: list[str],
+    ) -> str: ...
+
+    async def handle_exception(self, error: Exception) -> str: ...
+
+    def spool_failed(self, queue_id: str, e: BaseException) -> str: ...
+
+    async def accept_stream(
+        self,
+        session: Session,
+        envelope: Envelope,
+        incoming: IncomingBody,
+        nuls: int,
+        long_lines: bool = False,
+    ) -> str: ...
+
+    async def auth_PLAIN(self, server: InboundProtocol, args: list[str]) -> AuthResult: ...
+
+    async def auth_LOGIN(self, server: InboundProtocol, args: list[str]) -> AuthResult: ...
+
 
 _SETTINGS: dict[tuple[int, int, bool], tuple[Any, Any, core_.Settings]] = {}
 

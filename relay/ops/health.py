@@ -2,7 +2,7 @@
 `detail` a person can act on, and the transitions between them.
 
 Rules:
-- Pure: the daemon (relay/daemon.py `_health_loop`) measures, these functions judge. Every
+- Pure: the monitor (relay/ops/monitor.py) measures, these functions judge. Every
   judgement is a table-tested function of numbers and thresholds.
 - `since` is when the check entered its current status; a check whose status does not
   change keeps its `since` even when its detail changes.

@@ -9,7 +9,7 @@ Rules:
   become `%s`, a literal `%` becomes `%%`, `INDEXED BY` (a SQLite planner hint) is dropped,
   `BEGIN IMMEDIATE` is `BEGIN`. Nothing else is rewritten: a statement this module cannot
   pass through unchanged must be made portable at its source.
-- The schema is the same migrations as SQLite's (`db.MIGRATIONS`), their column types
+- The schema is the same migrations as SQLite's (relay/spool/schema.py), their column types
   mapped (REAL -> double precision, BLOB -> bytea, INTEGER PRIMARY KEY -> an identity
   column, TEXT -> text in the "C" collation so that ORDER BY sorts by code point as SQLite
   does). The version lives in `relay_schema`; migrating holds an advisory lock, so several
@@ -21,8 +21,8 @@ Rules:
   of the batch and their callers answer 4xx. A connection the server dropped is replaced at
   the next BEGIN (the batch in flight fails; the next one runs on a new connection).
 - The password comes from `spool.password_file` (read here, never logged) or from libpq's
-  own mechanisms in the DSN (PGPASSWORD, ~/.pgpass, the URL); `redact` hides a password
-  written into the URL wherever a DSN is shown.
+  own mechanisms in the DSN (PGPASSWORD, ~/.pgpass, the URL); relay/config/pgdsn.py `redact`
+  hides a password written into the URL wherever a DSN is shown.
 - Driver: psycopg 3 (sync). The writer is a thread that runs a batch of jobs per
   transaction, so a synchronous driver in that thread is the natural fit (asyncpg would
   need the event loop the writer keeps its batches away from); psycopg prepares a statement
@@ -38,10 +38,11 @@ from collections.abc import Iterable, Sequence
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg import errors as pg_errors
+
+from relay.spool.schema import MIGRATIONS, statements
 
 DIALECT = "postgresql"
 # a lock key of our own for migrations (pg_advisory_xact_lock takes a bigint)
@@ -120,35 +121,6 @@ def ddl(stmt: str) -> str:
     for pattern, repl in _TYPE_MAP:
         stmt = pattern.sub(repl, stmt)
     return stmt
-
-
-def redact(dsn: str) -> str:
-    """The DSN with any password replaced by ***, for logs and messages (a URL's query
-    values too: `?password=` is a libpq parameter)."""
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return "<unparsable dsn>"
-    if parts.scheme in ("postgres", "postgresql"):
-        from relay.ops.logs import redact_url
-
-        return redact_url(dsn)
-    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
-
-
-def dsn_passwords(dsn: str) -> tuple[str, ...]:
-    """The passwords a DSN holds inline (URL userinfo, `?password=`, `password=` of a
-    key=value list); the log formatter is told to hide them."""
-    out = []
-    try:
-        out.append(urlsplit(dsn).password or "")
-    except ValueError:
-        pass
-    try:
-        out.append(str(psycopg.conninfo.conninfo_to_dict(dsn).get("password") or ""))
-    except psycopg.Error:
-        pass
-    return tuple(unquote(p) for p in out if p) + tuple(p for p in out if p)
 
 
 def _wrap(e: psycopg.Error) -> sqlite3.Error:
@@ -359,8 +331,6 @@ def connect(dsn: str, password_file: Path | None = None) -> PgConnection:
 
 
 def migrate(conn: PgConnection) -> int:
-    from relay.spool.db import MIGRATIONS, _statements
-
     conn.execute("BEGIN")
     try:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATE_LOCK,))
@@ -377,7 +347,7 @@ def migrate(conn: PgConnection) -> int:
                 f"({len(MIGRATIONS)}); upgrade relay"
             )
         while version < len(MIGRATIONS):
-            for stmt in _statements(MIGRATIONS[version]):
+            for stmt in statements(MIGRATIONS[version]):
                 conn.execute(ddl(stmt))
             for stmt in PG_MIGRATIONS.get(version, ()):
                 conn.execute(stmt)

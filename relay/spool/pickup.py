@@ -6,7 +6,7 @@ Rules:
   empty), oldest file first. File I/O and the submission run in a worker thread, never on
   the event loop.
 - Each file is submitted over SMTP to the daemon's own first listener, exactly as
-  relay-sendmail would have submitted it (relay.cli.sendmail.submit): the same checks as any
+  relay-sendmail would have submitted it (relay/spool/submit.py): the same checks as any
   local client (RCPT, suppressions, aliases, limits), the same dedup namespace and the
   same spool fsync before the 250. The file is unlinked only after that 250, so a crash in
   between imports it again, and dedup (the same listener, the same Message-ID or content)
@@ -29,10 +29,9 @@ import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from relay.cli import sendmail
 from relay.ops import alerts
 from relay.ops.logs import log_event, mask_address
-from relay.spool import maildrop
+from relay.spool import maildrop, submit
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class Pickup:
     def __init__(
         self,
         folder: Callable[[], Path],
-        target: Callable[[], sendmail.Target],
+        target: Callable[[], submit.Target],
         alert: Callable[[alerts.Event], Awaitable[None]],
         clock: Callable[[], float],
         max_size: Callable[[], int | None] = lambda: None,
@@ -139,15 +138,15 @@ class Pickup:
         target = self.target()
         try:
             refused = await asyncio.to_thread(
-                sendmail.submit,
+                submit.submit,
                 target,
                 drop.sender,
                 list(drop.recipients),
                 drop.data,
                 SUBMIT_TIMEOUT,
             )
-        except sendmail.Failure as f:
-            if f.code in (sendmail.EX_DATAERR, sendmail.EX_NOUSER):
+        except submit.Failure as f:
+            if f.code in (submit.EX_DATAERR, submit.EX_NOUSER):
                 await self._aside(folder, name, f"refused by the relay: {f}", drop)
             else:
                 self._later(name, str(f))
@@ -222,17 +221,17 @@ _BRACKETED = re.compile(r"<([^<>]*)>")  # linear: no nested quantifier
 
 
 def _masked(text: str) -> str:
-    """relay.cli.sendmail's texts (`refused recipient <addr>: ...`) with every `<addr>` masked:
+    """relay/spool/submit.py's texts (`refused recipient <addr>: ...`) with every `<addr>` masked:
     an alert's text never names a recipient in full (alerts carry masked samples)."""
     return _BRACKETED.sub(
         lambda m: f"<{mask_address(m.group(1))}>" if "@" in m.group(1) else m.group(0), text
     )
 
 
-def target_of(host: str, port: int, hostname: str) -> sendmail.Target:
+def target_of(host: str, port: int, hostname: str) -> submit.Target:
     """The daemon's own first listener, as relay-sendmail finds it."""
     if host in ("0.0.0.0", "*", ""):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return sendmail.Target(host=host, port=port, hostname=hostname)
+    return submit.Target(host=host, port=port, hostname=hostname)

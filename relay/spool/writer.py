@@ -109,7 +109,12 @@ class SpoolError(Exception):
 
 
 class SpoolWriter:
-    def __init__(self, spool_dir: Path, pg: PgSpool | None = None) -> None:
+    def __init__(
+        self,
+        spool_dir: Path,
+        pg: PgSpool | None = None,
+        on_commit: Callable[[float, int], None] | None = None,
+    ) -> None:
         self.spool_dir = spool_dir
         self.pg = pg
         self._q: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
@@ -125,7 +130,7 @@ class SpoolWriter:
         self.healthy = True
         self.refused_at = float("-inf")  # monotonic: the last job the database refused
         self.refused = ""
-        self.on_commit: Callable[[float, int], None] | None = None
+        self.on_commit = on_commit
         self._reader: sqlite3.Connection | None = None  # read(): opened at first use
         self._reader_lock = threading.Lock()
 
