@@ -871,8 +871,8 @@ class ServerCore:
         assert parser is not None
         if not self._in:
             return
-        block = bytes(self._in)
-        self._in.clear()
+        block = self._in  # handed over, not copied (the parser copies what it keeps)
+        self._in = bytearray()
         out = parser.feed(block)
         if out.data:
             self._events.append(DataChunk(out.data))

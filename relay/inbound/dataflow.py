@@ -71,9 +71,9 @@ class DataParser:
     def done(self) -> bool:
         return self._done
 
-    def feed(self, block: bytes) -> Feed:
+    def feed(self, block: bytes | bytearray) -> Feed:
         if self._done:
-            return Feed(b"", True, block)
+            return Feed(b"", True, bytes(block))
         old = len(self._pending)
         self._pending += block
         buf = self._pending
@@ -86,8 +86,9 @@ class DataParser:
             i = buf.find(_END, max(0, old - 4))
             end = -1 if i < 0 else i + 2
         if end >= 0:
-            lines = bytes(buf[:end])
-            rest = bytes(buf[end + 3 :])
+            with memoryview(buf) as view:  # one copy each, not a slice and then bytes()
+                lines = bytes(view[:end])
+                rest = bytes(view[end + 3 :])
             self._pending = bytearray()
             self._done = True
             return Feed(self._lines(lines), True, rest)
@@ -95,7 +96,8 @@ class DataParser:
         if cut < 0:
             self._check_partial()
             return Feed(b"")
-        lines = bytes(buf[: cut + 2])
+        with memoryview(buf) as view:
+            lines = bytes(view[: cut + 2])
         del buf[: cut + 2]
         self._check_partial()
         return Feed(self._lines(lines))
