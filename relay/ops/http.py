@@ -39,7 +39,6 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from relay.inbound import anvil
 from relay.ops.framing import MAX_HEAD, FramingError, RequestFraming
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
@@ -156,6 +155,8 @@ class HttpServer:
         self.app = web.Application(
             middlewares=[self._middleware], client_max_size=self.limits.max_body
         )
+        from relay.inbound import anvil  # here, not at the top: relay.inbound imports config
+
         self.connections = anvil.ConnectionTable()
         self._policy = anvil.ConnectionLimits(
             max_connections=self.limits.max_connections,
@@ -244,6 +245,8 @@ class HttpServer:
 
     def admit(self, ip: str) -> str | None:
         """Count a new connection, or say why it is refused (`total`, `per_ip`)."""
+        from relay.inbound import anvil  # here, not at the top: relay.inbound imports config
+
         key = anvil.client_key(ip)
         reason = anvil.refuse_connection(
             self._policy, self.connections.total, self.connections.from_ip(key), True, False
@@ -272,6 +275,8 @@ class HttpServer:
         return reason
 
     def release(self, ip: str) -> None:
+        from relay.inbound import anvil  # here, not at the top: relay.inbound imports config
+
         self.connections.closed(anvil.client_key(ip))
         if self.metrics is not None:
             self.metrics.http_connections_open.labels(self.name).set(self.connections.total)
