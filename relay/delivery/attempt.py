@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from relay.delivery import connect, decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
+from relay.delivery.outcomes import ROWS, Kind
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
 from relay.delivery.upstream_ids import upstream_id
@@ -213,8 +214,9 @@ async def apply(
             host=host,
             duration=duration,
         )
+        row = ROWS[d.kind]
         reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
-        uid = upstream_id(reply) if d.kind == "delivered" else None
+        uid = upstream_id(reply) if row.counts else None
         outcomes.append(
             d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid)
         )
@@ -233,48 +235,30 @@ async def apply(
         if res is not None and res.verdict.throttled:
             throttled = True
             rule_hit = rule_hit or shaping.match_rules(e.rules, reply)
-        if d.kind == "delivered":
+        # what the row says: its counter, its log line, and its flags' effects
+        e.metrics.count_outcome(row.metric, st.name, row.reason)
+        if row.counts:
             delivered += 1
             e.last_delivery_at = now
-            e.metrics.delivered.labels(st.name).inc()
             e.metrics.latency.observe(max(0.0, now - cl.created_at))
-            log_event(
-                log,
-                logging.INFO,
-                "delivered",
-                "recipient delivered",
-                queue_id=job.msg_id,
-                dedup_key=cl.dedup_key,
-                rcpt=cl.address,
-                destination=st.name,
-                host=host,
-                reply=reply,
-                upstream_id=uid,
-                duration=round(duration, 3),
-            )
-        elif d.kind == "deferred":
-            e.metrics.deferred.labels(st.name, "transient").inc()
-            log_event(
-                log,
-                logging.WARNING,
-                "deferred",
-                "recipient deferred",
-                queue_id=job.msg_id,
-                dedup_key=cl.dedup_key,
-                rcpt=cl.address,
-                destination=st.name,
-                host=host,
-                reply=reply,
-                next_attempt_at=ops.iso_utc(d.outcome.next_attempt_at or now),
-                attempts=cl.attempts + 1,
-            )
-            if d.warn_delay and delayed is None:
-                delayed = (cl, reply)
-        elif d.kind == "bounced":
+        if row.suppresses:
             e.on_suppressed(cl.address, reply, now)
-            e.metrics.bounced.labels(st.name).inc()
-        else:
-            e.metrics.failed.labels(st.name).inc()
+        if not row.dead:  # a dead letter's line is its own (relay/delivery/deadletters.py)
+            log_event(
+                log,
+                row.level,
+                row.event,
+                row.message,
+                queue_id=job.msg_id,
+                dedup_key=cl.dedup_key,
+                rcpt=cl.address,
+                destination=st.name,
+                host=host,
+                reply=reply,
+                **{f: _DETAILS[f](d, cl, uid, duration, now) for f in row.log_fields},
+            )
+        if d.warn_delay and delayed is None:
+            delayed = (cl, reply)
         if d.dead is not None:
             dead.append(d.dead)
     before = st.breaker.state(now)
@@ -323,13 +307,26 @@ async def apply(
         await delay_warning(e, st, job, *delayed)
 
 
+# the fields a row's log line adds after the ones every outcome line has (`Row.log_fields`)
+_DETAILS: dict[str, Callable[[decide.Decision, ops.Claim, str | None, float, float], object]] = {
+    "upstream_id": lambda d, cl, uid, duration, now: uid,
+    "duration": lambda d, cl, uid, duration, now: round(duration, 3),
+    "next_attempt_at": lambda d, cl, uid, duration, now: ops.iso_utc(
+        d.outcome.next_attempt_at or now
+    ),
+    "attempts": lambda d, cl, uid, duration, now: cl.attempts + 1,
+}
+
+
 async def delay_warning(e: Engine, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
     """Once per message: a `delayed` alert, and (by the hook) a delay DSN."""
     now = e.clock()
     conf = e.config.alerts
     age = _age(now - cl.created_at)
+    name = ROWS[Kind.DEFERRED].alert  # the deferral's alert: once per message
+    assert name is not None
     ev = alerts.Event(
-        "delayed",
+        name,
         "warning",
         st.name,
         f"mail to {st.name} delayed {age}: {reply}",

@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from relay.delivery import decide
 from relay.delivery.jobs import Job
+from relay.delivery.outcomes import ROWS, Kind
 from relay.ops.logs import log_event
 from relay.spool import ops
-from relay.spool.model import RcptState
 
 if TYPE_CHECKING:
     from relay.delivery.engine import Engine
 
 log = logging.getLogger("relay.delivery.engine")
+
+_SUPPRESSED = ROWS[Kind.SUPPRESSED]  # answered here, before any attempt
 
 
 def first_open(e: Engine, via: tuple[str, ...], now: float) -> str:
@@ -55,12 +57,12 @@ def dispatch(
         if supp is None:
             keep.append(cl)
             continue
-        e.metrics.suppressed.labels(job.destination).inc()
+        e.metrics.count_outcome(_SUPPRESSED.metric, job.destination, _SUPPRESSED.reason)
         log_event(
             log,
-            logging.WARNING,
-            "suppressed",
-            "recipient is suppressed",
+            _SUPPRESSED.level,
+            _SUPPRESSED.event,
+            _SUPPRESSED.message,
             queue_id=job.msg_id,
             rcpt=cl.address,
             reason=supp[0],
@@ -69,11 +71,12 @@ def dispatch(
             ops.RcptUpdate(
                 rcpt_id=cl.rcpt_id,
                 msg_id=job.msg_id,
-                state=RcptState.SUPPRESSED,
+                state=_SUPPRESSED.state,
                 count_attempt=False,
                 next_attempt_at=None,
                 last_reply=f"suppressed: {supp[0]}",
-                log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None),
+                # no attempt: the attempt log says the kind (outcomes.ATTEMPTLESS)
+                log=ops.AttemptLog(Kind.SUPPRESSED.value, supp[0], job.destination, None, None),
             )
         )
     job.claims = keep
@@ -106,7 +109,7 @@ def dispatch(
     if isinstance(verdict, decide.Split):
         # what fits goes now; the rest of the recipients waits for the next window
         rest, job.claims = keep[verdict.fit :], keep[: verdict.fit]
-        e.metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
+        e.metrics.count_outcome(ROWS[Kind.DEFERRED].metric, st.name, "daily_limit", len(rest))
         log_event(
             log,
             logging.INFO,
