@@ -12,6 +12,9 @@ Rules:
 - A connection opened by failover carries this one transaction and is closed: the
   worker's reusable connection stays with its own destination.
 - Dead letters' alerts are recorded in the same commit as the outcomes that make them.
+- What one recipient's outcome does here (its counter, its log line, a delivery's count, a
+  suppression, a dead letter, the delay warning) is its row of the outcome table
+  (relay/delivery/outcomes.py): `apply` reads the row's data and flags, never the kind's name.
 """
 
 from __future__ import annotations
@@ -173,6 +176,18 @@ async def _drop(conn: Connection | None) -> None:
         await conn.quit()
 
 
+@dataclasses.dataclass(slots=True)
+class _Tally:
+    """One attempt's outcomes as `apply` gathers them, recipient by recipient."""
+
+    outcomes: list[ops.RcptUpdate] = dataclasses.field(default_factory=list)
+    dead: list[DeadLetter] = dataclasses.field(default_factory=list)
+    delivered: int = 0
+    throttled: bool = False
+    rule_hit: shaping.ShapingRule | None = None
+    delayed: tuple[ops.Claim, str] | None = None  # the message's delay warning is due
+
+
 async def apply(
     e: Engine,
     st: DestState,
@@ -195,12 +210,7 @@ async def apply(
         st.conf.ambiguous,
         e.config.retry.warn_after,
     )
-    outcomes: list[ops.RcptUpdate] = []
-    dead: list[DeadLetter] = []
-    delivered = 0
-    throttled = False
-    rule_hit: shaping.ShapingRule | None = None
-    delayed: tuple[ops.Claim, str] | None = None
+    t = _Tally()
     for cl in job.claims:
         res = results.get(cl.address)
         d = decide.decide(
@@ -214,56 +224,91 @@ async def apply(
             host=host,
             duration=duration,
         )
-        row = ROWS[d.kind]
-        reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
-        uid = upstream_id(reply) if row.counts else None
-        outcomes.append(
-            d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid)
+        _tally(e, st, job, cl, res, d, t, now=now, host=host, duration=duration)
+    _health(
+        e, st, results, t, now, upstream_seen=upstream_seen, connection_failed=connection_failed
+    )
+    e.emit_dead(t.dead, host)  # before the record: its alerts go in the same commit
+    await finish(e, job, t.outcomes, t.delivered)
+    if t.delayed is not None:
+        await delay_warning(e, st, job, *t.delayed)
+
+
+def _tally(
+    e: Engine,
+    st: DestState,
+    job: Job,
+    cl: ops.Claim,
+    res: RcptResult | None,
+    d: decide.Decision,
+    t: _Tally,
+    *,
+    now: float,
+    host: str | None,
+    duration: float,
+) -> None:
+    """One recipient's decision: what its row of the outcome table says (the counter, the
+    log line, the flags' effects), and what the attempt's reply says on top."""
+    row = ROWS[d.kind]
+    reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
+    uid = upstream_id(reply) if row.counts else None
+    t.outcomes.append(d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid))
+    e.metrics.attempts.labels(st.name, d.logged).inc()
+    if d.logged == "ambiguous":
+        log_event(
+            log,
+            logging.WARNING,
+            "ambiguous",
+            "connection lost after the final dot: the upstream may have the message",
+            queue_id=job.msg_id,
+            rcpt=cl.address,
+            destination=st.name,
+            policy=st.conf.ambiguous,
         )
-        e.metrics.attempts.labels(st.name, d.logged).inc()
-        if d.logged == "ambiguous":
-            log_event(
-                log,
-                logging.WARNING,
-                "ambiguous",
-                "connection lost after the final dot: the upstream may have the message",
-                queue_id=job.msg_id,
-                rcpt=cl.address,
-                destination=st.name,
-                policy=st.conf.ambiguous,
-            )
-        if res is not None and res.verdict.throttled:
-            throttled = True
-            rule_hit = rule_hit or shaping.match_rules(e.rules, reply)
-        # what the row says: its counter, its log line, and its flags' effects
-        e.metrics.count_outcome(row.metric, st.name, row.reason)
-        if row.counts:
-            delivered += 1
-            e.last_delivery_at = now
-            e.metrics.latency.observe(max(0.0, now - cl.created_at))
-        if row.suppresses:
-            e.on_suppressed(cl.address, reply, now)
-        if not row.dead:  # a dead letter's line is its own (relay/delivery/deadletters.py)
-            log_event(
-                log,
-                row.level,
-                row.event,
-                row.message,
-                queue_id=job.msg_id,
-                dedup_key=cl.dedup_key,
-                rcpt=cl.address,
-                destination=st.name,
-                host=host,
-                reply=reply,
-                **{f: _DETAILS[f](d, cl, uid, duration, now) for f in row.log_fields},
-            )
-        if d.warn_delay and delayed is None:
-            delayed = (cl, reply)
-        if d.dead is not None:
-            dead.append(d.dead)
+    if res is not None and res.verdict.throttled:
+        t.throttled = True
+        t.rule_hit = t.rule_hit or shaping.match_rules(e.rules, reply)
+    e.metrics.count_outcome(row.metric, st.name, row.reason)
+    if row.counts:
+        t.delivered += 1
+        e.last_delivery_at = now
+        e.metrics.latency.observe(max(0.0, now - cl.created_at))
+    if row.suppresses:
+        e.on_suppressed(cl.address, reply, now)
+    if not row.dead:  # a dead letter's line is its own (relay/delivery/deadletters.py)
+        log_event(
+            log,
+            row.level,
+            row.event,
+            row.message,
+            queue_id=job.msg_id,
+            dedup_key=cl.dedup_key,
+            rcpt=cl.address,
+            destination=st.name,
+            host=host,
+            reply=reply,
+            **{f: _DETAILS[f](d, cl, uid, duration, now) for f in row.log_fields},
+        )
+    if d.warn_delay and t.delayed is None:
+        t.delayed = (cl, reply)
+    if d.dead is not None:
+        t.dead.append(d.dead)
+
+
+def _health(
+    e: Engine,
+    st: DestState,
+    results: dict[str, RcptResult],
+    t: _Tally,
+    now: float,
+    *,
+    upstream_seen: bool,
+    connection_failed: bool,
+) -> None:
+    """What the attempt tells the destination: its breaker, its slow-down, shaping rules."""
     before = st.breaker.state(now)
     action = decide.breaker_action(
-        results, delivered, upstream_seen=upstream_seen, connection_failed=connection_failed
+        results, t.delivered, upstream_seen=upstream_seen, connection_failed=connection_failed
     )
     if action == "release":
         st.breaker.release()
@@ -272,8 +317,9 @@ async def apply(
     else:
         st.breaker.on_success(now)
     e.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
-    if throttled:
+    if t.throttled:
         hold = 0.0
+        rule_hit = t.rule_hit
         if rule_hit is not None and rule_hit.action == "suspend":
             st.suspended_until = max(st.suspended_until, now + rule_hit.duration)
             st.suspend_reason = f"rule: {rule_hit.pattern.pattern}"
@@ -298,13 +344,9 @@ async def apply(
                 connections=st.adaptive.effective_connections(),
             )
         e.retune(st)
-    elif delivered and st.adaptive.on_success(now):
+    elif t.delivered and st.adaptive.on_success(now):
         e.retune(st)
         e.spawn_workers(st)
-    e.emit_dead(dead, host)  # before the record: its alerts go in the same commit
-    await finish(e, job, outcomes, delivered)
-    if delayed is not None:
-        await delay_warning(e, st, job, *delayed)
 
 
 # the fields a row's log line adds after the ones every outcome line has (`Row.log_fields`)
