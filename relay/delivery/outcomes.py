@@ -2,19 +2,20 @@
 reads (as h11's `_events.py`/`_state.py` are for its connection).
 
 Rules:
-- An outcome kind is the end of one recipient's pass through delivery: the attempt's
+- An outcome kind is where one recipient's pass through delivery ends: an attempt's
   decision (relay/delivery/decide.py: delivered, deferred, bounced, failed, expired) or an
   answer before any attempt (relay/delivery/dispatch.py: suppressed; a wait for shaping, a
-  suspension or a circuit is a deferral that burns no attempt, or expired past
+  suspension or an open circuit, a deferral that burns no attempt, or expired past
   `retry.max_age`).
 - A row says, for its kind: the recipient state the spool records (relay/spool/model.py),
   the log event (relay/ops/logs.py `EVENTS`) with its level and message, the recipients
   counter it moves (relay/ops/metrics.py builds those counters from `COUNTERS` below) and
   that counter's `reason` label, the alert it raises, the RFC 3464 §2.3.3 action of the
-  DSN it sends the sender (None: none is sent), and the words the CLI, the dead-letter hook
-  and the log use for it.
+  DSN it sends the sender (None: none is sent), and its words for people (a dead letter's
+  `reason` in the DSN hook's document and its log line). The CLI names the dead letters
+  (`queue retry --failed`) by the dead rows' states.
 - What differs by more than data is a flag the code reads, never a kind compared by name:
-  `counts` (a delivery: the destination's success, the latency, the daily counters),
+  `counts` (a delivery: the upstream id, the latency, the breaker, the daily counters),
   `suppresses` (the address goes on the suppression list), `dead` (a dead letter: its log
   lines, its alert, the DSN hook; relay/delivery/deadletters.py), `warns` (a deferral past
   `retry.warn_after` asks for the message's one delay warning).
@@ -23,8 +24,9 @@ Rules:
   `Outcome`, or `ambiguous`), not the kind: an expired recipient's last attempt was
   `transient`. An outcome without an attempt logs its kind there (`ATTEMPTLESS`).
 - Adding an outcome: a `Kind` member and its row here, the code that decides it, a meaning
-  for a new event in docs/reference/meanings.yaml; tests/test_outcomes.py checks the table
-  is complete and walks every row through the spool.
+  for a new event in docs/reference/meanings.yaml, and its stimulus in
+  tests/delivery/test_outcomes.py, which checks the table is complete and walks every row
+  through a real engine and spool.
 No I/O: a pure table.
 """
 
