@@ -85,6 +85,10 @@ def test_alerts_dsn_actions_and_words() -> None:
             assert d.as_doc()["reason"] == r.words
         assert r.suppresses <= r.dead  # only a dead letter puts its address on the list
     assert [k for k, r in ROWS.items() if r.counts] == [Kind.DELIVERED]
+    # the DSN hook's documents: a delay warning, a dead letter, one without a kind of ours
+    assert dsn.action_of({"event": "delayed"}) == ROWS[Kind.DEFERRED].dsn == "delayed"
+    assert dsn.action_of({"event": "dead_letter", "state": "expired"}) == "failed"
+    assert dsn.action_of({"recipient": "u@x"}) == "failed"
 
 
 # --- every row end to end -------------------------------------------------------------------
