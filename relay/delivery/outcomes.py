@@ -9,8 +9,8 @@ Rules:
   `retry.max_age`).
 - A row says, for its kind: the recipient state the spool records (relay/spool/model.py),
   the log event (relay/ops/logs.py `EVENTS`) with its level and message, the recipients
-  counter it moves (relay/ops/metrics.py builds those counters from `COUNTERS` below) and
-  that counter's `reason` label, the alert it raises, the RFC 3464 §2.3.3 action of the
+  counter it moves (one of relay/ops/metrics.py `OUTCOME_COUNTERS`) and that counter's
+  `reason` label, the alert it raises, the RFC 3464 §2.3.3 action of the
   DSN it sends the sender (None: none is sent), and its words for people (a dead letter's
   `reason` in the DSN hook's document and its log line). The CLI names the dead letters
   (`queue retry --failed`) by the dead rows' states.
@@ -39,7 +39,7 @@ from typing import Literal
 
 from relay.spool.model import RcptState
 
-__all__ = ["ATTEMPTLESS", "COUNTERS", "ROWS", "Counter", "Kind", "Row", "row"]
+__all__ = ["ATTEMPTLESS", "ROWS", "Kind", "Row", "row"]
 
 
 class Kind(StrEnum):
@@ -55,42 +55,13 @@ DsnAction = Literal["delivered", "failed", "delayed", "relayed", "expanded"]  # 
 
 
 @dataclass(frozen=True, slots=True)
-class Counter:
-    """A Prometheus counter of recipients by outcome (relay/ops/metrics.py registers it)."""
-
-    name: str
-    help: str
-    labels: tuple[str, ...]
-
-
-# in the order relay/ops/metrics.py registers them (the order /metrics prints them in)
-COUNTERS: tuple[Counter, ...] = (
-    Counter("relay_delivered_recipients", "Recipients delivered", ("destination",)),
-    Counter("relay_deferred_recipients", "Recipients deferred", ("destination", "reason")),
-    Counter(
-        "relay_bounced_recipients",
-        "Recipients bounced (permanent address failure)",
-        ("destination",),
-    ),
-    Counter(
-        "relay_failed_recipients",
-        "Recipients failed (other permanent failure or expired)",
-        ("destination",),
-    ),
-    Counter(
-        "relay_suppressed_recipients", "Recipients skipped because suppressed", ("destination",)
-    ),
-)
-
-
-@dataclass(frozen=True, slots=True)
 class Row:
     kind: Kind
     state: RcptState  # what the spool records for the recipient
     event: str  # its log line's event (relay/ops/logs.py EVENTS)
     level: int  # ... and level
     message: str  # ... and message ("" for a dead letter's outcome line)
-    metric: str  # the recipients counter it moves (a COUNTERS name), by destination
+    metric: str  # the recipients counter it moves (metrics.OUTCOME_COUNTERS), by destination
     reason: str | None  # that counter's `reason` label, when it has one
     alert: str | None  # the alert event it raises (relay/ops/alerts.py)
     dsn: DsnAction | None  # the Action of the DSN it sends the sender; None: none

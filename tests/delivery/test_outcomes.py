@@ -24,10 +24,10 @@ from relay.config.tree import load_config
 from relay.delivery import attempt, decide, dsn
 from relay.delivery.engine import Engine
 from relay.delivery.jobs import DeadLetter
-from relay.delivery.outcomes import ATTEMPTLESS, COUNTERS, ROWS, Kind
+from relay.delivery.outcomes import ATTEMPTLESS, ROWS, Kind
 from relay.delivery.replies import Outcome, Phase, Reply, classify
 from relay.ops import alerts, logs
-from relay.ops.metrics import Metrics
+from relay.ops.metrics import OUTCOME_COUNTERS, Metrics
 from relay.spool import ops
 from relay.spool.model import DEAD, FINAL, RcptState, can_move
 from relay.spool.writer import SpoolWriter
@@ -63,12 +63,11 @@ def test_every_event_is_a_standard_log_event() -> None:
 
 def test_every_metric_is_exported_with_its_labels() -> None:
     m = Metrics()
-    names = {c.name for c in COUNTERS}
-    assert len(names) == len(COUNTERS)
-    assert {r.metric for r in ROWS.values()} == names  # each counter is some row's
+    labels_of = {name: labels for name, _doc, labels in OUTCOME_COUNTERS}
+    assert len(labels_of) == len(OUTCOME_COUNTERS)
+    assert {r.metric for r in ROWS.values()} == set(labels_of)  # each counter is some row's
     for r in ROWS.values():
-        counter = next(c for c in COUNTERS if c.name == r.metric)
-        assert (r.reason is not None) == ("reason" in counter.labels), r
+        assert (r.reason is not None) == ("reason" in labels_of[r.metric]), r
         m.count_outcome(r.metric, "d", r.reason)
         labels = {"destination": "d"} | ({"reason": r.reason} if r.reason else {})
         assert (m.registry.get_sample_value(f"{r.metric}_total", labels) or 0) >= 1, r
