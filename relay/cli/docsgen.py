@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import logging
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -356,6 +357,13 @@ def log_events(meanings: dict[str, Any]) -> list[EventRow]:
                 levels, files = found.setdefault(name, (set(), set()))
                 levels.update(_LEVEL.findall(m[1]))
                 files.add(str(path.relative_to(ROOT)))
+    # the outcome table's events are logged with the row's event and level, not literals
+    from relay.delivery.outcomes import ROWS
+
+    for row in ROWS.values():
+        levels, files = found.setdefault(row.event, (set(), set()))
+        levels.add(logging.getLevelName(row.level))
+        files.add("relay/delivery/outcomes.py")
     table: dict[str, str] = meanings.get("events") or {}
     missing = sorted(e for e in found if not table.get(e, "").strip())
     if missing:

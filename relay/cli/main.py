@@ -22,13 +22,20 @@ from typing import Any, TypeVar
 
 from relay import __version__
 from relay.config.tree import EX_CONFIG, ConfigError, load_config, parse_duration
+from relay.delivery.outcomes import ROWS
 from relay.feedback.apply import rates as feedback_rates
 from relay.mail.address import AddressError, check_mailbox, printable
 from relay.ops.logs import log_event, redact_text, set_secrets, setup_logging
 from relay.spool import bodies, db, ops
 from relay.spool.dedup import normalize_message_id
+from relay.spool.model import WAITING, MsgState, RcptState
 
 T = TypeVar("T")
+
+# the words the commands take and print for states, from relay/spool/model.py and the
+# outcome table (relay/delivery/outcomes.py)
+_MSG_STATES = [s.value for s in MsgState]
+_DEAD_STATES = "/".join(dict.fromkeys(r.state.value for r in ROWS.values() if r.dead))
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("relay.cli.main")
@@ -106,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     ql = q.add_parser("list", parents=[common], help="list messages (default: unfinished)")
     ql.add_argument(
         "--state",
-        choices=["queued", "deferred", "sending", "held", "sent", "failed", "maildrop"],
+        choices=[*_MSG_STATES, "maildrop"],
         help="maildrop: relay-sendmail's files waiting for the daemon to import them",
     )
     ql.add_argument("--all", action="store_true", help="include finished messages")
@@ -133,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     qr = q.add_parser("retry", parents=[common], help="make messages due now, attempts reset")
     qr.add_argument("ids", nargs="*", help="queue ids")
     qr.add_argument(
-        "--failed", action="store_true", help="every dead letter (bounced/failed recipients)"
+        "--failed", action="store_true", help=f"every dead letter ({_DEAD_STATES} recipients)"
     )
     _bulk_options(qr)
     for name, helptext in (
@@ -614,7 +621,7 @@ def _circuit_waits(
     if not live:
         return
     for r in msg["recipients"]:
-        if r["state"] not in ("pending", "deferred") or r.get("reason"):
+        if r["state"] not in WAITING or r.get("reason"):
             continue
         names = _via(args, msg, r) or [r["destination"]]
         views = [live.get(n) or {} for n in names]
@@ -649,7 +656,7 @@ def _bulk_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--state",
-        choices=["queued", "deferred", "sending", "held", "sent", "failed"],
+        choices=_MSG_STATES,
         help="with --all: messages in this state",
     )
     p.add_argument("--domain", help="with --all: a recipient at this domain")
@@ -1323,7 +1330,7 @@ def _print_mailq(msgs: Iterable[dict[str, Any]]) -> None:
             f" {printable(m['sender'] or '<>')}"
         )
         for r in m["recipients"]:
-            if r["last_reply"] and r["state"] not in ("delivered",):
+            if r["last_reply"] and r["state"] != RcptState.DELIVERED:
                 print(f"{'':<59}({printable(r['last_reply'][:100])})")
             if r.get("waiting_on"):  # Postfix: "(delivery temporarily suspended: ...)"
                 print(f"{'':<59}(waiting: {r['waiting_on']})")

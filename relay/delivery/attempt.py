@@ -12,6 +12,9 @@ Rules:
 - A connection opened by failover carries this one transaction and is closed: the
   worker's reusable connection stays with its own destination.
 - Dead letters' alerts are recorded in the same commit as the outcomes that make them.
+- What one recipient's outcome does here (its counter, its log line, a delivery's count, a
+  suppression, a dead letter, the delay warning) is its row of the outcome table
+  (relay/delivery/outcomes.py): `apply` reads the row's data and flags, never the kind's name.
 
 `Attempt` is what an attempt reads of the engine's parts: the destinations, the connector,
 the recorder and the worker pool, each given by the engine that composes them.
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from relay.delivery import decide, outbound, rewrite, shaping
 from relay.delivery.jobs import DeadLetter, DestState, Job
+from relay.delivery.outcomes import ROWS, Kind
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
 from relay.delivery.upstream_ids import upstream_id
@@ -225,6 +229,18 @@ async def _drop(conn: Connection | None) -> None:
         await conn.quit()
 
 
+@dataclasses.dataclass(slots=True)
+class _Tally:
+    """One attempt's outcomes as `apply` gathers them, recipient by recipient."""
+
+    outcomes: list[ops.RcptUpdate] = dataclasses.field(default_factory=list)
+    dead: list[DeadLetter] = dataclasses.field(default_factory=list)
+    delivered: int = 0
+    throttled: bool = False
+    rule_hit: shaping.ShapingRule | None = None
+    delayed: tuple[ops.Claim, str] | None = None  # the message's delay warning is due
+
+
 async def apply(
     e: Attempt,
     st: DestState,
@@ -247,12 +263,7 @@ async def apply(
         st.conf.ambiguous,
         e.config.retry.warn_after,
     )
-    outcomes: list[ops.RcptUpdate] = []
-    dead: list[DeadLetter] = []
-    delivered = 0
-    throttled = False
-    rule_hit: shaping.ShapingRule | None = None
-    delayed: tuple[ops.Claim, str] | None = None
+    t = _Tally()
     for cl in job.claims:
         res = results.get(cl.address)
         d = decide.decide(
@@ -266,73 +277,91 @@ async def apply(
             host=host,
             duration=duration,
         )
-        reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
-        uid = upstream_id(reply) if d.kind == "delivered" else None
-        outcomes.append(
-            d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid)
+        _tally(e, st, job, cl, res, d, t, now=now, host=host, duration=duration)
+    _health(
+        e, st, results, t, now, upstream_seen=upstream_seen, connection_failed=connection_failed
+    )
+    e.recorder.emit_dead(t.dead, host)  # before the record: its alerts go in the same commit
+    await finish(e, job, t.outcomes, t.delivered)
+    if t.delayed is not None:
+        await delay_warning(e, st, job, *t.delayed)
+
+
+def _tally(
+    e: Attempt,
+    st: DestState,
+    job: Job,
+    cl: ops.Claim,
+    res: RcptResult | None,
+    d: decide.Decision,
+    t: _Tally,
+    *,
+    now: float,
+    host: str | None,
+    duration: float,
+) -> None:
+    """One recipient's decision: what its row of the outcome table says (the counter, the
+    log line, the flags' effects), and what the attempt's reply says on top."""
+    row = ROWS[d.kind]
+    reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
+    uid = upstream_id(reply) if row.counts else None
+    t.outcomes.append(d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid))
+    e.metrics.attempts.labels(st.name, d.logged).inc()
+    if d.logged == "ambiguous":
+        log_event(
+            log,
+            logging.WARNING,
+            "ambiguous",
+            "connection lost after the final dot: the upstream may have the message",
+            queue_id=job.msg_id,
+            rcpt=cl.address,
+            destination=st.name,
+            policy=st.conf.ambiguous,
         )
-        e.metrics.attempts.labels(st.name, d.logged).inc()
-        if d.logged == "ambiguous":
-            log_event(
-                log,
-                logging.WARNING,
-                "ambiguous",
-                "connection lost after the final dot: the upstream may have the message",
-                queue_id=job.msg_id,
-                rcpt=cl.address,
-                destination=st.name,
-                policy=st.conf.ambiguous,
-            )
-        if res is not None and res.verdict.throttled:
-            throttled = True
-            rule_hit = rule_hit or shaping.match_rules(e.dests.rules, reply)
-        if d.kind == "delivered":
-            delivered += 1
-            e.recorder.last_delivery_at = now
-            e.metrics.delivered.labels(st.name).inc()
-            e.metrics.latency.observe(max(0.0, now - cl.created_at))
-            log_event(
-                log,
-                logging.INFO,
-                "delivered",
-                "recipient delivered",
-                queue_id=job.msg_id,
-                dedup_key=cl.dedup_key,
-                rcpt=cl.address,
-                destination=st.name,
-                host=host,
-                reply=reply,
-                upstream_id=uid,
-                duration=round(duration, 3),
-            )
-        elif d.kind == "deferred":
-            e.metrics.deferred.labels(st.name, "transient").inc()
-            log_event(
-                log,
-                logging.WARNING,
-                "deferred",
-                "recipient deferred",
-                queue_id=job.msg_id,
-                dedup_key=cl.dedup_key,
-                rcpt=cl.address,
-                destination=st.name,
-                host=host,
-                reply=reply,
-                next_attempt_at=ops.iso_utc(d.outcome.next_attempt_at or now),
-                attempts=cl.attempts + 1,
-            )
-            if d.warn_delay and delayed is None:
-                delayed = (cl, reply)
-        elif d.kind == "bounced":
-            e.on_suppressed(cl.address, reply, now)
-            e.metrics.bounced.labels(st.name).inc()
-        else:
-            e.metrics.failed.labels(st.name).inc()
-        if d.dead is not None:
-            dead.append(d.dead)
+    if res is not None and res.verdict.throttled:
+        t.throttled = True
+        t.rule_hit = t.rule_hit or shaping.match_rules(e.dests.rules, reply)
+    e.metrics.count_outcome(row.metric, st.name, row.reason)
+    if row.counts:
+        t.delivered += 1
+        e.recorder.last_delivery_at = now
+        e.metrics.latency.observe(max(0.0, now - cl.created_at))
+    if row.suppresses:
+        e.on_suppressed(cl.address, reply, now)
+    if not row.dead:  # a dead letter's line is its own (relay/delivery/deadletters.py)
+        log_event(
+            log,
+            row.level,
+            row.event,
+            row.message,
+            queue_id=job.msg_id,
+            dedup_key=cl.dedup_key,
+            rcpt=cl.address,
+            destination=st.name,
+            host=host,
+            reply=reply,
+            **{f: _DETAILS[f](d, cl, uid, duration, now) for f in row.log_fields},
+        )
+    if d.warn_delay and t.delayed is None:
+        t.delayed = (cl, reply)
+    if d.dead is not None:
+        t.dead.append(d.dead)
+
+
+def _health(
+    e: Attempt,
+    st: DestState,
+    results: dict[str, RcptResult],
+    t: _Tally,
+    now: float,
+    *,
+    upstream_seen: bool,
+    connection_failed: bool,
+) -> None:
+    """What the attempt tells the destination: its breaker, its slow-down, shaping rules."""
     before = st.breaker.state(now)
     action = decide.breaker_action(
-        results, delivered, upstream_seen=upstream_seen, connection_failed=connection_failed
+        results, t.delivered, upstream_seen=upstream_seen, connection_failed=connection_failed
     )
     if action == "release":
         st.breaker.release()
@@ -341,8 +370,9 @@ async def apply(
     else:
         st.breaker.on_success(now)
     e.dests.breaker_changed(st, before, now, next((str(r.reply) for r in results.values()), ""))
-    if throttled:
+    if t.throttled:
         hold = 0.0
+        rule_hit = t.rule_hit
         if rule_hit is not None and rule_hit.action == "suspend":
             st.suspended_until = max(st.suspended_until, now + rule_hit.duration)
             st.suspend_reason = f"rule: {rule_hit.pattern.pattern}"
@@ -367,13 +397,20 @@ async def apply(
                 connections=st.adaptive.effective_connections(),
             )
         e.dests.retune(st)
-    elif delivered and st.adaptive.on_success(now):
+    elif t.delivered and st.adaptive.on_success(now):
         e.dests.retune(st)
         e.pool.spawn_workers(st)
-    e.recorder.emit_dead(dead, host)  # before the record: its alerts go in the same commit
-    await finish(e, job, outcomes, delivered)
-    if delayed is not None:
-        await delay_warning(e, st, job, *delayed)
+
+
+# the fields a row's log line adds after the ones every outcome line has (`Row.log_fields`)
+_DETAILS: dict[str, Callable[[decide.Decision, ops.Claim, str | None, float, float], object]] = {
+    "upstream_id": lambda d, cl, uid, duration, now: uid,
+    "duration": lambda d, cl, uid, duration, now: round(duration, 3),
+    "next_attempt_at": lambda d, cl, uid, duration, now: ops.iso_utc(
+        d.outcome.next_attempt_at or now
+    ),
+    "attempts": lambda d, cl, uid, duration, now: cl.attempts + 1,
+}
 
 
 async def delay_warning(e: Attempt, st: DestState, job: Job, cl: ops.Claim, reply: str) -> None:
@@ -381,8 +418,10 @@ async def delay_warning(e: Attempt, st: DestState, job: Job, cl: ops.Claim, repl
     now = e.clock()
     conf = e.config.alerts
     age = _age(now - cl.created_at)
+    name = ROWS[Kind.DEFERRED].alert  # the deferral's alert: once per message
+    assert name is not None
     ev = alerts.Event(
-        "delayed",
+        name,
         "warning",
         st.name,
         f"mail to {st.name} delayed {age}: {reply}",

@@ -1,11 +1,14 @@
 """A dead letter's traces: the outcome line (bounced / failed / expired), the ERROR line
 `event=dead_letter`, and its alert (recorded with the outcome by relay/delivery/recorder.py).
+The outcome line's event and level and the alert's event are the dead kind's row of the
+outcome table (relay/delivery/outcomes.py).
 """
 
 from __future__ import annotations
 
 import logging
 
+from relay.delivery import outcomes
 from relay.delivery.jobs import DeadLetter
 from relay.ops import alerts
 from relay.ops.logs import log_event
@@ -14,8 +17,10 @@ log = logging.getLogger("relay.delivery.engine")
 
 
 def alert(d: DeadLetter) -> alerts.Event:
+    row = outcomes.row(d.state)
+    assert row.alert is not None, f"a dead letter's kind raises an alert: {d.state}"
     return alerts.Event(
-        "dead_letter",
+        row.alert,
         "warning",
         d.destination,
         f"{d.state}: {d.reply}",
@@ -26,11 +31,12 @@ def alert(d: DeadLetter) -> alerts.Event:
 def log_lines(d: DeadLetter, host: str | None) -> None:
     # the outcome itself (standard events bounced / failed / expired, see relay.ops.logs), then
     # the dead letter it makes
+    row = outcomes.row(d.state)
     log_event(
         log,
-        logging.WARNING,
-        d.state,
-        "",
+        row.level,
+        row.event,
+        row.message,
         queue_id=d.queue_id,
         rcpt=d.recipient,
         destination=d.destination,

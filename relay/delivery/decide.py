@@ -1,7 +1,8 @@
 """What happens to a claim given a result, and whether a job may go now (pure).
 
 Rules:
-- `decide` turns one recipient's result of one attempt into its outcome: delivered;
+- `decide` turns one recipient's result of one attempt into its outcome (a kind of the
+  outcome table, relay/delivery/outcomes.py, whose row says the state and the rest): delivered;
   transient -> deferred per the retry schedule, counted from the recipient's own clock, or
   expired (failed, a dead letter) past `retry.max_age`; bounce -> bounced and suppressed;
   fail -> failed. An ambiguous result (the connection lost after the final dot) is retried,
@@ -24,10 +25,10 @@ from typing import Literal
 
 from relay.delivery import retry
 from relay.delivery.jobs import DeadLetter, Job, dead_letter
+from relay.delivery.outcomes import ROWS, Kind
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import RcptResult
 from relay.spool import ops
-from relay.spool.model import RcptState
 
 NO_REPLY = RcptResult(
     Verdict(Outcome.TRANSIENT, False, False, Scope.TRANSACTION),
@@ -48,10 +49,19 @@ class Policy:
 @dataclass(frozen=True, slots=True)
 class Decision:
     outcome: ops.RcptUpdate
-    kind: str  # delivered | deferred | bounced | failed | expired
-    logged: str  # the attempt log's outcome: the kind, or "ambiguous"
+    kind: Kind  # its row in the outcome table (relay/delivery/outcomes.py)
+    logged: str  # the attempt log's outcome: the reply's, or "ambiguous"
     dead: DeadLetter | None = None
     warn_delay: bool = False  # past retry.warn_after: the message's delay warning is due
+
+
+# the reply's verdict -> the kind it makes (a transient one expires past retry.max_age)
+KIND_OF: dict[Outcome, Kind] = {
+    Outcome.DELIVERED: Kind.DELIVERED,
+    Outcome.TRANSIENT: Kind.DEFERRED,
+    Outcome.BOUNCE: Kind.BOUNCED,
+    Outcome.FAIL: Kind.FAILED,
+}
 
 
 def decide(
@@ -74,28 +84,8 @@ def decide(
         logged = "ambiguous"
         if policy.ambiguous == "assume-delivered":
             outcome = Outcome.DELIVERED
-    log = ops.AttemptLog(logged, reply, dest, host, round(duration, 4))
-
-    def out(
-        state: RcptState,
-        text: str,
-        nxt: float | None = None,
-        suppress: tuple[str, str] | None = None,
-    ) -> ops.RcptUpdate:
-        return ops.RcptUpdate(
-            rcpt_id=cl.rcpt_id,
-            msg_id=job.msg_id,
-            state=state,
-            count_attempt=True,
-            next_attempt_at=nxt,
-            last_reply=text,
-            log=log,
-            suppress=suppress,
-        )
-
-    if outcome is Outcome.DELIVERED:
-        return Decision(out(RcptState.DELIVERED, reply), "delivered", logged)
-    if outcome is Outcome.TRANSIENT:
+    kind, text, nxt, warn = KIND_OF[outcome], reply, None, False
+    if kind is Kind.DEFERRED:
         nxt = retry.next_attempt_at(
             now,
             cl.created_at,
@@ -106,32 +96,27 @@ def decide(
             policy.min_delay,
         )
         if nxt is None:
+            kind = Kind.EXPIRED
             text = f"expired after {human(policy.max_age)} in queue; last reply: {reply}"
-            return Decision(
-                out(RcptState.FAILED, text),
-                "expired",
-                logged,
-                dead_letter(job, cl, "expired", text, dest, now),
-            )
+    row = ROWS[kind]
+    if row.warns:
         warn = (
             bool(policy.warn_after)
             and now - cl.created_at >= policy.warn_after
             and job.envelope.delay_warned_at is None
         )
-        return Decision(out(RcptState.DEFERRED, reply, nxt), "deferred", logged, warn_delay=warn)
-    if outcome is Outcome.BOUNCE:
-        return Decision(
-            out(RcptState.BOUNCED, reply, suppress=(cl.address, reply)),
-            "bounced",
-            logged,
-            dead_letter(job, cl, "bounced", reply, dest, now),
-        )
-    return Decision(
-        out(RcptState.FAILED, reply),
-        "failed",
-        logged,
-        dead_letter(job, cl, "failed", reply, dest, now),
+    update = ops.RcptUpdate(
+        rcpt_id=cl.rcpt_id,
+        msg_id=job.msg_id,
+        state=row.state,
+        count_attempt=True,
+        next_attempt_at=nxt,
+        last_reply=text,
+        log=ops.AttemptLog(logged, reply, dest, host, round(duration, 4)),
+        suppress=(cl.address, text) if row.suppresses else None,
     )
+    dead = dead_letter(job, cl, kind.value, text, dest, now) if row.dead else None
+    return Decision(update, kind, logged, dead, warn)
 
 
 def wait(
@@ -148,7 +133,7 @@ def wait(
                 ops.RcptUpdate(
                     rcpt_id=cl.rcpt_id,
                     msg_id=job.msg_id,
-                    state=RcptState.DEFERRED,
+                    state=ROWS[Kind.DEFERRED].state,
                     count_attempt=False,
                     next_attempt_at=min(until, deadline),
                     last_reply=None,
@@ -157,16 +142,17 @@ def wait(
             )
             continue
         text = f"expired after {human(max_age)} in queue; still waiting: {reason}"
-        dead.append(dead_letter(job, cl, "expired", text, job.destination, now))
+        dead.append(dead_letter(job, cl, Kind.EXPIRED.value, text, job.destination, now))
         outs.append(
             ops.RcptUpdate(
                 rcpt_id=cl.rcpt_id,
                 msg_id=job.msg_id,
-                state=RcptState.FAILED,
+                state=ROWS[Kind.EXPIRED].state,
                 count_attempt=False,
                 next_attempt_at=None,
                 last_reply=text,
-                log=ops.AttemptLog("expired", text, job.destination, None, None),
+                # no attempt: the attempt log says the kind (outcomes.ATTEMPTLESS)
+                log=ops.AttemptLog(Kind.EXPIRED.value, text, job.destination, None, None),
             )
         )
     return outs, dead

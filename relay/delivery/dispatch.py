@@ -19,14 +19,16 @@ from relay.config.tree import Config
 from relay.delivery import decide
 from relay.delivery.destinations import Destinations
 from relay.delivery.jobs import Job
+from relay.delivery.outcomes import ROWS, Kind
 from relay.delivery.recorder import Recorder
 from relay.delivery.workers import WorkerPool
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics
 from relay.spool import ops
-from relay.spool.model import RcptState
 
 log = logging.getLogger("relay.delivery.engine")
+
+_SUPPRESSED = ROWS[Kind.SUPPRESSED]  # answered here, before any attempt
 
 
 def dispatch(
@@ -53,12 +55,12 @@ def dispatch(
         if supp is None:
             keep.append(cl)
             continue
-        metrics.suppressed.labels(job.destination).inc()
+        metrics.count_outcome(_SUPPRESSED.metric, job.destination, _SUPPRESSED.reason)
         log_event(
             log,
-            logging.WARNING,
-            "suppressed",
-            "recipient is suppressed",
+            _SUPPRESSED.level,
+            _SUPPRESSED.event,
+            _SUPPRESSED.message,
             queue_id=job.msg_id,
             rcpt=cl.address,
             reason=supp[0],
@@ -67,11 +69,12 @@ def dispatch(
             ops.RcptUpdate(
                 rcpt_id=cl.rcpt_id,
                 msg_id=job.msg_id,
-                state=RcptState.SUPPRESSED,
+                state=_SUPPRESSED.state,
                 count_attempt=False,
                 next_attempt_at=None,
                 last_reply=f"suppressed: {supp[0]}",
-                log=ops.AttemptLog("suppressed", supp[0], job.destination, None, None),
+                # no attempt: the attempt log says the kind (outcomes.ATTEMPTLESS)
+                log=ops.AttemptLog(Kind.SUPPRESSED.value, supp[0], job.destination, None, None),
             )
         )
     job.claims = keep
@@ -104,7 +107,7 @@ def dispatch(
     if isinstance(verdict, decide.Split):
         # what fits goes now; the rest of the recipients waits for the next window
         rest, job.claims = keep[verdict.fit :], keep[: verdict.fit]
-        metrics.deferred.labels(st.name, "daily_limit").inc(len(rest))
+        metrics.count_outcome(ROWS[Kind.DEFERRED].metric, st.name, "daily_limit", len(rest))
         log_event(
             log,
             logging.INFO,

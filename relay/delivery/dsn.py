@@ -25,6 +25,7 @@ from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 from relay.delivery.lanes import LANE_PRIORITY
+from relay.delivery.outcomes import ROWS, Kind
 from relay.mail.message import split_message
 from relay.ops.logs import log_event
 from relay.spool import bodies, dedup, ops
@@ -115,6 +116,15 @@ def build_dsn(
     return mid, text
 
 
+def action_of(doc: dict[str, Any]) -> str:
+    """The DSN's Action (RFC 3464 §2.3.3), from the outcome table: a delay warning is the
+    deferral's (`delayed`), a dead letter its kind's (`failed`); a doc without a kind of
+    ours is a dead letter all the same."""
+    kind = Kind.DEFERRED if doc.get("event") == "delayed" else doc.get("state")
+    action = ROWS[Kind(kind)].dsn if kind in ROWS else None
+    return action or "failed"
+
+
 async def queue_dsn(
     cfg: Config, writer: SpoolWriter, doc: dict[str, Any], wake: Callable[[], None] = lambda: None
 ) -> str | None:
@@ -150,7 +160,7 @@ async def queue_dsn(
         recipient=str(doc["recipient"]),
         status=status,
         reply=str(doc.get("reply", "")),
-        action="delayed" if delayed else "failed",
+        action=action_of(doc),
         original_headers=headers,
         now=now,
         retry_until=retry_until,

@@ -19,15 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.config.tree import Destination
-from relay.delivery import shaping
+from relay.delivery import outcomes, shaping
 from relay.delivery.routes import Route, UpstreamHost
 from relay.spool import ops
-
-REASONS = {
-    "bounced": "permanent address failure; address suppressed",
-    "failed": "permanent failure",
-    "expired": "gave up: max_age reached",
-}
 
 
 @dataclass(slots=True)
@@ -77,7 +71,7 @@ class DeadLetter:
     recipient: str
     sender: str
     message_id: str
-    state: str  # bounced | failed | expired
+    state: str  # bounced | failed | expired: a dead kind of relay/delivery/outcomes.py
     reply: str
     destination: str
     attempts: int
@@ -86,7 +80,7 @@ class DeadLetter:
 
     @property
     def reason(self) -> str:
-        return REASONS[self.state]
+        return outcomes.row(self.state).words
 
     def as_doc(self) -> dict[str, Any]:
         return {

@@ -93,6 +93,8 @@ __all__ = [
 ]
 
 
+# every row of the outcome table (relay/delivery/outcomes.py) logs one of these
+# (tests/delivery/test_outcomes.py checks it)
 EVENTS: Final[frozenset[str]] = frozenset(
     {
         "accepted",

@@ -5,6 +5,26 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# The recipients counters by outcome: (name, help, labels). Each row of the outcome table
+# (relay/delivery/outcomes.py) names the one it moves and its `reason` label; this module
+# imports nothing of ours (it is below every room), so the table names these, not the
+# other way round.
+OUTCOME_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("relay_delivered_recipients", "Recipients delivered", ("destination",)),
+    ("relay_deferred_recipients", "Recipients deferred", ("destination", "reason")),
+    (
+        "relay_bounced_recipients",
+        "Recipients bounced (permanent address failure)",
+        ("destination",),
+    ),
+    (
+        "relay_failed_recipients",
+        "Recipients failed (other permanent failure or expired)",
+        ("destination",),
+    ),
+    ("relay_suppressed_recipients", "Recipients skipped because suppressed", ("destination",)),
+)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -57,33 +77,15 @@ class Metrics:
         self.rejected = Counter(
             "relay_rejected", "Inbound commands refused", ["reason"], registry=r
         )
-        self.delivered = Counter(
-            "relay_delivered_recipients", "Recipients delivered", ["destination"], registry=r
-        )
-        self.deferred = Counter(
-            "relay_deferred_recipients",
-            "Recipients deferred",
-            ["destination", "reason"],
-            registry=r,
-        )
-        self.bounced = Counter(
-            "relay_bounced_recipients",
-            "Recipients bounced (permanent address failure)",
-            ["destination"],
-            registry=r,
-        )
-        self.failed = Counter(
-            "relay_failed_recipients",
-            "Recipients failed (other permanent failure or expired)",
-            ["destination"],
-            registry=r,
-        )
-        self.suppressed = Counter(
-            "relay_suppressed_recipients",
-            "Recipients skipped because suppressed",
-            ["destination"],
-            registry=r,
-        )
+        self.outcomes: dict[str, Counter] = {
+            name: Counter(name, doc, list(labels), registry=r)
+            for name, doc, labels in OUTCOME_COUNTERS
+        }
+        self.delivered = self.outcomes["relay_delivered_recipients"]
+        self.deferred = self.outcomes["relay_deferred_recipients"]
+        self.bounced = self.outcomes["relay_bounced_recipients"]
+        self.failed = self.outcomes["relay_failed_recipients"]
+        self.suppressed = self.outcomes["relay_suppressed_recipients"]
         self.attempts = Counter(
             "relay_delivery_attempts",
             "Delivery attempts by outcome",
@@ -180,3 +182,8 @@ class Metrics:
             ["listener"],
             registry=r,
         )
+
+    def count_outcome(self, metric: str, destination: str, reason: str | None, n: int = 1) -> None:
+        """One outcome's recipients counter (a row of relay/delivery/outcomes.py)."""
+        c = self.outcomes[metric]
+        (c.labels(destination) if reason is None else c.labels(destination, reason)).inc(n)

@@ -41,7 +41,7 @@ class MsgState(StrEnum):
 
 
 FINAL = frozenset({RcptState.DELIVERED, RcptState.BOUNCED, RcptState.FAILED, RcptState.SUPPRESSED})
-DEAD = frozenset({RcptState.BOUNCED, RcptState.FAILED})
+DEAD = frozenset({RcptState.BOUNCED, RcptState.FAILED})  # dead letters (delivery/outcomes.py)
 WAITING = frozenset({RcptState.PENDING, RcptState.DEFERRED})  # due at next_attempt_at
 UNFINISHED = frozenset({RcptState.PENDING, RcptState.DEFERRED, RcptState.SENDING, RcptState.HELD})
 
