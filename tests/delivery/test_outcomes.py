@@ -192,7 +192,7 @@ def test_each_row_end_to_end(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         labels = {"destination": "smarthost"} | ({"reason": row.reason} if row.reason else {})
-        counted = e.metrics.registry.get_sample_value(f"{row.metric}_total", labels)
+        counted = e.attempt.metrics.registry.get_sample_value(f"{row.metric}_total", labels)
         tried = await w.run(lambda c: c.execute("SELECT outcome, reply FROM attempts").fetchall())
         raised = await w.run(lambda c: alerts.recent(c, 10))
         listed = await w.run(lambda c: ops.suppression_get(c, "u@x.test"))
