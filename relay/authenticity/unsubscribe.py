@@ -54,8 +54,8 @@ import re
 import sqlite3
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 
+from relay.config.records import UnsubscribeConf  # a config value (identities.<name>.unsubscribe)
 from relay.mail.message import header, parse_headers, split_message
 from relay.ops.http import Request, Response
 from relay.ops.logs import log_event, mask_address
@@ -75,13 +75,6 @@ SOURCE = "unsubscribe"
 _B64 = re.compile(r"[A-Za-z0-9_-]+")
 _SUBJECT = re.compile(r"(?<![A-Za-z0-9])unsubscribe(?:\s+|%20)([A-Za-z0-9_.-]+)", re.IGNORECASE)
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class UnsubscribeConf:
-    url: str | None  # https://relay.example.com/u: the relay serves POST/GET <path>/<TOKEN>
-    mailto: str | None  # unsubscribe@relay.example.com
-    secret: bytes = field(repr=False)  # the HMAC key (secret_file), at least MIN_SECRET bytes
 
 
 # --- tokens -------------------------------------------------------------------------------

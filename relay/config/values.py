@@ -297,7 +297,8 @@ def _path(value: object, info: ValidationInfo) -> Path | None:
     return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
 
-def _checked_path(value: object, info: ValidationInfo) -> Path | None:
+def path_value(value: object, info: ValidationInfo) -> Path | None:
+    """A file key's value as a Path (None: null); a relay error naming the problem."""
     try:
         return _path(value, info)
     except ValueError as e:
@@ -306,7 +307,7 @@ def _checked_path(value: object, info: ValidationInfo) -> Path | None:
 
 OptPath = Annotated[
     Path | None,
-    PlainValidator(_checked_path),
+    PlainValidator(path_value),
     WithJsonSchema(
         {"type": ["string", "null"], "description": "a file name (relative: to this file)"}
     ),
