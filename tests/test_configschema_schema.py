@@ -114,3 +114,119 @@ def test_what_the_loader_refuses_the_schema_refuses(data: dict[str, Any]) -> Non
 def test_what_the_loader_takes_the_schema_takes(data: dict[str, Any]) -> None:
     from_mapping(data, Path("/nonexistent"))
     VALIDATOR.validate(data)
+
+
+# --- every key the docs and relay.yaml name ---------------------------------------------
+
+REFERENCE = CONF.parent.parent / "docs" / "reference" / "config.md"
+
+
+def _reference_keys() -> list[str]:
+    """The key column of the docs' config reference (docs/reference/config.md)."""
+    keys = []
+    for line in REFERENCE.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            keys.append(line.split("`")[1])
+    assert len(keys) > 100
+    return keys
+
+
+NAMED = ("destinations", "identities", "dkim", "upstreams", "local.aliases")
+
+
+def _yaml_keys(node: Any, key: str = "") -> list[str]:
+    """Every key path of conf/relay.yaml in the reference's notation (`listen[].address`)."""
+    out = [key] if key else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            name = "<name>" if key in NAMED else str(k)  # a destination's name is no key
+            out += _yaml_keys(v, f"{key}.{name}" if key else name)
+    elif isinstance(node, list):
+        for v in node:
+            if isinstance(v, dict):
+                out += _yaml_keys(v, f"{key}[]")
+    return out
+
+
+def _doc(key: str, value: Any) -> Any:
+    """The smallest document that sets `key` (`<name>` a destination or identity name) to
+    `value`."""
+    parts = key.replace("[]", ".[]").split(".")
+    for part in reversed(parts):
+        name = "example.com" if part == "<name>" else part
+        value = [value] if part == "[]" else {name: value}
+    return value
+
+
+def _misspelt(key: str) -> str:
+    """`key` with its last name misspelt as an operator might (one letter doubled)."""
+    head, _, last = key.rpartition(".")
+    bad = last.replace("[]", "")
+    bad = bad[0] + bad  # "retry" -> "rretry"
+    return f"{head}.{bad}" if head else bad
+
+
+KEYS = sorted(set(_reference_keys()) | set(_yaml_keys(yaml.safe_load(CONF.read_text()))))
+
+
+def test_every_key_of_the_reference_and_relay_yaml_is_in_the_schema() -> None:
+    from relay.cli.docsgen import schema_keys
+
+    known = schema_keys()
+    assert [k for k in KEYS if k not in known] == []
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_key_with_its_default_validates_and_a_misspelling_is_flagged(key: str) -> None:
+    from relay.cli.docsgen import config_keys
+
+    defaults = dict(config_keys())
+    if key in defaults:  # the documented default, as the code has it, is valid where it stands
+        errors = [e.message for e in VALIDATOR.iter_errors(_doc(key, defaults[key]))]
+        assert errors == [], key
+    if not key.endswith("<name>"):  # any name is a name
+        bad = _misspelt(key)
+        assert not VALIDATOR.is_valid(_doc(bad, None)), bad
+
+
+@pytest.mark.parametrize(
+    ("data", "line"),
+    [
+        ({"hostnme": "a.example"}, "hostnme: unknown key 'hostnme' (did you mean 'hostname'?)"),
+        (
+            {"upstream": {"smarthost": {"prot": 25}}},
+            "upstream.smarthost.prot: unknown key 'prot' (did you mean 'port'?)",
+        ),
+        (
+            {"destinations": {"example.com": {"rat": "1/s"}}},
+            "destinations.example.com.rat: unknown key 'rat' (did you mean 'rate'?)",
+        ),
+        (
+            {"dkim": {"example.com": {"selectr": "s", "key_file": "k"}}},
+            "dkim.example.com.selectr: unknown key 'selectr' (did you mean 'selector'?)",
+        ),
+        (
+            {"upstreams": {"a": {"host": "a.example", "prot": 25}}, "routes": [{"via": ["a"]}]},
+            "upstreams.a.prot: unknown key 'prot' (did you mean 'port'?)",
+        ),
+        (
+            {"upstreams": {"a": {"hots": "a.example"}}, "routes": [{"via": ["a"]}]},
+            "upstreams.a.hots: unknown key 'hots' (did you mean 'host'?)",
+        ),
+        (
+            {"routes": [{"sender_domian": "a.example", "via": "mx"}, {"via": "mx"}]},
+            "routes[0].sender_domian: unknown key 'sender_domian' (did you mean 'sender_domain'?)",
+        ),
+        (
+            {"local": {"domian": "example.com"}},
+            "local.domian: unknown key 'domian' (did you mean 'domain'?)",
+        ),
+    ],
+)
+def test_a_misspelt_key_is_flagged_by_the_schema_and_the_loader(
+    data: dict[str, Any], line: str
+) -> None:
+    assert not VALIDATOR.is_valid(data)
+    with pytest.raises(ConfigError) as e:
+        from_mapping(data, Path("/nonexistent"))
+    assert line in str(e.value).splitlines()

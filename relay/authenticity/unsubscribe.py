@@ -55,7 +55,8 @@ import sqlite3
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 
-from relay.config.records import UnsubscribeConf  # a config value (identities.<name>.unsubscribe)
+# a config value (identities.<name>.unsubscribe), named here too
+from relay.config.records import UnsubscribeConf as UnsubscribeConf
 from relay.mail.message import header, parse_headers, split_message
 from relay.ops.http import Request, Response
 from relay.ops.logs import log_event, mask_address

@@ -321,8 +321,8 @@ def listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener,
                 tls=None
                 if tls is None
                 else ListenerTLS(
-                    cert_file=tls.cert_file,  # type: ignore[arg-type]
-                    key_file=tls.key_file,  # type: ignore[arg-type]
+                    cert_file=tls.cert_file,
+                    key_file=tls.key_file,
                     context=tls.context,
                     mode=tls.mode,
                 ),
@@ -330,7 +330,7 @@ def listeners(raw: object, base_dir: Path, errors: list[str]) -> tuple[Listener,
                 auth=None
                 if auth is None
                 else ListenerAuth(
-                    users_file=auth.users_file,  # type: ignore[arg-type]
+                    users_file=auth.users_file,
                     allow_plaintext=bool(auth.allow_plaintext),
                     users=auth.users,
                 ),

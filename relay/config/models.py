@@ -179,7 +179,7 @@ def file_model(defaults: dict[str, Any]) -> type[BaseModel]:
     """The whole file as one model (for its JSON Schema): every key, with `defaults`
     (relay/config/tree.py DEFAULTS) as the defaults shown."""
     fields: dict[str, Any] = {}
-    for name in dict.fromkeys([*defaults, *COLLECTIONS]):
+    for name in dict.fromkeys([*defaults, *SECTIONS, *COLLECTIONS]):
         default = defaults.get(name)
         if name in SECTIONS:
             fields[name] = (SECTIONS[name] | None, Field(default))
@@ -188,7 +188,7 @@ def file_model(defaults: dict[str, Any]) -> type[BaseModel]:
         else:
             kind, extra = COLLECTIONS[name]
             fields[name] = (kind, Field(default, **extra))
-    return create_model(  # type: ignore[call-overload,no-any-return]
+    return create_model(
         "RelayConfig",
         __config__=ConfigDict(extra="forbid", title="relay.yaml"),
         __doc__="relay's config file (README: Configuration; CONTRACT.md: Config)",

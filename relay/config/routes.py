@@ -23,8 +23,9 @@ Rules:
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,7 +41,7 @@ from pydantic import (
 
 from relay.config import values as t
 from relay.config.report import validate
-from relay.config.sections.base import Section, secret_of
+from relay.config.sections.base import Section, read_secret
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 AUTH_MECHS = ("auto", "plain", "login", "xoauth2", "oauthbearer")
@@ -147,9 +148,11 @@ def parse(
     mode: str,
     smarthost: UpstreamHost,
     base: Path,
-    read_secret: Any = None,  # unused: the models read secret files (kept for callers)
+    read_secret: Callable[[Path, str], str] | None = None,
 ) -> Routing:
-    """The routing table of `upstreams:` and `routes:`; RouteConfigError lists every error."""
+    """The routing table of `upstreams:` and `routes:`; RouteConfigError lists every error.
+    `read_secret(path, key) -> str` reads a secret file (by default `_read_file`)."""
+    read = read_secret or _read_file
     if upstreams is None and routes is None:
         return default(mode, smarthost)
     errors: list[str] = []
@@ -167,7 +170,10 @@ def parse(
         names.add(name)
         m = _validate(UpstreamSection, item, f"upstreams.{name}", base, errors)
         if m is not None:
-            ups[name] = m.host_of(name)
+            try:
+                ups[name] = m.host_of(name, f"upstreams.{name}", read)
+            except (RouteConfigError, ValueError) as e:
+                errors.append(str(e))
     if "smarthost" not in names and mode == "smarthost":
         ups["smarthost"] = smarthost  # `via: [smarthost]` keeps meaning upstream.smarthost
         names.add("smarthost")
@@ -196,6 +202,13 @@ def parse(
     return Routing({n: u for n, u in ups.items() if n in used or n == "smarthost"}, tuple(out))
 
 
+def _read_file(path: Path, key: str) -> str:
+    try:
+        return read_secret(path)
+    except ValueError as e:
+        raise RouteConfigError(f"{key}: {e}") from None
+
+
 def _validate(
     model: type[Section], item: object, key: str, base: Path, errors: list[str], **context: Any
 ) -> Any:
@@ -203,6 +216,14 @@ def _validate(
         errors.append(f"{key}: expected a mapping")
         return None
     return validate(model, item, key, errors, base=base, **context)
+
+
+def _unknown(model: type[Section], name: str, otherwise: str) -> str:
+    """An unknown key's words: the known key it looks like, or `otherwise`."""
+    known = [f.alias or n for n, f in model.model_fields.items()]
+    # a closer match than the other sections ask (0.6): these keys are short words
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+    return f"unknown key {name!r} (did you mean {close[0]!r}?)" if close else otherwise
 
 
 def _one_of(choices: tuple[str, ...]) -> Any:
@@ -225,7 +246,7 @@ def _port(value: object) -> int | None:
         isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536
     ):
         raise t.problem("expected a port number")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _opt_string(value: object) -> str | None:
@@ -269,31 +290,32 @@ class OAuthSection(Section):
         float, PlainValidator(_seconds), WithJsonSchema({"type": "number", "exclusiveMinimum": 0})
     ] = 10
 
-    @staticmethod
-    def unknown_key(name: str) -> str:
-        return "unknown key (secrets go in *_file keys)" if "secret" in name else "unknown key"
+    @classmethod
+    def unknown_key(cls, name: str) -> str:
+        if "secret" in name:
+            return "unknown key (secrets go in *_file keys)"
+        return _unknown(cls, name, "unknown key")
 
     @model_validator(mode="after")
     def _source(self) -> OAuthSection:
         if not self.token_command and not self.token_url:
             raise t.problem("token_url or token_command is required")
-        for name in ("client_secret_file", "refresh_token_file"):
-            path = getattr(self, name)
-            if path is not None:
-                secret_of(path, name)  # read now: a missing file is a config error
         if self.token_url and not self.token_command and not self.client_id:
             raise t.problem("required with token_url", "client_id")
         return self
 
-    def conf(self) -> OAuthConf:
-        def read(path: Path | None) -> str | None:
-            return None if path is None else secret_of(path, "")
-
+    def conf(self, key: str, read: Callable[[Path, str], str]) -> OAuthConf:
+        """The token source, its secret files read (`read(path, key)`)."""
+        secret = refresh = None
+        if self.client_secret_file is not None:
+            secret = read(self.client_secret_file, f"{key}.client_secret_file")
+        if self.refresh_token_file is not None:
+            refresh = read(self.refresh_token_file, f"{key}.refresh_token_file")
         return OAuthConf(
             token_url=self.token_url,
             client_id=self.client_id,
-            client_secret=read(self.client_secret_file),
-            refresh_token=read(self.refresh_token_file),
+            client_secret=secret,
+            refresh_token=refresh,
             scope=self.scope,
             token_command=self.token_command,
             timeout=self.timeout,
@@ -329,14 +351,14 @@ class UpstreamSection(Section):
     auth: Annotated[str, _one_of(AUTH_MECHS), WithJsonSchema({"enum": list(AUTH_MECHS)})] = "auto"
     oauth: Annotated[OAuthSection | None, BeforeValidator(_oauth)] = None
 
-    @staticmethod
-    def unknown_key(name: str) -> str:
-        return "unknown key (secrets go in password_file)" if name == "password" else "unknown key"
+    @classmethod
+    def unknown_key(cls, name: str) -> str:
+        if name == "password":
+            return "unknown key (secrets go in password_file)"
+        return _unknown(cls, name, "unknown key")
 
     @model_validator(mode="after")
     def _credentials(self) -> UpstreamSection:
-        if self.password_file is not None:
-            secret_of(self.password_file, "password_file")
         if self.auth in ("xoauth2", "oauthbearer"):
             if not self.username:
                 raise t.problem(f"required with auth: {self.auth}", "username")
@@ -348,7 +370,12 @@ class UpstreamSection(Section):
             raise t.problem("required when username is set", "password_file")
         return self
 
-    def host_of(self, name: str) -> UpstreamHost:
+    def host_of(self, name: str, key: str, read: Callable[[Path, str], str]) -> UpstreamHost:
+        """The upstream, its secret files read (`read(path, key)`)."""
+        password = None
+        if self.password_file is not None:
+            password = read(self.password_file, f"{key}.password_file")
+        oauth = None if self.oauth is None else self.oauth.conf(f"{key}.oauth", read)
         return UpstreamHost(
             name=name,
             host=self.host,
@@ -357,9 +384,9 @@ class UpstreamSection(Section):
             verify=self.verify,
             ca_file=self.ca_file,
             username=self.username,
-            password=None if self.password_file is None else secret_of(self.password_file, ""),
+            password=password,
             auth=self.auth,
-            oauth=None if self.oauth is None else self.oauth.conf(),
+            oauth=oauth,
         )
 
 
@@ -410,9 +437,9 @@ class RewriteSection(Section):
     from_addr: Address = Field(None, alias="from")
     reply_to_original: Flag = False
 
-    @staticmethod
-    def unknown_key(name: str) -> str:
-        return "unknown key"
+    @classmethod
+    def unknown_key(cls, name: str) -> str:
+        return _unknown(cls, name, "unknown key")
 
 
 def _rewrite(value: object) -> object:
@@ -445,9 +472,10 @@ class RouteSection(Section):
     ] = None  # type: ignore[assignment]
     rewrite: Annotated[RewriteSection | None, BeforeValidator(_rewrite)] = None
 
-    @staticmethod
-    def unknown_key(name: str) -> str:
-        return f"unknown key (conditions: {', '.join(CONDITIONS)}; then via, rewrite)"
+    @classmethod
+    def unknown_key(cls, name: str) -> str:
+        listed = f"unknown key (conditions: {', '.join(CONDITIONS)}; then via, rewrite)"
+        return _unknown(cls, name, listed)
 
     def route(self, index: int) -> Route:
         rw = self.rewrite

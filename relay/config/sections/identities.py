@@ -121,7 +121,7 @@ class DkimEntrySection(Section):
     """One key of `dkim.<domain>` (a domain may list several: RSA and Ed25519 side by side,
     RFC 8463); the key itself is loaded and checked when the tree is built."""
 
-    selector: t.Str = None  # type: ignore[assignment]
+    selector: t.Str = None
     key_file: Annotated[t.OptPath, AfterValidator(required)] = None
     algorithm: t.OptStr = None  # None: rsa-sha256
     headers: Annotated[
