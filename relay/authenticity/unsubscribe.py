@@ -56,6 +56,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 
 # a config value (identities.<name>.unsubscribe), named here too
+from relay.config.records import UNSUBSCRIBE_MIN_SECRET
 from relay.config.records import UnsubscribeConf as UnsubscribeConf
 from relay.mail.message import header, parse_headers, split_message
 from relay.ops.http import Request, Response
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 
 VERSION = "1"
 MAX_TOKEN = 800  # two RFC 5321 addresses of 254 octets make a 704-character token
-MIN_SECRET = 16
+MIN_SECRET = UNSUBSCRIBE_MIN_SECRET  # the config refuses a shorter key
 MAC_BYTES = 16  # HMAC-SHA256 truncated to 128 bits
 MAC_LABEL = b"relay-unsubscribe\n"  # domain separation, should the key serve elsewhere too
 ONE_CLICK = "List-Unsubscribe=One-Click"

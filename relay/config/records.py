@@ -23,11 +23,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from relay.authenticity.dkim import DkimKey
+from relay.config.redact import (
+    dsn_passwords,
+    redact_dsn,
+    redact_urls,
+    redact_webhook_url,
+    replace_secrets,
+    secret_pairs,
+)
 from relay.config.routes import Routing
+from relay.config.rules import LaneRule, ShapingRule
 from relay.config.sections.base import MAX_HEADER_SIZE
-from relay.delivery.lanes import LaneRule
-from relay.delivery.shaping import ShapingRule
-from relay.ops.logs import redact_webhook_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,13 +175,18 @@ class WarmupConf:
     ceiling: int | None
 
 
+UNSUBSCRIBE_MIN_SECRET = 16  # bytes of an unsubscribe key (relay/authenticity/unsubscribe.py)
+
+
 @dataclass(frozen=True, slots=True)
 class UnsubscribeConf:
     """identities.<name>.unsubscribe: RFC 8058 one-click (relay/authenticity/unsubscribe.py)."""
 
     url: str | None  # https://relay.example.com/u: the relay serves POST/GET <path>/<TOKEN>
     mailto: str | None  # unsubscribe@relay.example.com
-    secret: bytes = field(repr=False)  # the HMAC key (secret_file), at least MIN_SECRET bytes
+    secret: bytes = field(
+        repr=False
+    )  # the HMAC key (secret_file), UNSUBSCRIBE_MIN_SECRET bytes or more
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +204,12 @@ class ShapingConf:
     window_tz: str
     window_length: float | None
     identity_by: str  # "sender_domain" | "sender"
-    rules: tuple[ShapingRule, ...]  # the operator's, parsed (relay.delivery.shaping)
+    rules: tuple[ShapingRule, ...]  # the operator's, parsed (relay/config/rules.py)
 
 
 @dataclass(frozen=True, slots=True)
 class LanesConf:
-    rules: tuple[LaneRule, ...]  # parsed (relay.delivery.lanes)
+    rules: tuple[LaneRule, ...]  # parsed (relay/config/rules.py)
     shares: Mapping[str, float]
 
 
@@ -338,7 +349,7 @@ class LogConf:
 class PgSpool:
     """spool.backend: postgresql (relay/spool/pg.py)."""
 
-    dsn: str = field(repr=False)  # may hold a password: shown only through pg.redact
+    dsn: str = field(repr=False)  # may hold a password: shown only through redact_dsn
     password_file: Path | None = None
 
 
@@ -471,13 +482,11 @@ class Config:
             sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
         sp = out.get("spool", {})
         if isinstance(sp, dict) and isinstance(sp.get("dsn"), str):
-            from relay.spool.pg import redact
-
-            sp["dsn"] = redact(sp["dsn"])
+            sp["dsn"] = redact_dsn(sp["dsn"])
         wh = out.get("alerts", {}).get("webhook")
         if isinstance(wh, dict) and isinstance(wh.get("url"), str):
             wh["url"] = redact_webhook_url(wh["url"])
-        redacted: dict[str, Any] = _redact_urls(out)
+        redacted: dict[str, Any] = _redact_urls(out, secret_pairs(self.secrets()))
         return redacted
 
     def secrets(self) -> dict[str, str]:
@@ -508,8 +517,6 @@ class Config:
             if ident.unsubscribe is not None:
                 values.append(ident.unsubscribe.secret)
         if self.spool_pg is not None:
-            from relay.spool.pg import dsn_passwords
-
             values += dsn_passwords(self.spool_pg.dsn)
             if self.spool_pg.password_file is not None:  # read at connect, by pg.py
                 try:
@@ -524,16 +531,15 @@ class Config:
         return out
 
 
-def _redact_urls(node: Any) -> Any:
-    """Every string in the tree that holds a URL, through relay.ops.logs.redact_text."""
-    from relay.ops.logs import redact_text
-
+def _redact_urls(node: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """Every string in the tree that holds a URL: the config's secrets replaced, then each
+    URL through redact_url (what relay.ops.logs.redact_text does once they are registered)."""
     if isinstance(node, dict):
-        return {k: _redact_urls(v) for k, v in node.items()}
+        return {k: _redact_urls(v, pairs) for k, v in node.items()}
     if isinstance(node, list):
-        return [_redact_urls(v) for v in node]
+        return [_redact_urls(v, pairs) for v in node]
     if isinstance(node, str) and "://" in node:
-        return redact_text(node)
+        return redact_urls(replace_secrets(node, pairs))
     return node
 
 

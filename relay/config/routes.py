@@ -256,7 +256,7 @@ def _opt_string(value: object) -> str | None:
 
 
 def _token_url(value: object) -> str | None:
-    from relay.ops.logs import redact_url  # a token URL may hold credentials
+    from relay.config.redact import redact_url  # a token URL may hold credentials
 
     if value is not None and not str(value).startswith(("https://", "http://")):
         raise t.problem(f"{redact_url(str(value))!r} is not an http(s) URL")

@@ -38,10 +38,12 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg import errors as pg_errors
+
+from relay.config.redact import dsn_passwords as dsn_passwords  # the spool's callers use them
+from relay.config.redact import redact_dsn
 
 DIALECT = "postgresql"
 # a lock key of our own for migrations (pg_advisory_xact_lock takes a bigint)
@@ -122,33 +124,7 @@ def ddl(stmt: str) -> str:
     return stmt
 
 
-def redact(dsn: str) -> str:
-    """The DSN with any password replaced by ***, for logs and messages (a URL's query
-    values too: `?password=` is a libpq parameter)."""
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return "<unparsable dsn>"
-    if parts.scheme in ("postgres", "postgresql"):
-        from relay.ops.logs import redact_url
-
-        return redact_url(dsn)
-    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
-
-
-def dsn_passwords(dsn: str) -> tuple[str, ...]:
-    """The passwords a DSN holds inline (URL userinfo, `?password=`, `password=` of a
-    key=value list); the log formatter is told to hide them."""
-    out = []
-    try:
-        out.append(urlsplit(dsn).password or "")
-    except ValueError:
-        pass
-    try:
-        out.append(str(psycopg.conninfo.conninfo_to_dict(dsn).get("password") or ""))
-    except psycopg.Error:
-        pass
-    return tuple(unquote(p) for p in out if p) + tuple(p for p in out if p)
+redact = redact_dsn  # the DSN with its password hidden (relay/config/redact.py)
 
 
 def _wrap(e: psycopg.Error) -> sqlite3.Error:

@@ -123,10 +123,8 @@ def _nameserver_list(value: object) -> object:
 
 
 def _nameserver(spec: str) -> str:
-    from relay.delivery.mx import parse_nameserver  # the resolver's own parser
-
     try:
-        parse_nameserver(spec)
+        t.parse_nameserver(spec)  # the resolver's own parser (relay/delivery/mx.py)
     except ValueError as e:
         raise t.problem(f"{spec!r}: {e}") from None
     return spec
@@ -164,7 +162,7 @@ def _time_zone(name: str) -> str:
 
 
 def _shaping_rule(value: object) -> Any:
-    from relay.delivery.shaping import parse_rule
+    from relay.config.rules import parse_rule
 
     if not isinstance(value, Mapping):
         raise t.problem("expected a mapping with match, action and for")
@@ -204,7 +202,7 @@ class ShapingSection(Section):
 
 
 def _lane_rules(value: object) -> Any:
-    from relay.delivery.lanes import parse_lane_rules
+    from relay.config.rules import parse_lane_rules
 
     if not isinstance(value, list):
         raise t.problem("expected a list")

@@ -58,7 +58,7 @@ class WarmupSection(Section):
 
 
 def _unsubscribe_url(url: str | None) -> str | None:
-    from relay.ops.logs import redact_url
+    from relay.config.redact import redact_url
 
     if url is not None:
         if not url.lower().startswith(("https://", "http://")):
@@ -80,7 +80,7 @@ class UnsubscribeSection(Section):
 
     @model_validator(mode="after")
     def _read(self) -> UnsubscribeSection:
-        from relay.authenticity.unsubscribe import MIN_SECRET
+        from relay.config.records import UNSUBSCRIBE_MIN_SECRET as MIN_SECRET
 
         if self.url is None and self.mailto is None:
             raise t.problem("give url, mailto or both")

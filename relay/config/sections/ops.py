@@ -85,7 +85,9 @@ class AdminSection(Section):
 
 
 def _http_url(url: str) -> str:
-    from relay.ops.logs import redact_webhook_url  # the URL is the secret: never print it whole
+    from relay.config.redact import (
+        redact_webhook_url,  # the URL is the secret: never print it whole
+    )
 
     if not url.startswith(("http://", "https://")):
         raise t.problem(f"{redact_webhook_url(url)!r} is not an http:// or https:// URL")
