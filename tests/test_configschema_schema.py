@@ -5,7 +5,9 @@ library, the schema refuses too."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +232,89 @@ def test_a_misspelt_key_is_flagged_by_the_schema_and_the_loader(
     with pytest.raises(ConfigError) as e:
         from_mapping(data, Path("/nonexistent"))
     assert line in str(e.value).splitlines()
+
+
+# --- the commented examples in conf/relay.yaml --------------------------------------------
+
+_EXAMPLE = re.compile(
+    r"^(\s*)# ((?:- )?(?:\"[^\"]*\"|[a-z_*.]+[a-z_]):(?: |$).*|- \{.*|\s+.*[a-z_]+:.*)$"
+)
+_EMPTY = re.compile(r"^(\s*[a-z_]+:) (?:\{\}|\[\]|null)(\s+#.*)?$")
+
+
+def _uncommented(text: str) -> str:
+    """conf/relay.yaml with its commented-out examples (`# lane: bulk`, `# upstreams:` and
+    the lines under them) made live, and a `key: {}` that an example fills made a parent."""
+    lines = text.splitlines()
+    out: list[str] = []
+    live = False  # inside an example block
+    for line in lines:
+        m = _EXAMPLE.match(line)
+        starts = m is not None and not m.group(2).startswith(" ")
+        if m is not None and (starts or live):
+            out.append(m.group(1) + m.group(2))
+            live = True
+        else:
+            out.append(line)
+            live = False
+    for i in range(len(out) - 1):  # `identities: {}` followed by an example entry
+        m = _EMPTY.match(out[i])
+        nxt = out[i + 1]
+        deeper = len(nxt) - len(nxt.lstrip()) - (len(out[i]) - len(out[i].lstrip()))
+        child = deeper > 0 or (deeper == 0 and nxt.lstrip().startswith("- "))
+        if m is not None and child and not nxt.lstrip().startswith("#"):
+            out[i] = m.group(1)
+    return "\n".join(out) + "\n"
+
+
+def _as_editor_reads(node: Any) -> Any:
+    """YAML 1.1 makes 2026-12-01 a date; editors (YAML 1.2) and the JSON Schema see text."""
+    if isinstance(node, dict):
+        return {k: _as_editor_reads(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_as_editor_reads(v) for v in node]
+    return node.isoformat() if isinstance(node, dt.date) else node
+
+
+def _examples(text: str | None = None) -> dict[str, Any]:
+    data = yaml.safe_load(_uncommented(CONF.read_text() if text is None else text))
+    assert isinstance(data, dict)
+    return dict(_as_editor_reads(data))
+
+
+def test_the_commented_examples_are_live_in_the_test() -> None:
+    data = _examples()
+    assert [x["address"] for x in data["listen"]] == [
+        "127.0.0.1:2525",
+        "0.0.0.0:2587",
+        "0.0.0.0:465",
+    ]
+    assert data["listen"][0]["auth"] == {"users_file": "users", "allow_plaintext": False}
+    assert set(data["upstreams"]) == {"primary", "backup"} and len(data["routes"]) == 2
+    assert set(data["destinations"]) == {"*", "gmail.com"}
+    assert data["identities"]["example.com"]["unsubscribe"]["mailto"]
+    assert len(data["dkim"]["example.com"]) == 2 and data["shaping"]["rules"]
+
+
+def test_the_commented_examples_are_valid_under_the_schema() -> None:
+    """The examples in conf/relay.yaml's comments use keys and values the config takes: a
+    renamed or misspelt key in a comment fails here, not on the operator's machine."""
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in VALIDATOR.iter_errors(_examples())]
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("good", "bad"),
+    [
+        ("password_file: secrets/primary", "pasword_file: secrets/primary"),
+        ("{sender_domain: billing", "{sender_domian: billing"),
+        ("- {selector: s2026", "- {selectr: s2026"),
+        ("#   mode: starttls", "#   mode: tls"),
+        ("#   daily_limit: 50000", "#   daily_limit: lots"),
+    ],
+)
+def test_a_drifted_example_is_caught(good: str, bad: str) -> None:
+    text = CONF.read_text()
+    assert good in text
+    assert VALIDATOR.is_valid(_examples(text))
+    assert not VALIDATOR.is_valid(_examples(text.replace(good, bad, 1)))
