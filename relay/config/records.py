@@ -11,7 +11,6 @@ Rules:
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import ipaddress
 import socket
@@ -20,17 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from relay.authenticity.dkim import DkimKey
-from relay.config.redact import (
-    dsn_passwords,
-    redact_dsn,
-    redact_urls,
-    redact_webhook_url,
-    replace_secrets,
-    secret_pairs,
-)
+from relay.config import redact
 from relay.config.routes import Routing
 from relay.config.rules import LaneRule, ShapingRule
 from relay.config.sections.base import MAX_HEADER_SIZE
@@ -472,75 +463,14 @@ class Config:
         return {n: i.unsubscribe for n, i in self.identities.items() if i.unsubscribe}
 
     def redacted(self) -> dict[str, Any]:
-        """The effective config as a plain mapping, secrets replaced (for check-config):
-        secrets are only ever named by file, and every URL goes through the printing rules
-        (README "Secrets"): a webhook URL shows its scheme and host only, any other URL loses
-        its userinfo password and query values; a DSN its password."""
-        out = copy.deepcopy(dict(self.raw))
-        sh = out.get("upstream", {}).get("smarthost", {})
-        if sh.get("password_file"):
-            sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
-        sp = out.get("spool", {})
-        if isinstance(sp, dict) and isinstance(sp.get("dsn"), str):
-            sp["dsn"] = redact_dsn(sp["dsn"])
-        wh = out.get("alerts", {}).get("webhook")
-        if isinstance(wh, dict) and isinstance(wh.get("url"), str):
-            wh["url"] = redact_webhook_url(wh["url"])
-        redacted: dict[str, Any] = _redact_urls(out, secret_pairs(self.secrets()))
-        return redacted
+        """The effective config as a plain mapping, secrets replaced (for check-config);
+        the rules: relay/config/redact.py `redacted`."""
+        return redact.redacted(self)
 
     def secrets(self) -> dict[str, str]:
-        """Every secret value this config holds -> what prints in its place; the log
-        formatter replaces them in every line (relay.ops.logs.set_secrets), a second guard
-        behind never logging them."""
-        out: dict[str, str] = {}
-        values: list[str | bytes | None] = [self.upstream.smarthost.password]
-        for up in self.routing.upstreams.values():
-            values.append(up.password)
-            if up.oauth is not None:
-                values += [up.oauth.client_secret, up.oauth.refresh_token]
-        wh = self.alerts.webhook
-        if wh is not None:
-            values.append(wh.secret)
-            shown = redact_webhook_url(wh.url)
-            out[wh.url] = shown
-            rest = wh.url.partition("://")[2]
-            slash, tail = rest.partition("/")[1:]
-            if slash and tail:  # the path alone, as a library might print it
-                out["/" + tail] = "/***"
-            for item in urlsplit(wh.url).query.split("&"):  # a token's value alone
-                out[item.partition("=")[2]] = "***"
-        values.append(self.feedback.verp_secret)
-        for p in self.feedback.providers.values():
-            values += [p.token, p.signing_key]
-        for ident in self.identities.values():
-            if ident.unsubscribe is not None:
-                values.append(ident.unsubscribe.secret)
-        if self.spool_pg is not None:
-            values += dsn_passwords(self.spool_pg.dsn)
-            if self.spool_pg.password_file is not None:  # read at connect, by pg.py
-                try:
-                    values.append(self.spool_pg.password_file.read_text().rstrip("\r\n"))
-                except OSError:
-                    pass
-        for v in values:
-            if isinstance(v, bytes):
-                v = v.decode("utf-8", "replace")
-            if v:
-                out[v] = "***"
-        return out
-
-
-def _redact_urls(node: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
-    """Every string in the tree that holds a URL: the config's secrets replaced, then each
-    URL through redact_url (what relay.ops.logs.redact_text does once they are registered)."""
-    if isinstance(node, dict):
-        return {k: _redact_urls(v, pairs) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_redact_urls(v, pairs) for v in node]
-    if isinstance(node, str) and "://" in node:
-        return redact_urls(replace_secrets(node, pairs))
-    return node
+        """Every secret value this config holds -> what prints in its place (for the log
+        formatter, relay.ops.logs.set_secrets): relay/config/redact.py `secrets`."""
+        return redact.secrets(self)
 
 
 def hostname_problem(name: str) -> str | None:
@@ -554,12 +484,3 @@ def hostname_problem(name: str) -> str | None:
     if "." not in n:
         return "has no dot"
     return None
-
-
-# the sections still read by hand: their JSON Schema, in outline (relay.yaml's comments and
-# the README say the rest)
-_HAND_SCHEMAS: dict[str, dict[str, Any]] = {
-    "upstreams": {"type": ["object", "null"]},
-    "routes": {"type": ["array", "null"], "items": {"type": "object"}},
-    "dkim": {"type": "object"},
-}

@@ -1,16 +1,23 @@
 """How the config's secrets print (README "Secrets"): a URL loses its userinfo password,
 query values and fragment; a webhook URL (Slack, Teams, Google Chat put the secret in the
 path) shows its scheme and host only; a PostgreSQL DSN loses its password. Pure functions:
-the config's `redacted()` and `secrets()` use them, and so do the log formatter
-(relay/ops/logs.py) and the spool (relay/spool/pg.py).
+the log formatter (relay/ops/logs.py) and the spool (relay/spool/pg.py) use them too.
+
+Below them, the config's own: `redacted(config)` (check-config's view of the file, every
+secret named by its file only) and `secrets(config)` (each secret value the config holds,
+for the log formatter to replace); Config.redacted() and Config.secrets() call them.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote, urlsplit
+
+if TYPE_CHECKING:
+    from relay.config.records import Config
 
 MASK: Final = "***"
 
@@ -128,3 +135,79 @@ def dsn_passwords(dsn: str) -> tuple[str, ...]:
     except psycopg.Error:
         pass
     return tuple(unquote(p) for p in out if p) + tuple(p for p in out if p)
+
+
+# --- the config's own secrets ------------------------------------------------------------
+
+
+def redacted(config: Config) -> dict[str, Any]:
+    """The effective config as a plain mapping, secrets replaced (for check-config):
+    secrets are only ever named by file, and every URL goes through the printing rules
+    (README "Secrets"): a webhook URL shows its scheme and host only, any other URL loses
+    its userinfo password and query values; a DSN its password."""
+    out = copy.deepcopy(dict(config.raw))
+    sh = out.get("upstream", {}).get("smarthost", {})
+    if sh.get("password_file"):
+        sh["password_file"] = f"{sh['password_file']} (set, contents not shown)"
+    sp = out.get("spool", {})
+    if isinstance(sp, dict) and isinstance(sp.get("dsn"), str):
+        sp["dsn"] = redact_dsn(sp["dsn"])
+    wh = out.get("alerts", {}).get("webhook")
+    if isinstance(wh, dict) and isinstance(wh.get("url"), str):
+        wh["url"] = redact_webhook_url(wh["url"])
+    redacted: dict[str, Any] = _redact_urls(out, secret_pairs(config.secrets()))
+    return redacted
+
+
+def secrets(config: Config) -> dict[str, str]:
+    """Every secret value this config holds -> what prints in its place; the log
+    formatter replaces them in every line (relay.ops.logs.set_secrets), a second guard
+    behind never logging them."""
+    out: dict[str, str] = {}
+    values: list[str | bytes | None] = [config.upstream.smarthost.password]
+    for up in config.routing.upstreams.values():
+        values.append(up.password)
+        if up.oauth is not None:
+            values += [up.oauth.client_secret, up.oauth.refresh_token]
+    wh = config.alerts.webhook
+    if wh is not None:
+        values.append(wh.secret)
+        shown = redact_webhook_url(wh.url)
+        out[wh.url] = shown
+        rest = wh.url.partition("://")[2]
+        slash, tail = rest.partition("/")[1:]
+        if slash and tail:  # the path alone, as a library might print it
+            out["/" + tail] = "/***"
+        for item in urlsplit(wh.url).query.split("&"):  # a token's value alone
+            out[item.partition("=")[2]] = "***"
+    values.append(config.feedback.verp_secret)
+    for p in config.feedback.providers.values():
+        values += [p.token, p.signing_key]
+    for ident in config.identities.values():
+        if ident.unsubscribe is not None:
+            values.append(ident.unsubscribe.secret)
+    if config.spool_pg is not None:
+        values += dsn_passwords(config.spool_pg.dsn)
+        if config.spool_pg.password_file is not None:  # read at connect, by pg.py
+            try:
+                values.append(config.spool_pg.password_file.read_text().rstrip("\r\n"))
+            except OSError:
+                pass
+    for v in values:
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        if v:
+            out[v] = "***"
+    return out
+
+
+def _redact_urls(node: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """Every string in the tree that holds a URL: the config's secrets replaced, then each
+    URL through redact_url (what relay.ops.logs.redact_text does once they are registered)."""
+    if isinstance(node, dict):
+        return {k: _redact_urls(v, pairs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redact_urls(v, pairs) for v in node]
+    if isinstance(node, str) and "://" in node:
+        return redact_urls(replace_secrets(node, pairs))
+    return node
