@@ -185,7 +185,8 @@ class ListenerAuthSection(Section):
 
     @model_validator(mode="after")
     def _load(self) -> ListenerAuthSection:
-        from relay.inbound.auth import UsersFileError, load_users
+        from relay.config.users import UsersFileError
+        from relay.config.users import load_smtp_users as load_users
 
         if self.users_file is None:
             raise t.problem("required", "users_file")

@@ -61,7 +61,8 @@ class AdminSection(Section):
     def _console_access(self) -> AdminSection:
         """The console is open (read-only, no login) only on a loopback listener; elsewhere
         it needs users (relay/ops/console/auth.py)."""
-        from relay.ops.console.auth import UsersFileError, load_users
+        from relay.config.users import UsersFileError
+        from relay.config.users import load_console_users as load_users
 
         if self.users_file is not None:
             try:
