@@ -82,42 +82,11 @@ def build(
     sp = typed.spool
     spool_path = sp.path or base_dir  # never None: its model requires it
     spool_pg = None if sp.backend == "sqlite" else PgSpool(sp.dsn or "", sp.password_file)
-    ob = typed.outbox
-    outbox = OutboxConf(
-        enabled=bool(ob.enabled), poll_interval=ob.poll_interval or 1.0, batch=ob.batch or 100
-    )
-    if outbox.enabled and spool_pg is None:
-        errors.append(
-            "outbox.enabled: the outbox is a table of a PostgreSQL spool"
-            " (spool.backend: postgresql)"
-        )
     limits = Limits(**typed.limits.model_dump())
     upstream = _upstream(typed, hostname)
-    smart = upstream.smarthost
-    try:
-        route_table = routing.parse(
-            merged.get("upstreams"),
-            merged.get("routes"),
-            mode=upstream.mode,
-            smarthost=routing.UpstreamHost(
-                name="smarthost",
-                host=smart.host,
-                port=smart.port,
-                tls=smart.tls,
-                verify=smart.verify,
-                ca_file=smart.ca_file,
-                username=smart.username,
-                password=smart.password,
-            ),
-            base=base_dir,
-        )
-    except routing.RouteConfigError as e:
-        errors.extend(str(e).splitlines())
-        route_table = routing.Routing({}, ())
     timeouts = typed.timeouts.model_dump()
     raw_dest = data.get("destinations")
-    sg, al, wh = typed.shaping, typed.alerts, typed.alerts.webhook
-    admin = typed.admin
+    sg, admin = typed.shaping, typed.admin
     return Config(
         path=path,
         hostname=hostname,
@@ -139,33 +108,13 @@ def build(
             errors,
         ),
         identities=identities(merged["identities"], base_dir, errors),
-        shaping=ShapingConf(
-            window_tz=sg.window_tz,
-            window_length=sg.window_length,
-            identity_by=sg.identity_by,
-            rules=tuple(sg.rules or ()),
-        ),
+        shaping=ShapingConf(sg.window_tz, sg.window_length, sg.identity_by, tuple(sg.rules or ())),
         lanes=LanesConf(
-            rules=typed.lanes.rules,
-            shares={
-                "transactional": typed.lanes.transactional.share,
-                "bulk": typed.lanes.bulk.share,
-            },
+            typed.lanes.rules,
+            {"transactional": typed.lanes.transactional.share, "bulk": typed.lanes.bulk.share},
         ),
         delivery=Delivery(**typed.delivery.model_dump()),
-        alerts=Alerts(
-            command=al.command,
-            timeout=al.timeout,
-            coalesce=al.coalesce,
-            webhook=None
-            if wh is None
-            else Webhook(
-                url=wh.url,
-                secret=wh.secret,
-                secret_file=wh.secret_file,
-                timeout=10.0 if wh.timeout is None else wh.timeout,
-            ),
-        ),
+        alerts=_alerts(typed),
         dsn=Dsn(**typed.dsn.model_dump()),
         admin_listen=admin.listen,
         admin_http=HttpBounds(
@@ -182,14 +131,72 @@ def build(
         retention=sp.retention,
         spool_reserve=sp.reserve,
         health=Health(**typed.health.model_dump()),
-        routing=route_table,
+        routing=_routing(merged, upstream, base_dir, errors),
         feedback=feedback(typed.feedback),
         dkim=dkim(merged["dkim"], base_dir, errors),
         spool_pg=spool_pg,
         fleet=FleetConf(node=typed.fleet.node or None, lease=typed.fleet.lease or 30.0),
-        outbox=outbox,
+        outbox=_outbox(typed, spool_pg, errors),
         inbound_processes=typed.inbound.processes,
         maildrop_path=sp.maildrop or spool_path / "maildrop",
+    )
+
+
+def _outbox(typed: Sections, spool_pg: PgSpool | None, errors: list[str]) -> OutboxConf:
+    ob = typed.outbox
+    outbox = OutboxConf(
+        enabled=bool(ob.enabled), poll_interval=ob.poll_interval or 1.0, batch=ob.batch or 100
+    )
+    if outbox.enabled and spool_pg is None:
+        errors.append(
+            "outbox.enabled: the outbox is a table of a PostgreSQL spool"
+            " (spool.backend: postgresql)"
+        )
+    return outbox
+
+
+def _routing(
+    merged: Mapping[str, Any], upstream: Upstream, base_dir: Path, errors: list[str]
+) -> routing.Routing:
+    """`upstreams` and `routes` (relay/config/routes.py); `upstream.smarthost` is the
+    upstream named "smarthost" unless one is."""
+    smart = upstream.smarthost
+    try:
+        return routing.parse(
+            merged.get("upstreams"),
+            merged.get("routes"),
+            mode=upstream.mode,
+            smarthost=routing.UpstreamHost(
+                name="smarthost",
+                host=smart.host,
+                port=smart.port,
+                tls=smart.tls,
+                verify=smart.verify,
+                ca_file=smart.ca_file,
+                username=smart.username,
+                password=smart.password,
+            ),
+            base=base_dir,
+        )
+    except routing.RouteConfigError as e:
+        errors.extend(str(e).splitlines())
+        return routing.Routing({}, ())
+
+
+def _alerts(typed: Sections) -> Alerts:
+    al, wh = typed.alerts, typed.alerts.webhook
+    return Alerts(
+        command=al.command,
+        timeout=al.timeout,
+        coalesce=al.coalesce,
+        webhook=None
+        if wh is None
+        else Webhook(
+            url=wh.url,
+            secret=wh.secret,
+            secret_file=wh.secret_file,
+            timeout=10.0 if wh.timeout is None else wh.timeout,
+        ),
     )
 
 
