@@ -49,8 +49,10 @@ from relay.config.models import (
     Section,
     Sections,
     ShapingSection,
+    SpoolSection,
     TimeoutsSection,
     TopLevel,
+    UpstreamModeSection,
     file_model,
 )
 from relay.config.records import (
@@ -146,40 +148,11 @@ DEFAULT_PATH = "/etc/relay/relay.yaml"
 DEFAULTS: dict[str, Any] = {
     "hostname": TopLevel.model_fields["hostname"].default,
     "listen": [{"address": "127.0.0.1:2525", "allow": ["127.0.0.0/8", "::1/128"]}],
-    "spool": {
-        "path": "../var/spool",
-        "inline_max": "128KiB",
-        "retention": "7d",
-        "backend": "sqlite",
-        "maildrop": None,  # None: <spool.path>/maildrop (relay/spool/maildrop.py)
-        "reserve": "64MiB",
-    },
+    "spool": SpoolSection.defaults(),
     "dedup": DedupSection.defaults(),
     "limits": LimitsSection.defaults(),
     "auth": AuthSection.defaults(),
-    "upstream": {
-        "mode": "smarthost",
-        "helo": None,
-        "smarthost": {
-            "host": "127.0.0.1",
-            "port": 587,
-            "tls": "starttls",
-            "verify": True,
-            "ca_file": None,
-            "username": None,
-            "password_file": None,
-        },
-        "mx": {
-            "port": 25,
-            "tls": "opportunistic",
-            "verify": False,
-            "nameservers": None,
-            "dns_timeout": "10s",
-            "mta_sts": True,
-            "ca_file": None,
-            "mta_sts_port": 443,
-        },
-    },
+    "upstream": UpstreamModeSection.defaults(),
     "retry": RetrySection.defaults(),
     "timeouts": TimeoutsSection.defaults(),
     "destinations": {"*": {}},
