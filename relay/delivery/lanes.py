@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Protocol, runtime_checkable
 
+# the rules are config values, parsed with the config (relay/config/rules.py)
 from relay.config.rules import LANES, LaneRule, parse_lane_rules
 from relay.mail.regex_guard import bounded
 

@@ -370,7 +370,8 @@ class Adaptive:
 
 
 # ---------------------------------------------------------------------------
-# Shaping rules (reply-text automation)
+# Shaping rules (reply-text automation); the rule and its parser are config values
+# (relay/config/rules.py)
 # ---------------------------------------------------------------------------
 
 
