@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from relay.config import values as t
-from relay.config.routes import RouteSection, UpstreamSection
+from relay.config.routes import NamedUpstreamSection, RouteSection
 from relay.config.sections.base import MAX_HEADER_SIZE, Section
 from relay.config.sections.delivery import (
     DeliverySection,
@@ -33,8 +33,8 @@ from relay.config.sections.delivery import (
     ShapingSection,
     SmarthostSection,
     TimeoutsSection,
+    UpstreamSection,
 )
-from relay.config.sections.delivery import UpstreamSection as UpstreamModeSection
 from relay.config.sections.feedback import (
     FEEDBACK_PROVIDERS,
     FeedbackSection,
@@ -85,6 +85,7 @@ __all__ = [
     "LogSection",
     "MailgunProvider",
     "MxSection",
+    "NamedUpstreamSection",
     "OutboxSection",
     "ProviderSection",
     "RetrySection",
@@ -98,7 +99,6 @@ __all__ = [
     "SpoolSection",
     "TimeoutsSection",
     "TopLevel",
-    "UpstreamModeSection",
     "UpstreamSection",
     "WebhookSection",
     "file_model",
@@ -121,7 +121,7 @@ SECTIONS: dict[str, type[Section]] = {
     "dedup": DedupSection,
     "limits": LimitsSection,
     "auth": AuthSection,
-    "upstream": UpstreamModeSection,
+    "upstream": UpstreamSection,
     "retry": RetrySection,
     "timeouts": TimeoutsSection,
     "shaping": ShapingSection,
@@ -143,7 +143,7 @@ COLLECTIONS: dict[str, tuple[Any, dict[str, Any]]] = {
     "destinations": (dict[str, DestinationSection | None], {}),
     "identities": (dict[str, IdentitySection], {}),
     "dkim": (dict[str, DkimEntrySection | list[DkimEntrySection]], {}),
-    "upstreams": (dict[str, UpstreamSection] | None, {}),
+    "upstreams": (dict[str, NamedUpstreamSection] | None, {}),
     "routes": (list[RouteSection] | None, {"min_length": 1}),
 }
 
@@ -159,7 +159,7 @@ class Sections:
     dedup: DedupSection
     limits: LimitsSection
     auth: AuthSection
-    upstream: UpstreamModeSection
+    upstream: UpstreamSection
     retry: RetrySection
     timeouts: TimeoutsSection
     shaping: ShapingSection

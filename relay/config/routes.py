@@ -168,7 +168,7 @@ def parse(
             )
             continue
         names.add(name)
-        m = _validate(UpstreamSection, item, f"upstreams.{name}", base, errors)
+        m = _validate(NamedUpstreamSection, item, f"upstreams.{name}", base, errors)
         if m is not None:
             try:
                 ups[name] = m.host_of(name, f"upstreams.{name}", read)
@@ -334,7 +334,7 @@ def _host(value: object) -> str:
     return value
 
 
-class UpstreamSection(Section):
+class NamedUpstreamSection(Section):
     """upstreams.<name>: a named smarthost."""
 
     host: Annotated[str, PlainValidator(_host), WithJsonSchema({"type": "string"})] = None  # type: ignore[assignment]
@@ -358,7 +358,7 @@ class UpstreamSection(Section):
         return _unknown(cls, name, "unknown key")
 
     @model_validator(mode="after")
-    def _credentials(self) -> UpstreamSection:
+    def _credentials(self) -> NamedUpstreamSection:
         if self.auth in ("xoauth2", "oauthbearer"):
             if not self.username:
                 raise t.problem(f"required with auth: {self.auth}", "username")

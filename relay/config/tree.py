@@ -52,7 +52,7 @@ from relay.config.models import (
     SpoolSection,
     TimeoutsSection,
     TopLevel,
-    UpstreamModeSection,
+    UpstreamSection,
     file_model,
 )
 from relay.config.records import (
@@ -152,7 +152,7 @@ DEFAULTS: dict[str, Any] = {
     "dedup": DedupSection.defaults(),
     "limits": LimitsSection.defaults(),
     "auth": AuthSection.defaults(),
-    "upstream": UpstreamModeSection.defaults(),
+    "upstream": UpstreamSection.defaults(),
     "retry": RetrySection.defaults(),
     "timeouts": TimeoutsSection.defaults(),
     "destinations": {"*": {}},
