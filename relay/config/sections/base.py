@@ -7,12 +7,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 from relay.config import values as t
 

@@ -18,11 +18,7 @@ from pydantic import (
 )
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    ReadablePath,
-    Section,
-    list_of,
-)
+from relay.config.sections.base import ReadablePath, Section, list_of
 from relay.config.values import DURATION_SCHEMA
 
 

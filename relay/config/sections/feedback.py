@@ -16,11 +16,7 @@ from pydantic import (
 )
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    Section,
-    mailbox,
-    secret_of,
-)
+from relay.config.sections.base import Section, mailbox, secret_of
 
 FEEDBACK_PROVIDERS = ("ses", "postmark", "sendgrid", "mailgun", "generic")
 

@@ -6,21 +6,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    PlainValidator,
-    PrivateAttr,
-    WithJsonSchema,
-    model_validator,
-)
+from pydantic import AfterValidator, PlainValidator, PrivateAttr, WithJsonSchema, model_validator
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    Section,
-    mailbox,
-    required,
-    secret_of,
-)
+from relay.config.sections.base import Section, mailbox, required, secret_of
 
 
 def _date(value: object) -> dt.date:

@@ -20,12 +20,7 @@ from pydantic import (
 )
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    MAX_HEADER_SIZE,
-    MIN_HEADER_SIZE,
-    Section,
-    choice_of,
-)
+from relay.config.sections.base import MAX_HEADER_SIZE, MIN_HEADER_SIZE, Section, choice_of
 
 
 class LimitsSection(Section):

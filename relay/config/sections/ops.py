@@ -5,18 +5,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    BeforeValidator,
-    Field,
-    PrivateAttr,
-    model_validator,
-)
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    Section,
-)
+from relay.config.sections.base import Section
 
 
 class HealthSection(Section):

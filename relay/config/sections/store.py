@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import re
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from relay.config import values as t
-from relay.config.sections.base import (
-    Section,
-)
+from relay.config.sections.base import Section
 
 
 class DedupSection(Section):
