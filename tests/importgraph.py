@@ -29,23 +29,28 @@ ROOT = Path(__file__).resolve().parent.parent / "relay"
 # point down (docs/development.md "Import layers"): a module imports its own layer and the
 # layers below it, never one above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # what every room uses and that uses nothing of ours: mail syntax, the log formatter,
-    # the fault seams, the shell runner, the metric registry
+    # what every room uses and that uses nothing of ours: mail syntax, the log formatter
+    # and the redaction rules it applies, the fault seams, the shell runner, the metric
+    # registry, DKIM keys and signing (the config test-signs with a key it loads)
     (
         "base",
         (
             "relay",  # the package itself: __version__
             "relay.mail",
             "relay.ops.logs",
+            "relay.config.redact",
             "relay.ops.faults",
             "relay.ops.shell",
             "relay.ops.metrics",
+            "relay.authenticity.dkim",
         ),
     ),
-    # the formats the config is made of, each in the room that uses it, on base alone: the
-    # lane and shaping rule syntax, a reply's classification, the resolver (its nameserver
-    # syntax), OAuth2 settings, DKIM keys, unsubscribe tokens, the AUTH and console users
-    # files, long-line folding. The config parses into them; it imports no room.
+    # the typed config tree and the value types it is made of: routes and upstreams, lane
+    # and shaping rules, users files, the resolver's nameserver syntax; it imports no room
+    ("config", ("relay.config",)),
+    # formats the rooms share on top of the config's values: a reply's classification, the
+    # resolver, OAuth2 tokens, unsubscribe tokens, the AUTH and console users files, long
+    # lines; each in the room that uses it
     (
         "formats",
         (
@@ -55,15 +60,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "relay.delivery.errors",
             "relay.delivery.mx",
             "relay.delivery.oauth",
-            "relay.authenticity.dkim",
             "relay.authenticity.unsubscribe",
             "relay.inbound.auth",
             "relay.inbound.longlines",
             "relay.ops.console.auth",
         ),
     ),
-    # the typed config tree; the upstreams/routes table is parsed with it
-    ("config", ("relay.config", "relay.delivery.routes")),
     # the store: schema, writer, bodies, claims; the alert outbox is a spool table
     ("spool", ("relay.spool", "relay.ops.alerts")),
     # the rooms that do the work, each on the spool and the config; they may use each other

@@ -493,7 +493,7 @@ def test_inbound_processes_default_to_one_with_two_cores_and_none_with_one(
 ) -> None:
     """issue 29 item 6: the relay as shipped is the fast one: an SMTP process beside the main
     one when the machine has the cores for it; a number given is kept as given."""
-    import relay.config.tree as config_
+    import relay.config.build as config_
 
     for cores, want in ((1, 0), (2, 1), (16, 1)):
         monkeypatch.setattr(config_, "usable_cores", lambda n=cores: n)

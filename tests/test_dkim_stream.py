@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from relay.authenticity import dkim as dkim_sign
 from relay.authenticity.dkim import DkimSignError, RelaxedBodyHash
+from relay.config.routes import Rewrite
 from relay.config.tree import Config, from_mapping
 from relay.delivery import outbound, rewrite
 from relay.delivery.jobs import Job
-from relay.delivery.routes import Rewrite
 from relay.spool import ops
 from relay.spool.bodies import StoredBody
 

@@ -133,8 +133,8 @@ class _Engine:
 
 
 def _dest(tmp_path: Path, upstream: bool = True) -> Any:
+    from relay.config.routes import UpstreamHost
     from relay.delivery.jobs import DestState
-    from relay.delivery.routes import UpstreamHost
 
     return DestState(
         name="smarthost",

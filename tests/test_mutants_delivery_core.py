@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from relay.config import routes
 from relay.config.tree import Identity, WarmupConf
-from relay.delivery import decide, routes
+from relay.delivery import decide
 from relay.delivery.jobs import Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict

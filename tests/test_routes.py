@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from relay.config import routes
 from relay.config.tree import ConfigError, load_config
-from relay.delivery import decide, retry, routes
+from relay.delivery import decide, retry
 from relay.delivery.jobs import Job
 from relay.delivery.ledger import Ledger
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from relay.config import credentials
-from relay.config.pgdsn import dsn_passwords, redact
+from relay.config.redact import dsn_passwords
+from relay.config.redact import redact_dsn as redact
 from relay.config.tree import ConfigError, from_mapping
 from relay.ops import logs
 from relay.ops.alerts import post_webhook

@@ -40,13 +40,15 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
+# a config value (identities.<name>.unsubscribe), named here too
+from relay.config.records import UNSUBSCRIBE_MIN_SECRET
+from relay.config.records import UnsubscribeConf as UnsubscribeConf
 from relay.mail.message import header, parse_headers, split_message
 
 VERSION = "1"
 MAX_TOKEN = 800  # two RFC 5321 addresses of 254 octets make a 704-character token
-MIN_SECRET = 16
+MIN_SECRET = UNSUBSCRIBE_MIN_SECRET  # the config refuses a shorter key
 MAC_BYTES = 16  # HMAC-SHA256 truncated to 128 bits
 MAC_LABEL = b"relay-unsubscribe\n"  # domain separation, should the key serve elsewhere too
 ONE_CLICK = "List-Unsubscribe=One-Click"
@@ -56,13 +58,6 @@ SOURCE = "unsubscribe"
 _B64 = re.compile(r"[A-Za-z0-9_-]+")
 _SUBJECT = re.compile(r"(?<![A-Za-z0-9])unsubscribe(?:\s+|%20)([A-Za-z0-9_.-]+)", re.IGNORECASE)
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class UnsubscribeConf:
-    url: str | None  # https://relay.example.com/u: the relay serves POST/GET <path>/<TOKEN>
-    mailto: str | None  # unsubscribe@relay.example.com
-    secret: bytes = field(repr=False)  # the HMAC key (secret_file), at least MIN_SECRET bytes
 
 
 # --- tokens -------------------------------------------------------------------------------

@@ -527,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (sqlite3.Error, OSError) as e:
         where = str(config.spool_path)
         if config.spool_pg is not None:
-            from relay.config.pgdsn import redact
+            from relay.config.redact import redact_dsn as redact
 
             where = redact(config.spool_pg.dsn)
         print(f"relay: cannot open the spool at {where}: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ wording never reaches the operator). Each type carries its JSON Schema for edito
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable
@@ -131,6 +132,43 @@ def hostport(value: object, default_port: int | None = None) -> tuple[str, int]:
     if not host:
         raise ValueError(f"{value!r} has no host")
     return host, port
+
+
+DEFAULT_DNS_PORT = 53
+
+
+def parse_nameserver(spec: str) -> tuple[str, int]:
+    """Parse ``"127.0.0.1:5353"``, ``"127.0.0.1"``, ``"[::1]:53"``, ``"[::1]"`` or ``"::1"``.
+
+    Returns ``(address, port)``; raises :class:`ValueError` for anything else
+    (host names are not accepted: resolving the resolver would need a resolver).
+    """
+    text = spec.strip()
+    port = DEFAULT_DNS_PORT
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"invalid nameserver {spec!r}: missing ']'")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"invalid nameserver {spec!r}")
+            port = _parse_port(spec, rest[1:])
+        address = host
+    elif text.count(":") == 1:
+        address, _, port_text = text.partition(":")
+        port = _parse_port(spec, port_text)
+    else:
+        address = text  # IPv4 without port, or a bare IPv6 address
+    try:
+        return str(ipaddress.ip_address(address)), port
+    except ValueError:
+        raise ValueError(f"invalid nameserver {spec!r}: not an IP address") from None
+
+
+def _parse_port(spec: str, text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"invalid nameserver {spec!r}: bad port")
+    return int(text)
 
 
 def string(value: object) -> str:
@@ -297,7 +335,8 @@ def _path(value: object, info: ValidationInfo) -> Path | None:
     return (base / v).resolve() if not os.path.isabs(v) else Path(v)
 
 
-def _checked_path(value: object, info: ValidationInfo) -> Path | None:
+def path_value(value: object, info: ValidationInfo) -> Path | None:
+    """A file key's value as a Path (None: null); a relay error naming the problem."""
     try:
         return _path(value, info)
     except ValueError as e:
@@ -306,7 +345,7 @@ def _checked_path(value: object, info: ValidationInfo) -> Path | None:
 
 OptPath = Annotated[
     Path | None,
-    PlainValidator(_checked_path),
+    PlainValidator(path_value),
     WithJsonSchema(
         {"type": ["string", "null"], "description": "a file name (relative: to this file)"}
     ),

@@ -29,13 +29,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from relay.config.routes import Route
 from relay.config.tree import Config
 from relay.delivery import dispatch, operator, outbound
 from relay.delivery.destinations import Destinations
 from relay.delivery.fleet import Fleet
 from relay.delivery.jobs import Job
 from relay.delivery.recorder import Recorder
-from relay.delivery.routes import Route
 from relay.delivery.workers import WorkerPool
 from relay.ops import faults
 from relay.ops.logs import log_event

@@ -28,13 +28,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relay.authenticity import mtasts
+from relay.config.routes import UpstreamHost
 from relay.config.tree import Config
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.mx import MxHost, Resolver
 from relay.delivery.oauth import TokenSource
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
-from relay.delivery.routes import UpstreamHost
 from relay.delivery.transport import ConnectFailed, Connection, RcptResult, Timeouts, TlsPolicy
 from relay.ops.logs import log_event
 from relay.ops.metrics import Metrics

@@ -12,7 +12,7 @@ The decisions are relay/delivery/decide.py's, one attempt is relay/delivery/atte
 
 Rules:
 - The spool is the queue. The engine claims due recipients (`sending`, transactional lane
-  first), routes each (relay/delivery/routes.py), groups them into jobs (one message x one
+  first), routes each (relay/config/routes.py), groups them into jobs (one message x one
   destination = one transaction), and hands each job to its destination. A crash loses
   nothing: unrecorded claims come back at start.
 - A destination is an upstream (by name; "smarthost" for the classic single one) or, in MX

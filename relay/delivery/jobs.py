@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.config.routes import Route, UpstreamHost
 from relay.config.tree import Destination
 from relay.delivery import outcomes, shaping
-from relay.delivery.routes import Route, UpstreamHost
 from relay.spool import ops
 
 

@@ -29,6 +29,7 @@ import dns.rdatatype
 import dns.rdtypes.ANY.MX
 import dns.resolver
 
+from relay.config.values import parse_nameserver  # upstream.mx.nameservers
 from relay.delivery.errors import DnsPermanentError, DnsTransientError
 from relay.delivery.replies import Reply
 
@@ -41,7 +42,6 @@ __all__ = [
     "parse_nameserver",
 ]
 
-DEFAULT_DNS_PORT = 53
 _ATTEMPT_TIMEOUT = 2.0
 
 
@@ -136,40 +136,6 @@ def make_resolver(
     resolver.timeout = min(_ATTEMPT_TIMEOUT, timeout / servers)
     resolver.cache = None
     return resolver
-
-
-def parse_nameserver(spec: str) -> tuple[str, int]:
-    """Parse ``"127.0.0.1:5353"``, ``"127.0.0.1"``, ``"[::1]:53"``, ``"[::1]"`` or ``"::1"``.
-
-    Returns ``(address, port)``; raises :class:`ValueError` for anything else
-    (host names are not accepted: resolving the resolver would need a resolver).
-    """
-    text = spec.strip()
-    port = DEFAULT_DNS_PORT
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep:
-            raise ValueError(f"invalid nameserver {spec!r}: missing ']'")
-        if rest:
-            if not rest.startswith(":"):
-                raise ValueError(f"invalid nameserver {spec!r}")
-            port = _parse_port(spec, rest[1:])
-        address = host
-    elif text.count(":") == 1:
-        address, _, port_text = text.partition(":")
-        port = _parse_port(spec, port_text)
-    else:
-        address = text  # IPv4 without port, or a bare IPv6 address
-    try:
-        return str(ipaddress.ip_address(address)), port
-    except ValueError:
-        raise ValueError(f"invalid nameserver {spec!r}: not an IP address") from None
-
-
-def _parse_port(spec: str, text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ValueError(f"invalid nameserver {spec!r}: bad port")
-    return int(text)
 
 
 def parse_domain_literal(domain: str) -> str | None:

@@ -33,28 +33,17 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from relay.config.routes import OAuthConf  # a config value: upstreams.<name>.oauth
 from relay.ops import shell
 
 DEFAULT_EXPIRES = 3600.0
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space, no %x01
 _CODE_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what may be echoed of a server's error code
 _TRANSIENT_CODES = frozenset({"temporarily_unavailable", "server_error"})
-
-
-@dataclass(frozen=True, slots=True)
-class OAuthConf:
-    token_url: str | None = None
-    client_id: str | None = None
-    client_secret: str | None = field(default=None, repr=False)
-    refresh_token: str | None = field(default=None, repr=False)
-    scope: str | None = None
-    token_command: str | None = field(default=None, repr=False)
-    timeout: float = 10.0
 
 
 class OAuthError(Exception):

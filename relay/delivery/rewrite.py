@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from email.utils import formataddr, parseaddr
 
-from relay.delivery.routes import Rewrite
+from relay.config.routes import Rewrite
 from relay.spool.bodies import StoredBody
 
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from relay.mail.regex_guard import bounded, check_linear
+from relay.config.rules import ShapingRule, compile_pattern, parse_rule
+from relay.mail.regex_guard import bounded
 
 __all__ = [
     "DEFAULT_RULES",
@@ -370,67 +370,9 @@ class Adaptive:
 
 
 # ---------------------------------------------------------------------------
-# Shaping rules (reply-text automation)
+# Shaping rules (reply-text automation); the rule and its parser are config values
+# (relay/config/rules.py)
 # ---------------------------------------------------------------------------
-
-RuleAction = Literal["suspend", "throttle"]
-_ACTIONS: Final[tuple[RuleAction, ...]] = ("suspend", "throttle")
-_RULE_KEYS: Final = frozenset({"match", "action", "for"})
-
-
-@dataclass(frozen=True, slots=True)
-class ShapingRule:
-    """Reply-text rule: ``suspend`` the destination or ``throttle`` it for ``duration`` s."""
-
-    pattern: re.Pattern[str]
-    action: RuleAction
-    duration: float
-
-    def __post_init__(self) -> None:
-        if self.action not in _ACTIONS:
-            raise ValueError(f"action must be 'suspend' or 'throttle', got {self.action!r}")
-        if not (self.duration >= 0 and math.isfinite(self.duration)):
-            raise ValueError(f"duration must be >= 0 seconds, got {self.duration!r}")
-
-
-def _compile(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern, re.IGNORECASE | re.DOTALL)
-
-
-def parse_rule(mapping: Mapping[str, object]) -> ShapingRule:
-    """Build a rule from ``{"match": regex, "action": "suspend"|"throttle", "for": seconds}``.
-
-    ``for`` is required for ``suspend`` and defaults to 0 for ``throttle``.  The regex is
-    searched case-insensitively (``.`` also matches newlines of multi-line replies).
-    """
-    unknown = sorted(set(mapping) - _RULE_KEYS)
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} (allowed: action, for, match)")
-    match = mapping.get("match")
-    if not isinstance(match, str) or not match:
-        raise ValueError("'match' must be a non-empty regular expression string")
-    try:
-        check_linear(match)
-        pattern = _compile(match)
-    except re.error as exc:
-        raise ValueError(f"'match': invalid regular expression {match!r}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"'match': {exc}") from None
-    action = mapping.get("action")
-    if action == "suspend":
-        kind: RuleAction = "suspend"
-    elif action == "throttle":
-        kind = "throttle"
-    else:
-        raise ValueError(f"'action' must be 'suspend' or 'throttle', got {action!r}")
-    duration = mapping.get("for", None if kind == "suspend" else 0)
-    if duration is None:
-        raise ValueError("'for' (seconds) is required for action 'suspend'")
-    if isinstance(duration, bool) or not isinstance(duration, int | float):
-        raise ValueError(f"'for' must be a number of seconds, got {duration!r}")
-    if not (duration >= 0 and math.isfinite(duration)):
-        raise ValueError(f"'for' must be >= 0 seconds, got {duration!r}")
-    return ShapingRule(pattern=pattern, action=kind, duration=float(duration))
 
 
 def match_rules(rules: Iterable[ShapingRule], reply_text: str) -> ShapingRule | None:
@@ -444,15 +386,15 @@ def match_rules(rules: Iterable[ShapingRule], reply_text: str) -> ShapingRule | 
 DEFAULT_RULES: Final[tuple[ShapingRule, ...]] = (
     # Yahoo: "421 4.7.0 [TS04]/[TSS04] Messages from x temporarily deferred due to unexpected
     # volume or user complaints" -> stop for 2 hours; retrying sooner prolongs the deferral.
-    ShapingRule(_compile(r"\[TSS?04\]"), "suspend", 7200.0),
+    ShapingRule(compile_pattern(r"\[TSS?04\]"), "suspend", 7200.0),
     # Yahoo [TS01]-[TS03]: reputation/complaint deferrals -> slow down.
-    ShapingRule(_compile(r"\[TSS?0[1-3]\]"), "throttle", 300.0),
+    ShapingRule(compile_pattern(r"\[TSS?0[1-3]\]"), "throttle", 300.0),
     # Outlook/Hotmail 4.7.650: "temporarily rate limited due to IP reputation".
-    ShapingRule(_compile(r"\b4\.7\.650\b"), "throttle", 300.0),
+    ShapingRule(compile_pattern(r"\b4\.7\.650\b"), "throttle", 300.0),
     # Gmail 4.7.28: "unusual rate of unsolicited mail originating from your IP".
-    ShapingRule(_compile(r"\b4\.7\.28\b"), "throttle", 300.0),
+    ShapingRule(compile_pattern(r"\b4\.7\.28\b"), "throttle", 300.0),
     # Gmail and others: 4.7.0 replies that talk about the sending rate.
-    ShapingRule(_compile(r"\b4\.7\.0\b.*\brate\b"), "throttle", 300.0),
+    ShapingRule(compile_pattern(r"\b4\.7\.0\b.*\brate\b"), "throttle", 300.0),
 )
 """Conservative built-in rules, consulted after the operator's own rules."""
 

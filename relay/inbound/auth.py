@@ -17,26 +17,28 @@ Rules:
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import os
 from collections.abc import Mapping
-from pathlib import Path
+
+# the users file and the hash format are read with the config (relay/config/users.py)
+from relay.config.users import PREFIX as PREFIX
+from relay.config.users import UsersFileError as UsersFileError
+from relay.config.users import load_smtp_users, parse_smtp_users
+from relay.config.users import parse_hash as parse_hash
+
+load_users = load_smtp_users  # the users file: username:scrypt$<salt>$<hash> lines
+parse_users = parse_smtp_users
 
 SCRYPT_N = 2**14
 SCRYPT_R = 8
 SCRYPT_P = 1
 SALT_BYTES = 16
 HASH_BYTES = 32
-PREFIX = "scrypt"
 MAX_FAILURES = 3  # wrong passwords on one connection before `421 4.7.0` and close
 
 _MAXMEM = 64 * 1024 * 1024  # scrypt needs 128 * r * n = 16 MiB; OpenSSL's default is 32 MiB
-
-
-class UsersFileError(ValueError):
-    """A users file that cannot be used; the message never quotes the file's contents."""
 
 
 def _scrypt(password: bytes, salt: bytes, dklen: int) -> bytes:
@@ -56,21 +58,6 @@ def hash_password(password: str | bytes, salt: bytes | None = None) -> str:
     )
 
 
-def parse_hash(stored: str) -> tuple[bytes, bytes]:
-    """(salt, digest) of a stored hash; ValueError when it is not in our format."""
-    parts = stored.split("$")
-    if len(parts) != 3 or parts[0] != PREFIX:
-        raise ValueError("not a scrypt$<salt-b64>$<hash-b64> hash")
-    try:
-        salt = base64.b64decode(parts[1], validate=True)
-        digest = base64.b64decode(parts[2], validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("the salt or the hash is not valid base64") from None
-    if not salt or len(digest) < 16:
-        raise ValueError("the salt is empty or the hash is too short")
-    return salt, digest
-
-
 # A well-formed hash of a random password: unknown users cost one scrypt too.
 _DUMMY = (b"\x00" * SALT_BYTES, b"\x00" * HASH_BYTES)
 
@@ -87,38 +74,6 @@ def verify_password(password: str | bytes, stored: str | None) -> bool:
         ok = False
     candidate = _scrypt(pw, salt, len(digest))
     return hmac.compare_digest(candidate, digest) and ok
-
-
-def parse_users(text: str) -> dict[str, str]:
-    """username -> stored hash, from a users file's text."""
-    users: dict[str, str] = {}
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        # the hash never contains ":" (base64 and "$"), so the username may
-        name, sep, stored = line.rpartition(":")
-        name = name.strip()
-        if not sep or not name:
-            raise UsersFileError(f"line {n}: expected username:scrypt$<salt>$<hash>")
-        try:
-            parse_hash(stored.strip())
-        except ValueError as e:
-            raise UsersFileError(f"line {n}: {e} (make one with `relay auth hash`)") from None
-        if name in users:
-            raise UsersFileError(f"line {n}: user listed twice")
-        users[name] = stored.strip()
-    return users
-
-
-def load_users(path: Path) -> dict[str, str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsersFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise UsersFileError(f"{path} is not UTF-8 text") from None
-    return parse_users(text)
 
 
 def check(users: Mapping[str, str], login: bytes, password: bytes) -> str | None:

@@ -75,6 +75,15 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Final, TextIO, TypeAlias
 
+from relay.config.redact import (
+    URL_RE,
+    redact_url,
+    redact_urls,
+    redact_webhook_url,
+    replace_secrets,
+    secret_pairs,
+)
+
 __all__ = [
     "EVENTS",
     "REDACTED",
@@ -177,77 +186,16 @@ _ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | 
 
 # --------------------------------------------------------------------------- secrets
 
-MASK: Final = "***"
-
-# A URL inside free text: a scheme, "://", then everything up to white space or a quote or
-# bracket. The lookbehind starts a match only at the beginning of a run of scheme characters,
-# so a long run without "://" is scanned once (linear time).
-_URL_RE: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
+# MASK, URL_RE, redact_url, redact_webhook_url and the secret pairs' rules:
+# relay/config/redact.py (the config's secrets print by the same rules)
+_URL_RE: Final = URL_RE
 
 # Literal secrets read from the config (passwords, tokens, webhook URLs and their paths), with
 # what replaces each one; longest first so a secret that contains another goes whole.
 _secrets: tuple[tuple[str, str], ...] = ()
-_MIN_SECRET: Final = 6  # shorter values would blank out ordinary words in log lines
 # Fields whose URL is printed whole, for the operator to open: Amazon SNS's SubscribeURL
 # (relay/feedback/service.py), whose token confirms that one subscription and nothing else.
 _WHOLE_URL_KEYS: Final = frozenset({"subscribe_url"})
-
-
-def _userinfo_host(netloc: str, keep_user: bool) -> tuple[str, str]:
-    """(redacted userinfo with its "@", host[:port]) of a URL's netloc."""
-    userinfo, at, host = netloc.rpartition("@")
-    if not at:
-        return "", netloc
-    user, colon, _password = userinfo.partition(":")
-    if not keep_user:
-        return f"{MASK}@", host
-    return (f"{user}:{MASK}@" if colon else f"{user}@"), host
-
-
-def redact_url(url: str) -> str:
-    """A URL fit to print: the password of its userinfo (``user:***@``), every query value
-    (``?token=***``) and the fragment replaced; scheme, host, port and path kept. The
-    general rule for URLs in logs and error messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = len(rest)
-    for c in "/?#":
-        i = rest.find(c)
-        if i != -1:
-            end = min(end, i)
-    userinfo, host = _userinfo_host(rest[:end], keep_user=True)
-    tail = rest[end:]
-    path, q, query = tail.partition("?")
-    frag = ""
-    if not q:
-        path, h, _f = path.partition("#")
-        frag = f"#{MASK}" if h else ""
-    else:
-        query, h, _f = query.partition("#")
-        frag = f"#{MASK}" if h else ""
-        items = []
-        for item in query.split("&"):
-            name, eq, _v = item.partition("=")
-            items.append(f"{name}={MASK}" if eq else (MASK if item else ""))
-        path += "?" + "&".join(items)
-    return f"{scheme}://{userinfo}{host}{path}{frag}"
-
-
-def redact_webhook_url(url: str) -> str:
-    """A webhook URL fit to print: scheme and host[:port] only, anything after it ``/***``.
-    Slack, Teams and Google Chat put the secret in the path itself
-    (hooks.slack.com/services/T/B/XXX), so no part of the path or query is shown."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return MASK
-    end = len(rest)
-    for c in "/?#":
-        i = rest.find(c)
-        if i != -1:
-            end = min(end, i)
-    userinfo, host = _userinfo_host(rest[:end], keep_user=False)
-    return f"{scheme}://{userinfo}{host}" + (f"/{MASK}" if rest[end:].strip("/") else "")
 
 
 def set_secrets(secrets: Mapping[str, str]) -> None:
@@ -255,24 +203,17 @@ def set_secrets(secrets: Mapping[str, str]) -> None:
     the formatter renders has them replaced, even with ``unmask``. Called at start and at
     each reload; replaces the previous set."""
     global _secrets
-    pairs = {k: v for k, v in secrets.items() if len(k) >= _MIN_SECRET}
-    _secrets = tuple(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
+    _secrets = secret_pairs(secrets)
 
 
 def _replace_secrets(text: str) -> str:
-    for secret, shown in _secrets:
-        if secret in text:
-            text = text.replace(secret, shown)
-    return text
+    return replace_secrets(text, _secrets)
 
 
 def redact_text(text: str) -> str:
     """Free text fit to print: registered secrets replaced, then every URL in it through
     :func:`redact_url`. For log lines, error messages and alert texts."""
-    text = _replace_secrets(text)
-    if "://" not in text:
-        return text
-    return _URL_RE.sub(lambda m: redact_url(m.group(0)), text)
+    return redact_urls(_replace_secrets(text))
 
 
 def _redact_tree(value: object) -> object:

@@ -21,7 +21,7 @@ Rules:
   of the batch and their callers answer 4xx. A connection the server dropped is replaced at
   the next BEGIN (the batch in flight fails; the next one runs on a new connection).
 - The password comes from `spool.password_file` (read here, never logged) or from libpq's
-  own mechanisms in the DSN (PGPASSWORD, ~/.pgpass, the URL); relay/config/pgdsn.py `redact`
+  own mechanisms in the DSN (PGPASSWORD, ~/.pgpass, the URL); relay/config/redact.py `redact_dsn`
   hides a password written into the URL wherever a DSN is shown.
 - Driver: psycopg 3 (sync). The writer is a thread that runs a batch of jobs per
   transaction, so a synchronous driver in that thread is the natural fit (asyncpg would
@@ -42,6 +42,8 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
+from relay.config.redact import dsn_passwords as dsn_passwords  # the spool's callers use them
+from relay.config.redact import redact_dsn
 from relay.spool.schema import MIGRATIONS, statements
 
 DIALECT = "postgresql"
@@ -121,6 +123,9 @@ def ddl(stmt: str) -> str:
     for pattern, repl in _TYPE_MAP:
         stmt = pattern.sub(repl, stmt)
     return stmt
+
+
+redact = redact_dsn  # the DSN with its password hidden (relay/config/redact.py)
 
 
 def _wrap(e: psycopg.Error) -> sqlite3.Error:

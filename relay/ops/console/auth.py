@@ -25,25 +25,30 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.inbound.auth import hash_password, parse_hash, verify_password
+from relay.config.users import (  # the users file is read with the config
+    ROLES,
+    User,
+    UsersFileError,
+    valid_name,
+)
+from relay.config.users import load_console_users as load_users
+from relay.config.users import parse_console_users as parse_users
+from relay.inbound.auth import hash_password, verify_password
 
-ROLES = ("viewer", "operator")
 SESSION_TTL = 12 * 3600.0
 KEY_FILE = "console.key"
 COOKIE = "relay_console"
 
-__all__ = ["hash_password", "verify_password"]
-
-
-class UsersFileError(ValueError):
-    """A users file that cannot be used; the message never quotes the file's contents."""
-
-
-@dataclass(frozen=True, slots=True)
-class User:
-    name: str
-    role: str
-    hash: str
+__all__ = [
+    "ROLES",
+    "User",
+    "UsersFileError",
+    "hash_password",
+    "load_users",
+    "parse_users",
+    "valid_name",
+    "verify_password",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +63,6 @@ class Session:
         return self.role == "operator"
 
 
-def valid_name(name: str) -> bool:
-    return (
-        bool(name)
-        and len(name) <= 64
-        and name == name.strip()
-        and not name.startswith("#")
-        and all(c.isprintable() and c not in ":\r\n\0" for c in name)
-    )
-
-
 def user_line(name: str, role: str, password: str) -> str:
     """One users-file line: `name:role:scrypt$...`."""
     if not valid_name(name):
@@ -77,38 +72,6 @@ def user_line(name: str, role: str, password: str) -> str:
     if not password:
         raise ValueError("empty password")
     return f"{name}:{role}:{hash_password(password)}"
-
-
-def parse_users(text: str) -> dict[str, User]:
-    users: dict[str, User] = {}
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(":")
-        if len(parts) != 3 or not valid_name(parts[0]):
-            raise UsersFileError(f"line {n}: expected name:role:scrypt$<salt>$<hash>")
-        name, role, stored = parts
-        if role not in ROLES:
-            raise UsersFileError(f"line {n}: the role is not one of {', '.join(ROLES)}")
-        try:
-            parse_hash(stored)
-        except ValueError as e:
-            raise UsersFileError(f"line {n}: {e} (make one with `relay admin passwd`)") from None
-        if name in users:
-            raise UsersFileError(f"line {n}: user listed twice")
-        users[name] = User(name, role, stored)
-    return users
-
-
-def load_users(path: Path) -> dict[str, User]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsersFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise UsersFileError(f"{path} is not UTF-8 text") from None
-    return parse_users(text)
 
 
 def check_login(users: dict[str, User], name: str, password: str) -> User | None:
