@@ -23,7 +23,7 @@ from relay.config.tree import (
     parse_size,
 )
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "relay.yaml"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "relay.yaml"
 PARSERS = (parse_duration, parse_size, parse_rate, parse_percent)
 
 

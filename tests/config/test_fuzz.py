@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from relay.cli import main as cli
 from relay.config.tree import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 USERS = "app:scrypt$gxCvyfN76ozocWt3m6lrIQ==$c5iurdD0ND6MtbfKn5rYCC00je4UT9t70rklWXReTaU=\n"
 
 

@@ -18,7 +18,7 @@ import yaml
 from relay.config.tree import ConfigError, from_mapping, json_schema
 from relay.config.values import duration, percent, rate, size
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "relay.yaml"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "relay.yaml"
 SCHEMA = json_schema()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 

@@ -1,7 +1,7 @@
 """Tests an audit found missing (issue 26, "Tests that an audit found missing"): each pins a
 line whose one-line break survived the suite before. In process, with real parts (SQLite
 spool and its writer, a real HTTP receiver, real files); the daemon-level ones are in
-tests/test_audit_gaps_e2e.py. tests/MUTANTS.md lists which test pins which gap.
+tests/e2e/test_audit_gaps_e2e.py. tests/MUTANTS.md lists which test pins which gap.
 
 - alerts: a webhook answering 401/404 leaves the alert pending with its error and retries
   it; only 2xx marks it sent; after a restart a refused alert goes out at once;

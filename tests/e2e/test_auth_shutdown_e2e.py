@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_inbound_hardening_e2e import WRONG, Raw, alice_hash, daemon, plain
+from tests.e2e.test_inbound_hardening_e2e import WRONG, Raw, alice_hash, daemon, plain
 
 __all__ = ["alice_hash"]  # the module-scoped fixture, for this module too
 

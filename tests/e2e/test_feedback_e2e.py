@@ -3,7 +3,7 @@ answers like Postfix (`queued as <id>`), provider webhooks posted over real HTTP
 complaint reports mailed over SMTP to the feedback address, VERP, and Idempotency-Key.
 
 Payloads are shaped after each provider's documented examples (see the parsers' tests in
-tests/test_feedback_providers.py for the references); the daemon is shared by the module
+tests/feedback/test_providers.py for the references); the daemon is shared by the module
 and every test uses its own addresses."""
 
 from __future__ import annotations
@@ -570,7 +570,7 @@ def test_check_config_warns_when_dedup_window_is_shorter_than_max_age(world: Wor
     path.write_text(yaml.safe_dump(cfg))
     res = r.cli("check-config")
     # the module's SES endpoint takes unsigned test payloads: its warning is the only one
-    # (tests/test_feedback_sns.py has SNS signatures on)
+    # (tests/feedback/test_sns.py has SNS signatures on)
     warnings = [ln for ln in res.stderr.splitlines() if "warning" in ln]
     assert len(warnings) == 1 and "ses: verify_signatures is off" in warnings[0], res.stderr
     res = subprocess.run(

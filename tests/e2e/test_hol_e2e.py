@@ -9,7 +9,7 @@ import pytest
 
 from tests.dnsserver import DnsServer
 from tests.harness import make_message, smtp_session
-from tests.test_mx_e2e import common_port, mx_config
+from tests.e2e.test_mx_e2e import common_port, mx_config
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.harness import RelayProcess, Upstream, make_message, send
-from tests.test_delivery_e2e import SENDER, fast, wait_state
+from tests.e2e.test_delivery_e2e import SENDER, fast, wait_state
 
 pytestmark = pytest.mark.slow
 

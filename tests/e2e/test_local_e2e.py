@@ -12,7 +12,7 @@ import pytest
 
 from relay.config.tree import ConfigError, Local, from_mapping, parse_aliases
 from tests.harness import RelayProcess, Upstream
-from tests.test_sendmail import parsed, sendmail
+from tests.e2e.test_sendmail_e2e import parsed, sendmail
 
 CRON_MAIL = (
     b"From: root (Cron Daemon)\nTo: root\nSubject: Cron <root@host> run-parts"

@@ -31,7 +31,7 @@ from relay.ops.metrics import Metrics
 from relay.spool import db, ops
 from relay.spool.writer import SpoolWriter
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_feedback_apply import T0, ev, queue, run, state
+from tests.feedback.test_apply import T0, ev, queue, run, state
 
 BOUNCES = "bounces@relay.test"
 T = TypeVar("T")
@@ -291,7 +291,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
 
 
 def deliver(w: World, qid: str, rcpts: list[str], mid: str) -> dict[str, int]:
-    c = db.connect(w.spool)  # a second connection, as the CLI's (tests.test_feedback_apply.queue)
+    c = db.connect(w.spool)  # a second connection, as the CLI's (tests.feedback.test_apply.queue)
     try:
         return queue(c, qid, rcpts, mid=mid, delivered={r: qid for r in rcpts})
     finally:

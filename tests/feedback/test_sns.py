@@ -36,7 +36,7 @@ from tests.harness import (
     smarthost_config,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 UTC = dt.UTC
 
 

@@ -23,14 +23,14 @@ from relay.ops import health
 from relay.ops.metrics import Metrics
 from relay.spool import db, reserve
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_inbound_mutants_accept import (
+from tests.inbound.test_handler_accept import (
     BOUNCES,
     FEEDBACK_OK,
     NOT_A_REPORT,
     UNSUB,
     Start,
 )
-from tests.test_inbound_mutants_accept import start as start  # a fixture, re-exported
+from tests.inbound.test_handler_accept import start as start  # a fixture, re-exported
 
 # --- storage (both backends) ----------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from relay.ops.metrics import Metrics
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge
-from tests.test_inbound_inprocess import (
+from tests.inbound.test_inprocess import (
     MSG,
     QUEUED,
     WAIT,
@@ -43,7 +43,7 @@ from tests.test_inbound_inprocess import (
     serve,
     shut_down,
 )
-from tests.test_inbound_mutants_accept import handler_with_feedback
+from tests.inbound.test_handler_accept import handler_with_feedback
 
 LISTENER = "127.0.0.1:2525"
 BOUNCES = "bounces@relay.test"
@@ -85,7 +85,7 @@ Start = Callable[..., Awaitable[Relay]]
 
 @pytest.fixture
 async def start(tmp_path: Path, ca: trustme.CA) -> AsyncIterator[Start]:
-    """As tests/test_inbound_inprocess.py's, plus: the listener's TLS (a trustme certificate;
+    """As tests/inbound/test_inprocess.py's, plus: the listener's TLS (a trustme certificate;
     `tls="implicit"` serves TLS from the first byte as relay/inbound/processes.py does), AUTH with
     a users file (alice:right), a FeedbackService, and a Metrics for the stats."""
     made: list[tuple[Relay, asyncio.AbstractServer]] = []

@@ -26,7 +26,7 @@ from relay.ops import faults
 from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge
-from tests.test_inbound_inprocess import (
+from tests.inbound.test_inprocess import (
     FULL,
     MSG,
     QUEUED,
@@ -90,7 +90,7 @@ Start = Callable[..., Awaitable[Relay]]
 
 @pytest.fixture
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
-    """As tests/test_inbound_inprocess.py's, with an optional FeedbackService (the daemon's
+    """As tests/inbound/test_inprocess.py's, with an optional FeedbackService (the daemon's
     wiring: relay/daemon.py) and the feedback and unsubscribe addresses configured."""
     made: list[tuple[Relay, asyncio.AbstractServer]] = []
 

@@ -26,7 +26,7 @@ from relay.inbound.tls_listener import implicit_context
 from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge
-from tests.test_inbound_inprocess import (
+from tests.inbound.test_inprocess import (
     QUEUED,
     WAIT,
     Client,
@@ -52,7 +52,7 @@ Start = Callable[..., Awaitable[Started]]
 
 @pytest.fixture
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
-    """As tests/test_inbound_inprocess.py's, with real Metrics under the stats and the guard
+    """As tests/inbound/test_inprocess.py's, with real Metrics under the stats and the guard
     (relay_sessions_closed_total), an optional gate, and an implicit-TLS listener served with
     the daemon's context (relay/inbound/tls_listener.py) when the listener has TLS. `sndbuf`: a
     small kernel send buffer for the connections, so that replies a client does not read

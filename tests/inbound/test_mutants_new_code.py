@@ -23,7 +23,7 @@ from relay.authenticity.dkim import RelaxedBodyHash
 from relay.feedback import sns
 from relay.feedback.providers import SignatureError
 from relay.inbound.dataflow import DataParser, DataState, Feed
-from tests.test_feedback_sns import CertServer, Signer, serving
+from tests.feedback.test_sns import CertServer, Signer, serving
 
 # --- relay/inbound/dataflow.py --------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import pytest
 from relay.inbound import InboundStats
 from relay.ops.metrics import Metrics
 from tests.harness import RelayProcess, Upstream, make_message, send
-from tests.test_inbound_inprocess import QUEUED, Start, message
-from tests.test_inbound_inprocess import start as start  # a fixture, re-exported
+from tests.inbound.test_inprocess import QUEUED, Start, message
+from tests.inbound.test_inprocess import start as start  # a fixture, re-exported
 
 DUPLICATE = "250 2.0.0 Ok: already queued (duplicate suppressed)"
 

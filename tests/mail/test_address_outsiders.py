@@ -11,7 +11,7 @@ import time
 import pytest
 
 from relay.mail.address import AddressError, check_mailbox, parse_path
-from tests.test_inbound_inprocess import MSG, QUEUED, Start, message, start  # noqa: F401
+from tests.inbound.test_inprocess import MSG, QUEUED, Start, message, start  # noqa: F401
 
 UNSEEN = [
     "\u202e",  # RIGHT-TO-LEFT OVERRIDE

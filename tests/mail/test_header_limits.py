@@ -25,9 +25,9 @@ from relay.inbound.dataflow import DataParser, DataState
 from relay.mail import addrlist
 from relay.mail.message import parse_headers, qualify_headers, split_message
 from relay.spool import dedup
-from tests.test_config import BASE
-from tests.test_inbound_inprocess import MSG, QUEUED, message
-from tests.test_inbound_mutants_accept import (
+from tests.config.test_tree import BASE
+from tests.inbound.test_inprocess import MSG, QUEUED, message
+from tests.inbound.test_handler_accept import (
     BOUNCES,
     FEEDBACK_OK,
     UNSUB,
@@ -35,7 +35,7 @@ from tests.test_inbound_mutants_accept import (
     feedback_rows,
     split_trace,
 )
-from tests.test_inbound_mutants_accept import start as _start
+from tests.inbound.test_handler_accept import start as _start
 
 start = _start  # the fixture: an in-process listener, with an optional FeedbackService
 

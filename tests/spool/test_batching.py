@@ -529,7 +529,7 @@ def test_the_outbox_write_back_looks_at_touched_rows_and_at_all_every_full_pass(
     only the one the engine touched; the next full pass (FULL_PASS later) the other."""
     from relay.config.tree import load_config
     from relay.spool import outbox
-    from tests.test_outbox import MESSAGE, insert, outbox_rows
+    from tests.spool.test_outbox import MESSAGE, insert, outbox_rows
 
     path = tmp_path / "relay.yaml"
     path.write_text(

@@ -14,7 +14,7 @@ import pytest
 
 from relay.spool import ops
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_spool_mutation_ops import put, run
+from tests.spool.test_ops import put, run
 
 T0 = 1_700_000_000.0
 INF = float("-inf")

@@ -19,7 +19,7 @@ from relay.delivery import engine
 from relay.spool import db, ops, pg
 from relay.spool.model import RcptState
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_spool_mutation_ops import put, rcpt, run
+from tests.spool.test_ops import put, rcpt, run
 
 T0 = 1_700_000_000.0
 
@@ -139,7 +139,7 @@ def test_nodes_claim_disjoint_recipients_without_waiting(
 def test_one_dedup_key_is_taken_by_one_node(two: tuple[pg.PgConnection, pg.PgConnection]) -> None:
     """Two nodes accept the same message at once: one queues it, the other reports a
     duplicate (its INSERT waits at the unique key until the first commits)."""
-    from tests.test_spool import new_message
+    from tests.spool.test_spool import new_message
 
     a, b = two
     ca, cb = cast(sqlite3.Connection, a), cast(sqlite3.Connection, b)
@@ -167,7 +167,7 @@ def test_one_dedup_key_is_taken_by_one_node(two: tuple[pg.PgConnection, pg.PgCon
 def test_a_rolled_back_key_is_free_for_the_other_node(
     two: tuple[pg.PgConnection, pg.PgConnection],
 ) -> None:
-    from tests.test_spool import new_message
+    from tests.spool.test_spool import new_message
 
     a, b = two
     ca, cb = cast(sqlite3.Connection, a), cast(sqlite3.Connection, b)

@@ -19,8 +19,8 @@ import pytest
 from relay.spool import bodies, dedup, incoming, ops
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
-from tests.test_spool_mutation_incoming import fed
-from tests.test_spool_mutation_ops import T0, put, rcpt, run, spool_message
+from tests.spool.test_incoming import fed
+from tests.spool.test_ops import T0, put, rcpt, run, spool_message
 
 HOST = "relay.test"
 

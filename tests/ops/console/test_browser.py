@@ -2,7 +2,7 @@
 and one daemon for the module): log in; a held message seen in the queue view and released
 from the console, then the CLI agrees; a chart draws points for mail just sent; a viewer
 cannot act; a wrong password is slowed. (The CSRF refusal is plain HTTP:
-tests/test_console_routes.py.)"""
+tests/ops/console/test_routes.py.)"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from relay.ops.console.app import Console
 from relay.ops.metrics import Metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "contrib" / "prometheus" / "relay-alerts.yml"
 DASHBOARD = ROOT / "contrib" / "grafana" / "relay-dashboard.json"
 
