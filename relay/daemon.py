@@ -53,8 +53,9 @@ from relay.delivery import smtpclient_adapter, views
 from relay.delivery.dsn import queue_dsn
 from relay.delivery.engine import Engine
 from relay.feedback.service import FeedbackService
-from relay.inbound import InboundHandler, InboundStats, Suppressions, fdlimit
+from relay.inbound import fdlimit
 from relay.inbound.guard import InboundGuard
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
 from relay.ops import alerts, faults, health
 from relay.ops.admin import AdminServer

@@ -1,40 +1,9 @@
-"""Inbound SMTP (our SMTP server): the accept step's decisions in `handler`, the sans-I/O
-protocol core in `core`, the asyncio transport in `transport`.
+"""Inbound SMTP: our SMTP server and everything it decides.
 
-The names the rest of the code (and the tests) import from `relay.inbound` are re-exported
-here, so `relay.inbound` reads as it did when it was one module.
+The sans-I/O protocol core (`core`), the asyncio transport (`transport`), the session
+state (`session`), the accept step's decisions (`handler`), DATA as it arrives (`dataflow`,
+`longlines`), AUTH (`auth`, `auth_mechanisms`), the per-IP and per-connection limits
+(`anvil`, `guard`, `session_limits`, `session_watch`, `fdlimit`), implicit TLS
+(`tls_listener`) and the inbound processes (`processes`). Import from the modules; this
+package file imports nothing, so importing one of them never loads the rest.
 """
-
-from relay.inbound.core import _HAS_ENHANCED, NON_ASCII, with_enhanced
-from relay.inbound.handler import (
-    IDEMPOTENCY_KEY,
-    InboundHandler,
-    InboundStats,
-    RelaySMTP,
-    Suppressions,
-    _head_of,
-    _printable,
-    _storable,
-    _strip_keyword,
-    _utf8,
-    _valid_domain,
-    _with_protocol,
-)
-
-__all__ = [
-    "IDEMPOTENCY_KEY",
-    "NON_ASCII",
-    "_HAS_ENHANCED",
-    "InboundHandler",
-    "InboundStats",
-    "RelaySMTP",
-    "Suppressions",
-    "_head_of",
-    "_printable",
-    "_storable",
-    "_strip_keyword",
-    "_utf8",
-    "_valid_domain",
-    "_with_protocol",
-    "with_enhanced",
-]

@@ -34,7 +34,7 @@ from relay.ops.logs import log_event
 
 if TYPE_CHECKING:
     from relay.config.tree import Config
-    from relay.inbound import InboundStats
+    from relay.inbound.handler import InboundStats
     from relay.inbound.transport import InboundProtocol as SMTP
 
 log = logging.getLogger(__name__)

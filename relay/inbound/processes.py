@@ -32,8 +32,8 @@ from typing import Any
 
 from relay.config.tree import Config, ConfigError, load_config
 from relay.feedback.service import FeedbackService
-from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound.guard import InboundGuard
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.tls_listener import implicit_context
 from relay.ops import alerts, faults
 from relay.ops.logs import log_event, reconfigure

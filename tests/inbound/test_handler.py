@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import trustme
 
-from relay import inbound
 from relay.config.tree import from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions, auth
+from relay.inbound import auth, core
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.tls_listener import implicit_context
 from relay.ops import faults
@@ -201,10 +201,10 @@ def session_from(peer: Any) -> Any:
 
 def test_a_bare_status_code_gets_its_enhanced_status() -> None:
     # four characters, the space included: a reply with an empty text is still a reply
-    assert inbound.with_enhanced("250 ") == "250 2.0.0 "
-    assert inbound.with_enhanced("452 ") == "452 4.3.1 "
-    assert inbound.with_enhanced("250") == "250"  # no text separator: left alone
-    assert inbound.with_enhanced("250 Ok") == "250 2.0.0 Ok"
+    assert core.with_enhanced("250 ") == "250 2.0.0 "
+    assert core.with_enhanced("452 ") == "452 4.3.1 "
+    assert core.with_enhanced("250") == "250"  # no text separator: left alone
+    assert core.with_enhanced("250 Ok") == "250 2.0.0 Ok"
 
 
 # --- the protocol each listener gets ------------------------------------------------------------

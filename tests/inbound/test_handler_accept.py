@@ -19,8 +19,8 @@ import pytest
 from relay.authenticity import unsubscribe
 from relay.config.tree import Config, from_mapping
 from relay.feedback.service import FeedbackService
-from relay.inbound import InboundHandler, InboundStats, Suppressions
 from relay.inbound import handler as inbound
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.mail.message import rfc5322_date
 from relay.ops import faults
 from relay.ops.metrics import Metrics

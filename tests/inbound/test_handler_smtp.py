@@ -21,7 +21,8 @@ import pytest
 import trustme
 
 from relay.config.tree import from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions, auth
+from relay.inbound import auth
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.tls_listener import implicit_context
 from relay.ops.metrics import Metrics
 from relay.spool.writer import SpoolWriter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.inbound import with_enhanced
+from relay.inbound.core import with_enhanced
 
 
 @pytest.mark.parametrize(

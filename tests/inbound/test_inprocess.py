@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from relay import inbound
 from relay.config.tree import Config, from_mapping
-from relay.inbound import InboundHandler, InboundStats, Suppressions
+from relay.inbound import handler as inbound
+from relay.inbound.handler import InboundHandler, InboundStats, Suppressions
 from relay.inbound.session import Envelope, Session
 from relay.ops import faults
 from relay.spool import db, ops

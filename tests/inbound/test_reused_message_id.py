@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from relay.inbound import InboundStats
+from relay.inbound.handler import InboundStats
 from relay.ops.metrics import Metrics
 from tests.harness import RelayProcess, Upstream, make_message, send
 from tests.inbound.test_inprocess import QUEUED, Start, message

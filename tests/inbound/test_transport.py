@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from relay.config.tree import from_mapping
-from relay.inbound import InboundHandler, Suppressions
 from relay.inbound.core import State
+from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.transport import InboundProtocol
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from relay import inbound
 from relay.authenticity import mtasts, unsubscribe
 from relay.delivery import dsn, replies, upstream_ids
 from relay.delivery.lanes import parse_lane_rules
 from relay.delivery.shaping import parse_rule
 from relay.feedback import bounces, providers
+from relay.inbound import core
 from relay.mail import message
 from relay.mail.regex_guard import MAX_SUBJECT, bounded, check_linear
 from relay.ops import logs
@@ -31,7 +31,7 @@ PATTERNS: dict[str, re.Pattern[str] | re.Pattern[bytes]] = {
     "replies._THROTTLE_TEXT_RE": replies._THROTTLE_TEXT_RE,
     "dsn._ENHANCED": dsn._ENHANCED,
     "message._BARE": message._BARE,
-    "inbound._HAS_ENHANCED": inbound._HAS_ENHANCED,
+    "inbound._HAS_ENHANCED": core._HAS_ENHANCED,
     # feedback from outside: bounce texts, upstream replies, unsubscribe subjects
     **{f"feedback.bounces.{k}": v for k, v in bounces.PATTERNS.items()},
     "feedback.bounces._BOUNDARY_PARAM": bounces._BOUNDARY_PARAM,

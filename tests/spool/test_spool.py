@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from relay.config.tree import from_mapping
-from relay.inbound import InboundHandler, Suppressions
+from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.session import Envelope, Session
 from relay.spool import bodies, db, dedup, ops
 from relay.spool.incoming import IncomingBody
