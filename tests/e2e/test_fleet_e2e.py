@@ -313,7 +313,8 @@ def test_a_second_daemon_on_one_sqlite_spool_refuses_to_start(relay: RelayFactor
 
 
 # the contract's "within 2 seconds" for operator changes; a loaded 2-core machine needs this
-# much more for the CLI process start and the daemons' scheduling (as tests/e2e/test_promises_e2e.py)
+# much more for the CLI process start and the daemons' scheduling (as
+# tests/e2e/test_promises_e2e.py)
 MARGIN = 1.5
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from tests.dnsserver import DnsServer
-from tests.harness import make_message, smtp_session
 from tests.e2e.test_mx_e2e import common_port, mx_config
+from tests.harness import make_message, smtp_session
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.harness import RelayProcess, Upstream, make_message, send
 from tests.e2e.test_delivery_e2e import SENDER, fast, wait_state
+from tests.harness import RelayProcess, Upstream, make_message, send
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from relay.config.tree import ConfigError, Local, from_mapping, parse_aliases
-from tests.harness import RelayProcess, Upstream
 from tests.e2e.test_sendmail_e2e import parsed, sendmail
+from tests.harness import RelayProcess, Upstream
 
 CRON_MAIL = (
     b"From: root (Cron Daemon)\nTo: root\nSubject: Cron <root@host> run-parts"

@@ -30,8 +30,8 @@ from relay.feedback.service import FeedbackService
 from relay.ops.metrics import Metrics
 from relay.spool import db, ops
 from relay.spool.writer import SpoolWriter
-from tests.pgserver import BACKENDS, open_backend
 from tests.feedback.test_apply import T0, ev, queue, run, state
+from tests.pgserver import BACKENDS, open_backend
 
 BOUNCES = "bounces@relay.test"
 T = TypeVar("T")

@@ -22,7 +22,6 @@ from relay.inbound import anvil
 from relay.ops import health
 from relay.ops.metrics import Metrics
 from relay.spool import db, reserve
-from tests.pgserver import BACKENDS, open_backend
 from tests.inbound.test_handler_accept import (
     BOUNCES,
     FEEDBACK_OK,
@@ -31,6 +30,7 @@ from tests.inbound.test_handler_accept import (
     Start,
 )
 from tests.inbound.test_handler_accept import start as start  # a fixture, re-exported
+from tests.pgserver import BACKENDS, open_backend
 
 # --- storage (both backends) ----------------------------------------------------------------
 

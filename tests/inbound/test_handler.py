@@ -33,6 +33,7 @@ from relay.ops.metrics import Metrics
 from relay.spool.incoming import IncomingBody
 from relay.spool.writer import SpoolWriter
 from tests.harness import deep_merge
+from tests.inbound.test_handler_accept import handler_with_feedback
 from tests.inbound.test_inprocess import (
     MSG,
     QUEUED,
@@ -43,7 +44,6 @@ from tests.inbound.test_inprocess import (
     serve,
     shut_down,
 )
-from tests.inbound.test_handler_accept import handler_with_feedback
 
 LISTENER = "127.0.0.1:2525"
 BOUNCES = "bounces@relay.test"

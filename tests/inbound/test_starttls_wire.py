@@ -7,8 +7,8 @@ import asyncio
 
 import trustme
 
-from tests.inbound.test_inprocess import WAIT, Client
 from tests.inbound.test_handler import Start, client_context, start
+from tests.inbound.test_inprocess import WAIT, Client
 
 __all__ = ["start"]  # the fixture
 

@@ -26,7 +26,6 @@ from relay.mail import addrlist
 from relay.mail.message import parse_headers, qualify_headers, split_message
 from relay.spool import dedup
 from tests.config.test_tree import BASE
-from tests.inbound.test_inprocess import MSG, QUEUED, message
 from tests.inbound.test_handler_accept import (
     BOUNCES,
     FEEDBACK_OK,
@@ -36,6 +35,7 @@ from tests.inbound.test_handler_accept import (
     split_trace,
 )
 from tests.inbound.test_handler_accept import start as _start
+from tests.inbound.test_inprocess import MSG, QUEUED, message
 
 start = _start  # the fixture: an in-process listener, with an optional FeedbackService
 

@@ -22,8 +22,8 @@ from relay.spool import db, ops
 from relay.spool.model import RcptState
 from relay.spool.pg import PgConnection
 from tests.pgserver import BACKENDS, open_backend
-from tests.spool.test_spool_mutants_more import new_message
 from tests.spool.test_ops import T0, put, rcpt, run, set_rcpt
+from tests.spool.test_spool_mutants_more import new_message
 
 
 @pytest.fixture(params=BACKENDS)
