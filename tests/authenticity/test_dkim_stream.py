@@ -242,3 +242,25 @@ def test_rewrite_then_sign_a_stored_message_as_in_memory(tmp_path: Path) -> None
     got = asyncio.run(both(stored(tmp_path, message[:40], message[40:])))
     assert got == expected
     assert b"X-Original-From: " in got and got.startswith(b"DKIM-Signature: ")
+
+
+# What a mutation run of the then new code found unpinned (tests/MUTANTS.md, "New code, spot
+# check"; until issue 28 in tests/test_mutants_new_code.py).
+# --- relay/authenticity/dkim.py: RelaxedBodyHash --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"abc\x0c\r\n", b"abc\x0b\r\n", b"endsX\r\n", b"X\r\n\r\n", b"a\r\n\x0c\r\n"],
+)
+def test_only_space_and_tab_are_white_space(body: bytes) -> None:
+    h = RelaxedBodyHash()
+    h.update(body)
+    relaxed = dkim.canonicalization.Relaxed.canonicalize_body(body)
+    assert h.digest() == hashlib.sha256(relaxed).digest()
+
+
+def test_digest_twice_gives_the_same() -> None:
+    h = RelaxedBodyHash()
+    h.update(b"line\r\nno end")
+    assert h.digest() == h.digest()

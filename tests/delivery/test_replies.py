@@ -621,3 +621,115 @@ def test_classify_invariants(code: int, message: str, phase: Phase) -> None:
         assert reply.is_transient
     if code == 421:
         assert verdict.closes_connection
+
+
+# Edge cases the main tables did not pin down, each written against a surviving mutant
+# (tests/MUTANTS.md; until issue 28 in tests/test_mutants_core_more.py).
+# --- relay/delivery/replies.py --------------------------------------------------------------------
+
+
+def test_lone_surrogate_not_from_a_byte_becomes_replacement_characters() -> None:
+    # U+D800 cannot come from surrogateescape (which uses U+DC80-U+DCFF): it is encoded with
+    # surrogatepass (3 bytes) and each invalid byte decodes to U+FFFD.
+    assert Reply(550, None, "x\ud800 y").text == "x\ufffd\ufffd\ufffd y"
+
+
+def test_reply_code_bounds() -> None:
+    assert Reply(999, None, "odd").code == 999
+    with pytest.raises(ValueError, match="three digits"):
+        Reply(1000, None, "odd")
+
+
+def test_from_str_keeps_a_continuation_line_without_code() -> None:
+    assert Reply.from_str("550-5.1.1 a\nfoo bar") == Reply(550, "5.1.1", "a / foo bar")
+
+
+@pytest.mark.parametrize(("code", "enhanced"), [(400, "4.0.0"), (599, "5.0.0")])
+def test_synthetic_accepts_bounds(code: int, enhanced: str) -> None:
+    assert synthetic(code, enhanced, "t") == Reply(code, enhanced, "t")
+
+
+@pytest.mark.parametrize("code", [399, 600])
+def test_synthetic_refuses_outside_bounds(code: int) -> None:
+    with pytest.raises(ValueError, match=rf"^synthetic replies are 4xx or 5xx, got {code}$"):
+        synthetic(code, "5.0.0", "t")
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "phase", "outcome"),
+    [
+        # 5.2.1 mailbox disabled is about the address in every address phase.
+        (550, "5.2.1 account disabled", Phase.DOT, Outcome.BOUNCE),
+        (554, "5.2.1 account disabled", Phase.RCPT, Outcome.BOUNCE),
+        # 5.3.1 mail system full: not the address.
+        (550, "5.3.1 mail system full", Phase.RCPT, Outcome.FAIL),
+        # Not a mailbox code (550/551/553): not the address, whatever the enh.
+        (554, "5.0.0 transaction failed", Phase.RCPT, Outcome.FAIL),
+        # 5.2.2 mailbox full: a valid mailbox.
+        (550, "5.2.2 mailbox full", Phase.RCPT, Outcome.FAIL),
+        # 5.2.3 message too long for the mailbox.
+        (550, "5.2.3 message length exceeds limit", Phase.RCPT, Outcome.FAIL),
+        # 5.4.4 unable to route: keeps 550's meaning.
+        (550, "5.4.4 unable to route", Phase.RCPT, Outcome.BOUNCE),
+        # 5.6.1 media not supported: content.
+        (550, "5.6.1 media not supported", Phase.RCPT, Outcome.FAIL),
+    ],
+)
+def test_enhanced_codes_at_address_phases(
+    code: int, message: str, phase: Phase, outcome: Outcome
+) -> None:
+    assert classify(Reply.parse(code, message), phase).outcome is outcome
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "throttled"),
+    [
+        (450, "4.7.1 go away", True),  # 4.7.x policy, not a security detail
+        (450, "4.1.7 go away", False),  # subject 1, detail 7: not policy
+        (454, "4.7.5 go away", False),  # security detail (cryptographic failure)
+    ],
+)
+def test_throttled_by_enhanced_code_alone(code: int, message: str, throttled: bool) -> None:
+    assert classify(Reply.parse(code, message), Phase.RCPT).throttled is throttled
+
+
+# What the 2026-12-04 mutation run of retry/dedup/address/replies/regex_guard found unpinned
+# (tests/MUTANTS.md, "First set, fourth run"; until issue 28 in
+# tests/test_mutants_first_set.py): the exact texts of the errors an operator or a client
+# reads, the bytes every dedup key hashes (keys are stored in the spool, so a release that
+# hashed other bytes would let a resubmission after an upgrade through as new mail), text that
+# was not UTF-8 in the hashed parts, the Idempotency-Key limits, and the boundaries of the
+# command-character check of a path.
+# --- relay/delivery/replies.py --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "enhanced", "message"),
+    [
+        (99, None, "SMTP reply code must have three digits, got 99"),
+        (550, "5.1", "malformed enhanced status code '5.1'"),
+        (550, "4.1.1", "enhanced code 4.1.1 does not match 550"),
+    ],
+)
+def test_reply_construction_errors_say_what_is_wrong(
+    code: int, enhanced: str | None, message: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        Reply(code, enhanced, "text")
+    assert str(raised.value) == message
+
+
+def test_from_str_names_what_is_not_a_reply() -> None:
+    with pytest.raises(ValueError) as raised:
+        Reply.from_str("hello")
+    assert str(raised.value) == "not an SMTP reply: 'hello'"
+    with pytest.raises(ValueError) as raised:
+        synthetic(250, "2.0.0", "fine")
+    assert str(raised.value) == "synthetic replies are 4xx or 5xx, got 250"
+
+
+def test_a_continuation_line_with_only_the_code_adds_no_text() -> None:
+    # "250-first\r\n250": the last line carries the code alone; the text is "first", not
+    # "first / " plus a placeholder.
+    assert Reply.from_str("250-first\r\n250") == Reply(250, None, "first")
+    assert Reply.from_str("550-5.1.1 a\r\n550\r\n550 5.1.1 b") == Reply(550, "5.1.1", "a / b")

@@ -143,3 +143,31 @@ def test_min_delay_is_passed_through_by_next_attempt_at() -> None:
 
 def test_full_jitter_draws_from_zero() -> None:
     assert next_delay(1, [60.0], _Low(), min_delay=0.0) == 0.0
+
+
+# What the 2026-12-04 mutation run of retry/dedup/address/replies/regex_guard found unpinned
+# (tests/MUTANTS.md, "First set, fourth run"; until issue 28 in
+# tests/test_mutants_first_set.py): the exact texts of the errors an operator or a client
+# reads, the bytes every dedup key hashes (keys are stored in the spool, so a release that
+# hashed other bytes would let a resubmission after an upgrade through as new mail), text that
+# was not UTF-8 in the hashed parts, the Idempotency-Key limits, and the boundaries of the
+# command-character check of a path.
+# --- relay/delivery/retry.py: the texts `relay check-config` shows for a bad retry schedule -------
+
+
+@pytest.mark.parametrize(
+    ("failures", "schedule", "min_delay", "message"),
+    [
+        (1, [], 1.0, "retry schedule must contain at least one step"),
+        (1, [60, -1], 1.0, "retry schedule steps must be >= 0 seconds, got -1"),
+        (1, [60, float("nan")], 1.0, "retry schedule steps must be >= 0 seconds, got nan"),
+        (0, [60], 1.0, "failures must be >= 1, got 0"),
+        (1, [60], -0.5, "min_delay must be >= 0, got -0.5"),
+    ],
+)
+def test_retry_argument_errors_say_what_is_wrong(
+    failures: int, schedule: list[float], min_delay: float, message: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        next_delay(failures, schedule, random.Random(1), min_delay)
+    assert str(raised.value) == message

@@ -853,3 +853,153 @@ def test_decide_human(seconds: float, text: str) -> None:
 def test_route_description() -> None:
     assert routes.Route(0, ()).describe() == "mx"
     assert routes.Route(0, ("a", "b")).describe() == "a -> b"
+
+
+# Mutation-driven (tests/MUTANTS.md; until issue 28 in tests/test_mutants_delivery_core.py).
+# --- routes: match -----------------------------------------------------------------------------
+
+SMART = routes.UpstreamHost("smarthost", "smart.test", 587, "starttls")
+
+
+def no_secret(path: Path, key: str) -> str:
+    raise AssertionError(f"unexpected secret read {path} {key}")
+
+
+def parse(
+    ups: Any, rts: Any, mode: str = "smarthost", base: Path = Path("/"), rs: Any = no_secret
+) -> routes.Routing:
+    return routes.parse(ups, rts, mode=mode, smarthost=SMART, base=base, read_secret=rs)
+
+
+def test_sender_without_at_has_no_domain() -> None:
+    r = parse(None, [{"sender_domain": "corp.test", "via": "mx"}, {"via": ["smarthost"]}])
+    assert r.match(sender="corp.test", recipient="u@x.test", client="", listener=None).index == 1
+    assert r.match(sender="a@corp.test", recipient="u@x.test", client="", listener=None).index == 0
+
+
+def test_listener_client_is_no_auth_user() -> None:
+    r = parse(None, [{"auth_user": "ner:cron", "via": "mx"}, {"via": ["smarthost"]}])
+    got = r.match(sender="a@b.test", recipient="u@x.test", client="listener:cron", listener=None)
+    assert got.index == 1
+
+
+@pytest.mark.parametrize("name", ["efgh", "xxxx"])
+def test_user_client_is_on_no_listener(name: str) -> None:
+    r = parse(None, [{"listener": name, "via": "mx"}, {"via": ["smarthost"]}])
+    for client in ("user:abcdefgh", "user:crm"):
+        got = r.match(sender="a@b.test", recipient="u@x.test", client=client, listener=None)
+        assert got.index == 1
+
+
+def test_an_unmatched_auth_user_route_goes_on_to_the_next() -> None:
+    r = parse(
+        None,
+        [
+            {"auth_user": "crm", "via": "mx"},
+            {"sender_domain": "corp.test", "via": "mx"},
+            {"via": ["smarthost"]},
+        ],
+    )
+    got = r.match(sender="a@corp.test", recipient="u@x.test", client="user:other", listener=None)
+    assert got.index == 1
+
+
+# --- routes: parse -----------------------------------------------------------------------------
+
+
+def refused(ups: Any, rts: Any, **kw: Any) -> str:
+    with pytest.raises(routes.RouteConfigError) as e:
+        parse(ups, rts, **kw)
+    return str(e.value)
+
+
+def test_exact_refusals_of_parse() -> None:
+    assert refused(["a"], None) == "upstreams: expected a mapping of name -> upstream"
+    assert refused(None, []) == "routes: expected a non-empty list"
+    assert refused({"A!": {"host": "a"}}, None) == (
+        "upstreams.A!: an upstream name is lowercase letters, digits, '-' and '_'"
+        " (it names a destination too)"
+    )
+    assert refused({"a": "a.test"}, None) == "upstreams.a: expected a mapping"
+    assert refused({"a": {"host": "a", "password": "x"}}, None) == (
+        "upstreams.a.password: unknown key (secrets go in password_file)"
+    )
+    assert refused({"a": {"host": "a", "tls": "ssl"}}, None) == (
+        "upstreams.a.tls: 'ssl' is not one of none, opportunistic, starttls, implicit"
+    )
+    assert refused({"a": {"host": "a", "auth": "md5"}}, None) == (
+        "upstreams.a.auth: 'md5' is not one of auto, plain, login, xoauth2, oauthbearer"
+    )
+    oauth = {"host": "a", "auth": "xoauth2", "username": "u"}
+    assert refused(
+        {"a": {**oauth, "oauth": {"token_command": "x", "client_secret": "s"}}}, None
+    ) == ("upstreams.a.oauth.client_secret: unknown key (secrets go in *_file keys)")
+    assert refused(None, ["x"]) == "routes[0]: expected a mapping"
+    assert refused(None, [{"via": "mx", "to": "x"}]) == (
+        "routes[0].to: unknown key (conditions: sender, sender_domain, recipient_domain,"
+        " listener, auth_user; then via, rewrite)"
+    )
+
+
+@pytest.mark.parametrize(
+    "cond", ["sender", "sender_domain", "recipient_domain", "listener", "auth_user"]
+)
+def test_a_bad_condition_is_named(cond: str) -> None:
+    assert refused(None, [{cond: [], "via": "mx"}]) == (
+        f"routes[0].{cond}: expected a value or a list of values"
+    )
+
+
+def test_an_upstream_named_smarthost_overrides_the_block() -> None:
+    r = parse({"smarthost": {"host": "mine.test"}}, [{"via": ["smarthost"]}])
+    assert r.upstreams["smarthost"].host == "mine.test"
+
+
+def test_upstreams_without_routes_go_via_smarthost() -> None:
+    r = parse({"a": {"host": "a.test"}}, None)
+    assert r.routes == (routes.Route(0, ("smarthost",)),)
+    assert set(r.upstreams) == {"smarthost"}  # "a" is used by no route
+    assert r.upstreams["smarthost"] is SMART
+
+
+def test_unused_smarthost_is_kept() -> None:
+    r = parse({"a": {"host": "a.test"}, "b": {"host": "b.test"}}, [{"via": ["a"]}])
+    assert set(r.upstreams) == {"a", "smarthost"}
+
+
+def test_secret_reads_name_their_key(tmp_path: Path) -> None:
+    asked: list[tuple[Path, str]] = []
+
+    def rs(path: Path, key: str) -> str:
+        asked.append((path, key))
+        return "s"
+
+    ups = {
+        "a": {"host": "a.test", "username": "u", "password_file": "pw"},
+        "b": {
+            "host": "b.test",
+            "username": "u",
+            "auth": "xoauth2",
+            "oauth": {
+                "token_url": "http://idp.test/token",
+                "client_id": "c",
+                "refresh_token_file": "rt",
+                "timeout": 0.5,
+            },
+        },
+    }
+    r = parse(ups, [{"via": ["a", "b"]}], base=tmp_path, rs=rs)
+    assert asked == [
+        (tmp_path / "pw", "upstreams.a.password_file"),
+        (tmp_path / "rt", "upstreams.b.oauth.refresh_token_file"),
+    ]
+    oauth = r.upstreams["b"].oauth
+    assert oauth is not None
+    assert oauth.token_url == "http://idp.test/token" and oauth.timeout == 0.5
+
+
+def test_an_absolute_path_is_kept_as_written(tmp_path: Path) -> None:
+    (tmp_path / "real.pem").write_text("x")
+    (tmp_path / "ca.pem").symlink_to(tmp_path / "real.pem")
+    r = parse({"a": {"host": "a.test", "ca_file": str(tmp_path / "ca.pem")}}, [{"via": ["a"]}])
+    assert r.upstreams["a"].ca_file == tmp_path / "ca.pem"

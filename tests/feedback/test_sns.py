@@ -21,7 +21,7 @@ import pytest
 import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
 
 from relay.config.tree import ConfigError, from_mapping
@@ -443,3 +443,193 @@ def test_other_providers_have_no_sns_keys(tmp_path: Path) -> None:
     }
     with pytest.raises(ConfigError, match="verify_signatures"):
         from_mapping(cfg, tmp_path)
+
+
+# What a mutation run of the then new code found unpinned (tests/MUTANTS.md, "New code, spot
+# check"; until issue 28 in tests/test_mutants_new_code.py).
+# --- relay/feedback/sns.py -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (
+            "https://u@sns.us-east-1.amazonaws.com/x.pem",
+            "SigningCertURL must be a plain https URL: 'https://u@sns.us-east-1.amazonaws.com/x.pem'",
+        ),
+        (
+            "https://evil.test/x.pem",
+            "SigningCertURL host 'evil.test' is not sns.<region>.amazonaws.com"
+            " (nor in signing_cert_hosts)",
+        ),
+        (
+            "https://sns/x.pem",
+            "SigningCertURL host 'sns' is not sns.<region>.amazonaws.com"
+            " (nor in signing_cert_hosts)",
+        ),
+        (
+            "https://x/" + "a" * 300 + ".crt",
+            "SigningCertURL must name a .pem file: " + repr(("https://x/" + "a" * 300)[:200]),
+        ),
+    ],
+)
+def test_certificate_url_refusal_texts(url: str, message: str) -> None:
+    with pytest.raises(SignatureError) as raised:
+        sns.check_cert_url(url)
+    assert str(raised.value) == message
+
+
+def test_a_listed_host_without_a_port() -> None:
+    sns.check_cert_url("https://certs.internal.test/x.pem", ("certs.internal.test",))
+
+
+def test_string_to_sign_needs_a_type_string() -> None:
+    with pytest.raises(SignatureError, match="no SNS message Type"):
+        sns.string_to_sign({"Type": ["Notification"]})
+    with pytest.raises(SignatureError, match="unknown SNS SignatureVersion"):
+        sns.verify({"SignatureVersion": 2}, Signer().cert)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"Signature": None}, "no Signature in the SNS message"),
+        ({"Signature": "***"}, "the SNS Signature is not base64"),
+        ({"Signature": "AAAA"}, "the SNS signature does not match the message"),
+    ],
+)
+def test_signature_refusal_texts(change: dict[str, object], message: str) -> None:
+    s = Signer()
+    doc = {
+        **s.sign(
+            {
+                "Type": "Notification",
+                "MessageId": "m",
+                "TopicArn": "t",
+                "Message": "x",
+                "Timestamp": "ts",
+            }
+        ),
+        **change,
+    }
+    with pytest.raises(SignatureError) as raised:
+        sns.verify(doc, s.cert)
+    assert str(raised.value) == message
+
+
+@pytest.fixture
+def big_pem_server(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
+    # text before the PEM block is allowed and makes the body arrive in several chunks
+    with serving(
+        ca,
+        lambda s: {
+            "/padded.pem": (200, b"# " + b"p" * 40_000 + b"\n" + s.pem),
+            "/huge.pem": (200, b"#" * (sns.MAX_CERT + 1) + s.pem),
+        },
+    ) as sv:
+        yield sv
+
+
+async def test_a_certificate_in_several_chunks_and_one_too_large(
+    big_pem_server: tuple[CertServer, Signer], ca_file: Path
+) -> None:
+    server, s = big_pem_server
+    cache = sns.CertCache(ca_file)
+    assert await cache.get(server.url("/padded.pem")) == s.cert
+    with pytest.raises(SignatureError) as raised:
+        await cache.get(server.url("/huge.pem"))
+    assert str(raised.value) == f"{server.url('/huge.pem')}: more than {sns.MAX_CERT} octets"
+
+
+def test_more_certificate_url_texts() -> None:
+    long_path = "https://u@sns.us-east-1.amazonaws.com/" + "a" * 300 + ".pem"
+    with pytest.raises(SignatureError) as raised:
+        sns.check_cert_url(long_path)
+    assert str(raised.value) == f"SigningCertURL must be a plain https URL: {long_path[:200]!r}"
+    bad_port = "https://sns.us-east-1.amazonaws.com:x/" + "a" * 300 + ".pem"
+    with pytest.raises(SignatureError) as raised:
+        sns.check_cert_url(bad_port)
+    assert str(raised.value) == f"SigningCertURL is not a URL: {bad_port[:200]!r}"
+    with pytest.raises(SignatureError) as raised:
+        sns.check_cert_url("https:///x.pem")
+    assert str(raised.value) == (
+        "SigningCertURL host '' is not sns.<region>.amazonaws.com (nor in signing_cert_hosts)"
+    )
+
+
+def test_an_unhashable_signature_version_is_refused() -> None:
+    with pytest.raises(SignatureError, match="unknown SNS SignatureVersion"):
+        sns.verify({"SignatureVersion": ["1"]}, Signer().cert)
+
+
+def test_certificate_validity_is_inclusive_and_its_texts() -> None:
+    s = Signer()
+    doc = s.sign(
+        {
+            "Type": "Notification",
+            "MessageId": "m",
+            "TopicArn": "t",
+            "Message": "x",
+            "Timestamp": "ts",
+        }
+    )
+    sns.verify(doc, s.cert, now=s.cert.not_valid_before_utc)
+    sns.verify(doc, s.cert, now=s.cert.not_valid_after_utc)
+    with pytest.raises(SignatureError) as raised:
+        sns.verify(doc, s.cert, now=s.cert.not_valid_after_utc + dt.timedelta(seconds=1))
+    assert str(raised.value) == "the SNS signing certificate is not valid now"
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ec.test")])
+    now = dt.datetime.now(dt.UTC)
+    ec_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - dt.timedelta(days=1))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    with pytest.raises(SignatureError) as raised:
+        sns.verify(doc, ec_cert)
+    assert str(raised.value) == "the SNS signing certificate does not hold an RSA key"
+
+
+@pytest.fixture
+def many_server(ca: trustme.CA) -> Iterator[tuple[CertServer, Signer]]:
+    def files(s: Signer) -> dict[str, tuple[int, bytes]]:
+        out = {f"/c{i}.pem": (200, s.pem) for i in range(sns.CACHE_SIZE + 1)}
+        out["/exact.pem"] = (200, s.pem + b"#" * (sns.MAX_CERT - len(s.pem)))
+        return out
+
+    with serving(ca, files) as sv:
+        yield sv
+
+
+async def test_the_cache_keeps_the_32_most_recent(
+    many_server: tuple[CertServer, Signer], ca_file: Path
+) -> None:
+    server, _s = many_server
+    cache = sns.CertCache(ca_file)
+    for i in range(sns.CACHE_SIZE + 1):
+        await cache.get(server.url(f"/c{i}.pem"))
+    assert server.hits == sns.CACHE_SIZE + 1
+    await cache.get(server.url("/c1.pem"))  # the oldest still kept
+    await cache.get(server.url(f"/c{sns.CACHE_SIZE}.pem"))  # the newest
+    assert server.hits == sns.CACHE_SIZE + 1
+    await cache.get(server.url("/c0.pem"))  # the one that made room
+    assert server.hits == sns.CACHE_SIZE + 2
+
+
+async def test_a_certificate_of_exactly_the_limit_and_a_fetch_error_text(
+    many_server: tuple[CertServer, Signer], ca_file: Path
+) -> None:
+    server, s = many_server
+    cache = sns.CertCache(ca_file)
+    assert await cache.get(server.url("/exact.pem")) == s.cert
+    gone = server.url("/c0.pem")
+    server.stop()
+    with pytest.raises(sns.CertFetchError) as raised:
+        await cache.get(gone)
+    assert str(raised.value).startswith(f"{gone}: ConnectError: ")

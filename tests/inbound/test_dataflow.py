@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.inbound.dataflow import DataParser, DataState
+from relay.inbound.dataflow import DataParser, DataState, Feed
 from relay.mail.message import normalize_line_endings
 
 
@@ -181,3 +181,87 @@ def test_linear_on_hostile_blocks() -> None:
         p.feed(b"\r" * 65536)  # no LF ever: one growing incomplete line
     assert time.perf_counter() - started < 5.0
     assert re.fullmatch(rb"\r*", bytes(p._pending)) is not None
+
+
+# What a mutation run of the then new code found unpinned (tests/MUTANTS.md, "New code, spot
+# check"; until issue 28 in tests/test_mutants_new_code.py).
+# --- relay/inbound/dataflow.py --------------------------------------------------------------------
+
+
+def test_done_and_what_comes_after_the_end() -> None:
+    p = DataParser(0, 1000)
+    assert p.done is False
+    f = p.feed(b"abc\r\n.\r\nQUIT\r\n")
+    assert f == Feed(b"abc\r\n", True, b"QUIT\r\n")
+    assert p.done is True
+    # fed again after the end: nothing is data, all of it is handed back as it came
+    assert p.feed(b"MAIL FROM:<a@b>\r\n") == Feed(b"", True, b"MAIL FROM:<a@b>\r\n")
+    assert p.done is True
+
+
+def test_counters_start_at_zero_and_add_up() -> None:
+    p = DataParser(0, 1000)
+    p.feed(b"\r\n.\r\n")
+    assert (p.raw_size, p.longest, p.nul_count) == (2, 0, 0)
+    q = DataParser(0, 1000)
+    q.feed(b"a\x00b\r\n")
+    q.feed(b"c\x00\x00\r\n.\r\n")
+    assert q.nul_count == 3  # over both blocks
+    assert q.raw_size == len(b"a\x00b\r\nc\x00\x00\r\n")
+
+
+def test_a_complete_line_is_handed_out_at_once() -> None:
+    p = DataParser(0, 1000)
+    assert p.feed(b"\r\n").data == b"\r\n"  # an empty first line (no header block)
+    assert p.feed(b"a\r\nb\r\nc").data == b"a\r\nb\r\n"  # every complete line, not the first
+    assert p.feed(b"\r\nxyz").data == b"c\r\n"  # the CRLF that completes the pending line
+    q = DataParser(0, 1000)
+    assert q.feed(b"ab\r").data == b""
+    assert q.feed(b"\nc").data == b"ab\r\n"  # a CRLF split between two blocks
+
+
+def test_an_incomplete_line_at_the_limit_is_not_yet_too_long() -> None:
+    p = DataParser(0, 100)
+    p.feed(b"x" * 97)  # with its CRLF it will be 99 octets: within the limit
+    f = p.feed(b"y\r\n.\r\n")
+    assert f.done and p.state is DataState.NOMINAL and f.data == b"x" * 97 + b"y\r\n"
+
+
+def test_raw_size_counts_a_too_long_line_once() -> None:
+    p = DataParser(0, 100)
+    p.feed(b"ok\r\n")
+    p.feed(b"z" * 500)  # over the limit before its CRLF: kept short, counted
+    p.feed(b"z" * 500)
+    f = p.feed(b"\r\n.\r\n")
+    assert f.done and p.state is DataState.TOO_LONG
+    assert p.raw_size == 4 + 1000 + 2
+
+
+def test_a_message_of_exactly_max_size_is_not_too_large() -> None:
+    p = DataParser(10, 1000)
+    f = p.feed(b"12345678\r\n.\r\n")  # 10 octets before the end line
+    assert f.done and p.state is DataState.NOMINAL
+    q = DataParser(10, 1000)
+    q.feed(b"123456789\r\n.\r\n")
+    assert q.state is DataState.TOO_MUCH
+
+
+def test_a_refused_line_hands_out_no_data() -> None:
+    p = DataParser(0, 100)
+    assert p.feed(b"x" * 200 + b"\r\n").data == b""
+    assert p.state is DataState.TOO_LONG
+
+
+@pytest.mark.parametrize(
+    ("line", "longest"),
+    [
+        (b"." + b"d" * 998, 998),  # the transparency dot is not part of the message
+        (b"n" * 998 + b"\x00", 998),  # nor is a NUL
+        (b"s " * 500, 1000),  # spaces are not line ends
+        (b"s " * 500 + b"\n", 1000),  # ... also on the normalising path (a bare LF)
+    ],
+)
+def test_longest_line_of_the_message_as_stored(line: bytes, longest: int) -> None:
+    p = DataParser(0, 10_000)
+    p.feed(b"a\r\n" + line + b"\r\n.\r\n")
+    assert p.longest == longest

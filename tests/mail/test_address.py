@@ -14,6 +14,7 @@ from relay.mail.address import (
     AddressError,
     Path,
     check_domain,
+    check_local_part,
     check_mailbox,
     parse_path,
     printable,
@@ -361,3 +362,110 @@ def test_quoted_pair_of_del_is_refused_by_check_mailbox() -> None:
 def test_printable_of_surrogates_outside_the_byte_range() -> None:
     assert printable("\udd00") == "\\udd00"
     assert printable("\udcff\udc80") == "\\xff\\x80"
+
+
+# Edge cases the main tables did not pin down, each written against a surviving mutant
+# (tests/MUTANTS.md; until issue 28 in tests/test_mutants_core_more.py).
+# --- relay/mail/address.py ------------------------------------------------------------------------
+
+
+def test_printable_keeps_first_code_point_after_surrogates() -> None:
+    # U+E000 (private use) directly follows the surrogate range: printable, kept raw.
+    assert printable("a\ue000b") == "a\ue000b"
+    assert printable("\udfff") == "\\udfff"
+
+
+def test_quoted_pair_as_last_two_characters_is_unterminated_not_bad_pair() -> None:
+    with pytest.raises(AddressError, match=r"^unterminated quoted local part$"):
+        check_mailbox('"a\\"')
+
+
+def test_control_character_in_local_part_is_not_told_to_be_quoted() -> None:
+    with pytest.raises(AddressError) as info:
+        check_mailbox("a\x01b@example.com")
+    assert str(info.value) == "character U+0001 not allowed in a local part"
+
+
+def test_space_in_local_part_is_told_to_be_quoted() -> None:
+    with pytest.raises(AddressError) as info:
+        check_mailbox("a b@example.com")
+    assert str(info.value) == "character space not allowed in a local part (quote it)"
+
+
+# What the 2026-12-04 mutation run of retry/dedup/address/replies/regex_guard found unpinned
+# (tests/MUTANTS.md, "First set, fourth run"; until issue 28 in
+# tests/test_mutants_first_set.py): the exact texts of the errors an operator or a client
+# reads, the bytes every dedup key hashes (keys are stored in the spool, so a release that
+# hashed other bytes would let a resubmission after an upgrade through as new mail), text that
+# was not UTF-8 in the hashed parts, the Idempotency-Key limits, and the boundaries of the
+# command-character check of a path.
+# --- relay/mail/address.py ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        # the command-character check answers first, and names the character
+        ("<\u0080a@x.test>", "character U+0080 not allowed in a command"),
+        ("<a\u009f@x.test>", "character U+009F not allowed in a command"),
+        ("<a\ud800@x.test>", "character U+D800 not allowed in a command"),
+        ("<a\udfff@x.test>", "character U+DFFF not allowed in a command"),
+        # only spaces may come before "<": no other (Unicode) white space, no letter
+        ("\u2003<a@x.test>", "the address must be enclosed in <>"),
+        ("X<a@x.test>", "the address must be enclosed in <>"),
+    ],
+)
+def test_path_refusal_texts(arg: str, message: str) -> None:
+    with pytest.raises(AddressError) as raised:
+        parse_path(arg, null_ok=False)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("arg", ["<a\u00a0b@x.test>", "<a\ue000@x.test>"])
+def test_first_characters_past_the_refused_ranges_are_accepted(arg: str) -> None:
+    assert parse_path(arg, null_ok=False).address == arg[1:-1]
+
+
+def test_source_route_ends_at_its_first_colon() -> None:
+    # the mailbox may hold colons of its own (an IPv6 literal)
+    assert parse_path("<@a.test:u@[IPv6:::1]>", null_ok=False).address == "u@[IPv6:::1]"
+
+
+def test_path_length_limit_is_256_octets_with_the_brackets() -> None:
+    domain = "b" * 63 + "." + "c" * 63 + "." + "d" * 61
+    longest = "a" * 64 + "@" + domain
+    assert len(longest) == 254
+    assert parse_path(f"<{longest}>", null_ok=False).address == longest
+    with pytest.raises(AddressError) as raised:
+        parse_path(f"<{longest}d>", null_ok=False)
+    assert str(raised.value) == "path longer than 256 octets"
+
+
+def test_bare_local_part_limits_and_texts() -> None:
+    check_local_part("a" * 64)  # 64 octets is the limit, not past it
+    with pytest.raises(AddressError) as raised:
+        check_local_part("a" * 65)
+    assert str(raised.value) == "local part longer than 64 octets"
+    with pytest.raises(AddressError) as raised:
+        check_local_part("a@b")
+    assert str(raised.value) == "not a bare local part"
+
+
+@pytest.mark.parametrize(
+    ("mailbox", "message"),
+    [
+        ("@x.test", "empty local part"),
+        ('"a\x01"@x.test', "character U+0001 not allowed in a local part"),
+    ],
+)
+def test_mailbox_refusal_texts(mailbox: str, message: str) -> None:
+    with pytest.raises(AddressError) as raised:
+        check_mailbox(mailbox)
+    assert str(raised.value) == message
+
+
+def test_ipv6_literal_takes_hex_digits_colons_and_dots_only() -> None:
+    check_domain("[IPv6:a::1]")
+    with pytest.raises(AddressError) as raised:
+        check_domain("[IPv6:X::1]")
+    assert str(raised.value) == "malformed IPv6 address literal"

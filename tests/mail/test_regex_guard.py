@@ -131,3 +131,53 @@ def test_subject_is_capped() -> None:
     assert bounded("x" * (MAX_SUBJECT + 10)) == "x" * MAX_SUBJECT
     assert bounded("x" * MAX_SUBJECT) == "x" * MAX_SUBJECT
     assert bounded("short") == "short"
+
+
+# Edge cases the main tables did not pin down, each written against a surviving mutant
+# (tests/MUTANTS.md; until issue 28 in tests/test_mutants_core_more.py).
+# --- relay/mail/regex_guard.py --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "(?:a{10})+",  # an inner count of 10 is bounded
+        "(?:a+)++",  # a possessive repetition never backtracks: it is not "unbounded"
+        "(?:a|b)++",
+    ],
+)
+def test_check_linear_accepts(pattern: str) -> None:
+    check_linear(pattern)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "(?:a{11})+",  # an inner count above 10 counts as unbounded
+        "(?:(?:a+)+)++",  # nesting inside a possessive repetition is still found
+        "(?:(?:b|a+){2})*",  # an unbounded repetition inside a branch inside a '*'
+        "(?:(?=a+)b)*",  # an unbounded repetition inside a lookahead inside a '*'
+    ],
+)
+def test_check_linear_refuses(pattern: str) -> None:
+    with pytest.raises(ValueError, match="nests repetitions"):
+        check_linear(pattern)
+
+
+# What the 2026-12-04 mutation run of retry/dedup/address/replies/regex_guard found unpinned
+# (tests/MUTANTS.md, "First set, fourth run"; until issue 28 in
+# tests/test_mutants_first_set.py): the exact texts of the errors an operator or a client
+# reads, the bytes every dedup key hashes (keys are stored in the spool, so a release that
+# hashed other bytes would let a resubmission after an upgrade through as new mail), text that
+# was not UTF-8 in the hashed parts, the Idempotency-Key limits, and the boundaries of the
+# command-character check of a path.
+# --- relay/mail/regex_guard.py: the text `relay check-config` shows for a nested pattern --------
+
+
+def test_nested_repetition_error_text() -> None:
+    with pytest.raises(ValueError) as raised:
+        check_linear("(a+)+")
+    assert str(raised.value) == (
+        "regular expression '(a+)+' nests repetitions (like '(a+)+'); it could take "
+        "exponential time on hostile input: rewrite it without the nesting"
+    )

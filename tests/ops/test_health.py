@@ -604,3 +604,49 @@ def test_a_restart_retries_refused_alerts_at_once_but_keeps_open_windows(conn) -
     assert alerts.retry_now(conn, 20.0) == 1
     assert [r["id"] for r in alerts.due(conn, 20.0)] == [refused]
     assert window not in [r["id"] for r in alerts.due(conn, 299.0)]
+
+
+# Mutation-driven (tests/MUTANTS.md; until issue 28 in tests/test_mutants_delivery_core.py).
+# --- health ------------------------------------------------------------------------------------
+
+
+def test_model_drop() -> None:
+    m = health.Model()
+    m.update("disk", "ok", "fine", 1.0)
+    m.update("spool", "ok", "fine", 1.0)
+    m.drop("disk")
+    m.drop("nothing")
+    assert list(m.checks) == ["spool"]
+
+
+def test_exact_health_details() -> None:
+    assert health.disk(1.0, 10.0, 5.0) == (
+        "critical",
+        "1.0% free where the spool lives (critical at 5%): new mail is refused with"
+        " 452 4.3.1 until space is freed",
+    )
+    assert health.queue_age(None, 60.0, 120.0) == ("ok", "nothing waiting")
+    assert health.queue_age(30.0, 60.0, 120.0) == ("ok", "oldest waiting recipient queued 30s ago")
+    assert health.stall(0, None, 60.0) == ("ok", "the queue is moving")
+    assert health.stall(3, None, 60.0) == (
+        "warning",
+        "queue stalled: 3 recipients due for over 1m0s and no delivery (none since start)",
+    )
+    assert health.stall(3, 120.0, 60.0) == (
+        "warning",
+        "queue stalled: 3 recipients due for over 1m0s and no delivery (last 2m0s ago)",
+    )
+    assert health.dead_letters(2, 5) == ("ok", "2 dead letters in the last hour")
+    assert health.destination("x", "closed", 0, "535 bad auth", None) == (
+        "critical",
+        "x: upstream refused our configuration: 535 bad auth;"
+        " mail is kept; fix the config and reload",
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "want"),
+    [(86400 + 3600, "1d1h"), (86400 + 3599, "1d0h"), (3600 + 60, "1h1m"), (3600 + 59, "1h0m")],
+)
+def test_health_human_boundaries(seconds: float, want: str) -> None:
+    assert health.human(seconds) == want

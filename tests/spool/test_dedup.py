@@ -357,3 +357,128 @@ def test_received_header_keeps_a_utf8_recipient_and_says_utf8smtp() -> None:
     )
     assert "for <josé@exämple.org>".encode() in h  # was "jos?@ex?mple.org"
     assert b"with UTF8SMTPS id Q" in h
+
+
+# Edge cases the main tables did not pin down, each written against a surviving mutant
+# (tests/MUTANTS.md; until issue 28 in tests/test_mutants_core_more.py).
+# --- relay/spool/dedup.py -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # No leading "<": a ">" inside is kept as is (only "<...>" is unwrapped).
+        ("ab>c@Example.COM", "ab>c@example.com"),
+        # Unwrapping stops at the first ">".
+        ("<a@X.com> <b@y>", "a@x.com"),
+        # Only the part after the last "@" is the domain: earlier text keeps its case.
+        ("x@Y@Example.COM", "x@Y@example.com"),
+    ],
+)
+def test_normalize_message_id_edge_cases(raw: str, expected: str) -> None:
+    assert dedup.normalize_message_id(raw) == expected
+
+
+def test_content_message_id_hashes_stray_lines_with_a_fixed_label() -> None:
+    # The id must stay stable across releases (it is the dedup key of a resubmission), so
+    # the exact bytes hashed are pinned here.
+    expected = hashlib.sha256(
+        b"subject:hi\r\n\r\nbody\x00non-field lines\r\nstray line"
+    ).hexdigest()[:32]
+    got = dedup.content_message_id(b"Subject: hi\r\nstray line", b"body", "r.example")
+    assert got == f"<{expected}.content@r.example>"
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        # An empty line does not end the scan: the line after it is still reported.
+        (b"\r\nstray", [b"stray"]),
+        (b"A: 1\r\n\r\nstray", [b"stray"]),
+        # A continuation line is skipped, and the scan goes on after it.
+        (b"A: 1\r\n folded\r\nstray", [b"stray"]),
+    ],
+)
+def test_non_field_lines_scan_the_whole_block(block: bytes, expected: list[bytes]) -> None:
+    assert dedup._non_field_lines(block) == expected
+
+
+# What the 2026-12-04 mutation run of retry/dedup/address/replies/regex_guard found unpinned
+# (tests/MUTANTS.md, "First set, fourth run"; until issue 28 in
+# tests/test_mutants_first_set.py): the exact texts of the errors an operator or a client
+# reads, the bytes every dedup key hashes (keys are stored in the spool, so a release that
+# hashed other bytes would let a resubmission after an upgrade through as new mail), text that
+# was not UTF-8 in the hashed parts, the Idempotency-Key limits, and the boundaries of the
+# command-character check of a path.
+# --- relay/spool/dedup.py: the bytes a stored key hashes ----------------------------------------
+
+
+def _sha40(*parts: bytes) -> str:
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:40]
+
+
+def test_idempotency_key_hashes_a_label_then_each_part_nul_terminated() -> None:
+    assert dedup.idempotency_dedup_key("ns", "k-1", "<U@X.test>") == _sha40(
+        b"idempotency-key\x00", b"ns\x00", b"k-1\x00", b"u@x.test\x00"
+    )
+    # 40 hex digits, as the dedup column of the spool stores them
+    assert len(dedup.idempotency_dedup_key("ns", "k-1", "u@x.test")) == 40
+
+
+def test_message_id_key_hashes_each_part_nul_terminated() -> None:
+    assert dedup.dedup_key("ns", "<A@Example.COM>", "<U@X.test>") == _sha40(
+        b"ns\x00", b"A@example.com\x00", b"u@x.test\x00"
+    )
+
+
+def test_recipient_normalization_strips_only_angle_brackets_and_space() -> None:
+    # "X" and "<>" are different things: stripping any other character from the ends would
+    # let two recipients share one key, and the second would never be sent.
+    assert dedup.normalize_address(" <Xa@b.test> ") == "xa@b.test"
+    assert dedup.normalize_address("aX@b.tesX") == "ax@b.tesx"
+    assert dedup.dedup_key("ns", "<m@h>", "Xa@b.test") != dedup.dedup_key("ns", "<m@h>", "a@b.test")
+
+
+# A Message-ID, a recipient or a header that was not UTF-8 reaches the hash as lone
+# surrogates (surrogateescape); the key must be the key of the bytes the client sent.
+NOT_UTF8 = "\udce9"
+
+
+def test_keys_of_text_that_was_not_utf8_are_the_keys_of_its_bytes() -> None:
+    assert dedup.dedup_key("ns", f"<a{NOT_UTF8}@h>", "u@x.test") == _sha40(
+        b"ns\x00", b"a\xe9@h\x00", b"u@x.test\x00"
+    )
+    assert dedup.idempotency_dedup_key("ns", "k", f"u{NOT_UTF8}@x.test") == _sha40(
+        b"idempotency-key\x00", b"ns\x00", b"k\x00", b"u\xe9@x.test\x00"
+    )
+
+
+def test_content_message_id_of_a_header_block_that_is_not_utf8() -> None:
+    block = b"X-\xe9: caf\xe9\r\n"
+    expected = hashlib.sha256(b"x-\xe9:caf\xe9\r\n\r\nbody").hexdigest()[:32]
+    assert dedup.content_message_id(block, b"body", "h.test") == f"<{expected}.content@h.test>"
+
+
+def test_content_message_id_joins_stray_lines_with_crlf() -> None:
+    block = b"stray one\r\nstray two\r\n"
+    expected = hashlib.sha256(
+        b"\r\n" + b"\x00non-field lines\r\n" + b"stray one\r\nstray two"
+    ).hexdigest()[:32]
+    assert dedup.content_message_id(block, b"", "h.test") == f"<{expected}.content@h.test>"
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"),
+    [
+        ("", False),
+        ("k", True),
+        ("k" * dedup.IDEMPOTENCY_KEY_MAX, True),
+        ("k" * (dedup.IDEMPOTENCY_KEY_MAX + 1), False),
+        (" ", True),  # printable ASCII includes the space
+        ("~", True),
+        ("a\x1fb", False),
+        ("a\x7fb", False),
+    ],
+)
+def test_idempotency_key_limits(value: str, valid: bool) -> None:
+    assert dedup.valid_idempotency_key(value) is valid

@@ -6,6 +6,7 @@ spool. The CLI's own tests run it as a subprocess, where mutation testing cannot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from collections.abc import Iterator
@@ -998,3 +999,161 @@ def test_iter_messages_reads_pages_of_500(conn: sqlite3.Connection) -> None:
     assert [p[-1] for p in pages] == [500, 500, 500]  # the LIMIT of each page
     rcpt_reads = [len(p) for sql, p in rec.calls if sql.startswith("SELECT msg_id")]
     assert rcpt_reads == [500, 500, 1]
+
+
+# More survivors of the spool mutation run, in-process (tests/MUTANTS.md; until issue 28 in
+# tests/test_spool_mutants_more.py).
+# --- the spool -----------------------------------------------------------------------------
+
+
+def new_message(qid: str, address: str, key: str, created_at: float) -> ops.NewMessage:
+    """One recipient under the dedup key `key`, arrived at `created_at`."""
+    return dataclasses.replace(
+        spool_message(qid, [address], created_at=created_at, listener=None),
+        recipients=(ops.NewRecipient(address, address.rpartition("@")[2], key),),
+    )
+
+
+@pytest.mark.parametrize(
+    ("age", "queued"),
+    [(59.0, False), (60.0, True), (61.0, True)],
+)
+def test_the_dedup_window_ends_exactly_window_seconds_later(
+    conn: sqlite3.Connection, age: float, queued: bool
+) -> None:
+    """A key seen `dedup_window` seconds ago or more is no longer a duplicate: the message
+    is queued again (and takes the key); inside the window it is reported a duplicate."""
+    run(conn, ops.accept, new_message("M1", "a@x.test", "k", T0), 60)
+    res = run(conn, ops.accept, new_message("M2", "a@x.test", "k", T0 + age), 60)
+    if queued:
+        assert (res.queue_id, res.queued, res.duplicates) == ("M2", ("a@x.test",), ())
+        row = conn.execute("SELECT msg_id, created_at FROM dedup WHERE key = 'k'").fetchone()
+        assert tuple(row) == ("M2", T0 + age)
+    else:
+        assert (res.queue_id, res.queued, res.duplicates) == (None, (), ("a@x.test",))
+    n = conn.execute("SELECT count(*) FROM recipients WHERE msg_id = 'M2'").fetchone()[0]
+    assert n == (1 if queued else 0)
+
+
+def test_hold_holds_the_given_messages_only(conn: sqlite3.Connection) -> None:
+    put(conn, "M1", ["a@x.test"])
+    put(conn, "M2", ["b@x.test"])
+    assert run(conn, ops.hold, ["M1"], T0 + 5) == 1
+    assert rcpt(conn, "a@x.test")["state"] == "held"
+    assert rcpt(conn, "b@x.test")["state"] == "pending"
+    assert run(conn, ops.release, ["M1"], T0 + 6) == 1
+    assert rcpt(conn, "a@x.test")["state"] == "deferred"
+
+
+def test_a_heartbeat_stores_the_nodes_info_with_sorted_keys(conn: sqlite3.Connection) -> None:
+    """The nodes row's info is canonical JSON (sorted keys): the same facts always read
+    the same in the table, whatever order the node built them in."""
+    info: dict[str, Any] = {"pid": 7, "host": "h1", "version": "1", "addr": "10.0.0.1"}
+    run(conn, ops.heartbeat, "n1", T0, T0 + 5, 2, info)
+    stored = conn.execute("SELECT info FROM nodes WHERE name = 'n1'").fetchone()[0]
+    assert stored == json.dumps(info, sort_keys=True)
+    assert list(json.loads(stored)) == ["addr", "host", "pid", "version"]
+
+
+# Survivors of the spool mutation run (tests/MUTANTS.md; until issue 28 in
+# tests/test_spool_mutants_db.py). Spool tests run on SQLite and PostgreSQL.
+def delivered(claims: list[ops.Claim]) -> list[ops.RcptUpdate]:
+    return [
+        ops.RcptUpdate(c.rcpt_id, c.msg_id, RcptState.DELIVERED, True, None, "250 ok")
+        for c in claims
+    ]
+
+
+# --- ops.record: the delivered counts of a pass -------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [500, 501, 1001])
+def test_a_pass_of_more_than_one_chunk_counts_every_delivery_once(
+    conn: sqlite3.Connection, n: int
+) -> None:
+    """The delivered count per sending identity (the denominator of the bounce and
+    complaint rates) is looked up 500 message ids at a time: the id at each chunk's edge
+    is counted once, not skipped nor twice."""
+    put(conn, "M1", [f"u{i}@example.org" for i in range(n - 100)], identity="a.example")
+    put(conn, "M2", [f"v{i}@example.org" for i in range(100)], identity="b.example")
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0, n + 10)
+    assert len(claims) == n
+    assert run(conn, ops.record, delivered(claims), T0 + 5) == n
+    hour = int((T0 + 5) // 3600)
+    rows = conn.execute(
+        "SELECT identity, hour, delivered FROM identity_hours ORDER BY identity"
+    ).fetchall()
+    assert [tuple(r) for r in rows] == [("a.example", hour, n - 100), ("b.example", hour, 100)]
+
+
+def test_an_outcome_whose_recipient_changed_meanwhile_skips_only_itself(
+    conn: sqlite3.Connection,
+) -> None:
+    """An operator held the first recipient while its attempt ran: its outcome changes
+    nothing, and the outcomes after it in the same pass are still recorded and counted."""
+    put(conn, "M1", ["a@example.org", "b@example.org", "c@example.org"])
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0, 10)
+    by_addr = {c.address: c for c in claims}
+    set_rcpt(conn, "a@example.org", state="held")
+    order = [by_addr["a@example.org"], by_addr["b@example.org"], by_addr["c@example.org"]]
+    assert run(conn, ops.record, delivered(order), T0 + 5) == 2
+    assert rcpt(conn, "a@example.org")["state"] == "held"
+    assert rcpt(conn, "b@example.org")["state"] == "delivered"
+    assert rcpt(conn, "c@example.org")["state"] == "delivered"
+    row = conn.execute("SELECT delivered FROM identity_hours").fetchone()
+    assert row[0] == 2
+
+
+# --- ops.accept: one message naming the same dedup key twice ----------------------------------
+
+
+def message(
+    qid: str, rcpts: list[tuple[str, str]], content_hash: str | None = None
+) -> ops.NewMessage:
+    return dataclasses.replace(
+        new_message(qid, "unused@x.test", "unused", T0),
+        recipients=tuple(
+            ops.NewRecipient(a, a.rpartition("@")[2], k, content_hash) for a, k in rcpts
+        ),
+    )
+
+
+def test_a_key_named_twice_in_one_message_queues_its_first_recipient_only(
+    conn: sqlite3.Connection,
+) -> None:
+    """The second recipient with a key already taken by this message is a duplicate, in
+    recipient order, and the recipients after it are still looked at."""
+    run(conn, ops.accept, message("M0", [("old@x.test", "k-old")]), 60)
+    res = run(
+        conn,
+        ops.accept,
+        message(
+            "M1",
+            [("a@x.test", "k1"), ("b@x.test", "k1"), ("c@x.test", "k-old"), ("d@x.test", "k2")],
+        ),
+        60,
+    )
+    assert (res.queue_id, res.queued, res.duplicates) == (
+        "M1",
+        ("a@x.test", "d@x.test"),
+        ("b@x.test", "c@x.test"),
+    )
+
+
+def test_a_conflict_queues_nothing_and_names_the_duplicates_too(
+    conn: sqlite3.Connection,
+) -> None:
+    """An Idempotency-Key reused for other content: nothing of the message is queued; the
+    result names the conflicting recipients and the plain duplicates apart."""
+    run(conn, ops.accept, message("M0", [("a@x.test", "ka"), ("b@x.test", "kb")], "h1"), 60)
+    res = run(
+        conn,
+        ops.accept,
+        message("M1", [("a@x.test", "ka"), ("b@x.test", "kb")], "h2"),
+        60,
+    )
+    assert res == ops.AcceptResult(None, (), (), ("a@x.test", "b@x.test"))
+    res = run(conn, ops.accept, message("M2", [("b@x.test", "kb"), ("a@x.test", "ka")]), 60)
+    assert res == ops.AcceptResult(None, (), ("b@x.test", "a@x.test"), ())
