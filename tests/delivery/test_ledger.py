@@ -14,13 +14,65 @@ import pytest
 from relay.config.tree import Identity, WarmupConf
 from relay.delivery.ledger import Ledger
 
+
+def test_ledger_reserves_counts_and_rolls_over() -> None:
+    led = Ledger(zoneinfo.ZoneInfo("UTC"), 100.0)
+    led.load(led.day_of(1000.0), {"dest:d": 1})
+    limits = led.limits("d", 3, "id", None, 1000.0)
+    assert limits == [("dest:d", "d", 3)]
+    assert led.room(limits, 1000.0)[0] == 2
+    led.reserve(("dest:d",), 2)
+    assert led.room(limits, 1000.0)[0] == 0  # reserved counts until released
+    bump = led.release(("dest:d",), 2, 1, 1001.0, "d", True)
+    assert bump == ("dest:d",) and led.today("dest:d") == 2
+    assert led.room(limits, 1001.0)[0] == 1
+    led.reserve(("dest:d",), 1)
+    assert led.room(limits, 1100.0)[0] == 2  # a new window: counts reset, the job in flight
+    assert led.release((), 0, 4, 1100.0, "e", False) == ("dest:e",)  # counted for stats
+    assert led.today("dest:e") == 4
+
+
+def test_ledger_limits_room_and_counts_per_scope() -> None:
+    import datetime as dt
+
+    from relay.config.tree import Identity, WarmupConf
+
+    utc = zoneinfo.ZoneInfo("UTC")
+    led = Ledger(utc, None)
+    now = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC).timestamp()
+    warm = Identity("shop.test", 1000, WarmupConf(dt.date(2026, 12, 2), None, 50, 2.0, None))
+    assert led.day_of(now) == "2026-12-03"
+    assert led.warmup_limit(warm, now) == 100  # day 2 of 50 x 2^(n-1)
+    limits = led.limits("d", 500, "shop.test", warm, now)
+    assert limits == [("dest:d", "d", 500), ("id:shop.test", "shop.test", 100)]
+    assert led.limits("d", None, "x", Identity("x", None, None), now) == []
+    led.load("2026-12-03", {"dest:d": 10, "id:shop.test": 95})
+    room = led.room(limits, now)
+    nxt = dt.datetime(2026, 12, 4, tzinfo=dt.UTC).timestamp()
+    assert room == (5, nxt, shaping_reason(100, "shop.test", nxt))  # the tighter ceiling
+    led.reserve(("dest:d", "id:shop.test"), 3)
+    led.reserve(("id:shop.test",), 1)
+    assert led.reserved == {"dest:d": 3, "id:shop.test": 4}
+    assert led.room(limits, now)[0] == 1
+    bumps = led.release(("dest:d", "id:shop.test"), 3, 2, now, "d", True)
+    assert bumps == ("dest:d", "id:shop.test")
+    assert led.reserved == {"dest:d": 0, "id:shop.test": 1}
+    assert (led.today("dest:d"), led.today("id:shop.test")) == (12, 97)
+    assert led.today("nothing") == 0
+    # a scope never reserved (a reload added a ceiling) starts from zero, never negative
+    led.release(("id:new",), 2, 1, now, "d", True)
+    assert led.reserved["id:new"] == 0 and led.today("id:new") == 1
+
+
+def shaping_reason(limit: int, name: str, nxt: float) -> str:
+    from relay.delivery import shaping
+
+    return shaping.ceiling_reason(limit, name, nxt)
+
+
 # Mutation-driven (tests/MUTANTS.md; until issue 28 in tests/test_mutants_delivery_core.py).
 UTC = zoneinfo.ZoneInfo("UTC")
-
-
 KIRI = zoneinfo.ZoneInfo("Pacific/Kiritimati")  # UTC+14, no DST
-
-
 # 2026-12-01T12:00Z: already 2026-12-02 (02:00) in Kiritimati
 NOON = dt.datetime(2026, 12, 1, 12, 0, tzinfo=UTC).timestamp()
 
