@@ -1,7 +1,8 @@
-"""An orderly stop while AUTH password checks are pending (issue 26, the flake of
-test_auth_checks_do_not_stall_other_clients): once the guard is closed no check runs, in
-the old pool or a new one; the clients waiting get 454 4.7.0 (AuthBusy), and none of them
-sees a CancelledError it did not ask for."""
+"""relay/inbound/guard.py's AUTH pool. An orderly stop while AUTH password checks are pending
+(issue 26, the flake of test_auth_checks_do_not_stall_other_clients): once the guard is closed
+no check runs, in the old pool or a new one; the clients waiting get 454 4.7.0 (AuthBusy), and
+none of them sees a CancelledError it did not ask for. And the pool itself: bounded, off the
+loop, slots freed with the thread."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from relay.config.tree import load_config
+from relay.config.tree import from_mapping, load_config
+from relay.inbound import auth
 from relay.inbound import auth as auth_
 from relay.inbound.guard import AuthBusy, InboundGuard
 
@@ -111,3 +113,41 @@ async def test_after_close_a_new_check_is_refused_at_once_not_behind_the_running
     finally:
         gate.set()
     assert await running is None
+
+
+async def test_auth_pool_is_bounded_and_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = from_mapping(
+        {"spool": {"path": "s"}, "auth": {"max_parallel": 1, "max_pending": 2}}, tmp_path
+    )
+    guard = InboundGuard(cfg)
+    users = {"alice": auth.hash_password("pw")}
+    gate = threading.Event()
+    real_check = auth.check
+    started = []
+
+    def slow_check(*args: object) -> str | None:
+        started.append(time.monotonic())
+        gate.wait(10)
+        return real_check(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(auth, "check", slow_check)
+    try:
+        tasks = [
+            asyncio.create_task(guard.check_password(users, b"alice", b"pw")) for _ in range(3)
+        ]  # one runs, two wait
+        await asyncio.sleep(0.1)
+        assert len(started) == 1  # the loop is free while the check runs
+        with pytest.raises(AuthBusy):  # a fourth: too many waiting
+            await guard.check_password(users, b"alice", b"pw")
+        tasks[1].cancel()  # a waiting client goes away: its place is free again
+        gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[0] == "alice" and results[2] == "alice"
+        assert isinstance(results[1], asyncio.CancelledError)
+        assert len(started) == 2
+        assert await guard.check_password(users, b"alice", b"nope") is None
+    finally:
+        gate.set()
+        guard.close()

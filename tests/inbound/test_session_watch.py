@@ -1,19 +1,13 @@
-"""Boundary tests of relay/inbound/session_watch.py (real event loop timers, no sockets) and of the
-guard's AUTH pool (relay/inbound/guard.py): bounded, off the loop, slots freed with the thread."""
+"""Boundary tests of relay/inbound/session_watch.py (real event loop timers, no sockets). (The
+guard's AUTH pool, once tested here too, is in test_guard.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
-import time
 from pathlib import Path
 
-import pytest
-
 from relay.config.tree import Limits, from_mapping
-from relay.inbound import auth
-from relay.inbound.guard import AuthBusy, InboundGuard
 from relay.inbound.session_watch import SessionWatch
 
 
@@ -74,41 +68,3 @@ async def test_errors_count_and_reset(tmp_path: Path) -> None:
     assert not w.replied("503 5.5.1 need MAIL")
     assert w.replied("500 5.5.2 bad syntax")
     w.stop()
-
-
-async def test_auth_pool_is_bounded_and_off_the_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cfg = from_mapping(
-        {"spool": {"path": "s"}, "auth": {"max_parallel": 1, "max_pending": 2}}, tmp_path
-    )
-    guard = InboundGuard(cfg)
-    users = {"alice": auth.hash_password("pw")}
-    gate = threading.Event()
-    real_check = auth.check
-    started = []
-
-    def slow_check(*args: object) -> str | None:
-        started.append(time.monotonic())
-        gate.wait(10)
-        return real_check(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(auth, "check", slow_check)
-    try:
-        tasks = [
-            asyncio.create_task(guard.check_password(users, b"alice", b"pw")) for _ in range(3)
-        ]  # one runs, two wait
-        await asyncio.sleep(0.1)
-        assert len(started) == 1  # the loop is free while the check runs
-        with pytest.raises(AuthBusy):  # a fourth: too many waiting
-            await guard.check_password(users, b"alice", b"pw")
-        tasks[1].cancel()  # a waiting client goes away: its place is free again
-        gate.set()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert results[0] == "alice" and results[2] == "alice"
-        assert isinstance(results[1], asyncio.CancelledError)
-        assert len(started) == 2
-        assert await guard.check_password(users, b"alice", b"nope") is None
-    finally:
-        gate.set()
-        guard.close()
