@@ -1057,6 +1057,8 @@ def test_a_heartbeat_stores_the_nodes_info_with_sorted_keys(conn: sqlite3.Connec
 
 # Survivors of the spool mutation run (tests/MUTANTS.md; until issue 28 in
 # tests/test_spool_mutants_db.py). Spool tests run on SQLite and PostgreSQL.
+
+
 def delivered(claims: list[ops.Claim]) -> list[ops.RcptUpdate]:
     return [
         ops.RcptUpdate(c.rcpt_id, c.msg_id, RcptState.DELIVERED, True, None, "250 ok")
