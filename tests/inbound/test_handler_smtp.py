@@ -87,7 +87,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         context = implicit_context(tls, lambda: tls) if tls is not None else None
         server, port = await serve(handler, context, sndbuf)
         relay = Started(config, config.spool_path, writer, handler, port, queued)
-        relay.ops.metrics = metrics
+        relay.metrics = metrics
         made.append((relay, server))
         return relay
 
