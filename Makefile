@@ -48,15 +48,15 @@ test: $(STAMP) test-tools
 screenshots: $(STAMP) test-tools
 	$(BIN)/python -m tests.console_screenshots docs/console
 
-# A longer run of the fuzzers: the inbound dialogue (tests/test_fuzz_inbound.py; `make test`
+# A longer run of the fuzzers: the inbound dialogue (tests/inbound/test_fuzz.py; `make test`
 # runs 150 examples through the socket and 500 against the sans-I/O core, ten times as many
-# against the core here) and the feedback mail parser (tests/test_fuzz_feedback.py; 40 in
+# against the core here) and the feedback mail parser (tests/feedback/test_fuzz.py; 40 in
 # `make test`, each property).
 FUZZ_EXAMPLES ?= 3000
 fuzz: $(STAMP)
 	RELAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) RELAY_FUZZ_CORE_EXAMPLES=$$(( $(FUZZ_EXAMPLES) * 10 )) \
 		RELAY_CONFIG_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q -p no:cacheprovider --timeout=0 \
-		tests/test_fuzz_inbound.py tests/test_fuzz_feedback.py tests/test_opsmisc_config_fuzz.py
+		tests/inbound/test_fuzz.py tests/feedback/test_fuzz.py tests/config/test_fuzz.py
 
 # Coverage of the test process and of every daemon subprocess it starts (coverage.py's
 # COVERAGE_PROCESS_START + a .pth hook in the venv); combined report in the terminal and in

@@ -7,7 +7,7 @@ Rules:
   the protocol itself, through the three functions here, exactly as `data()` does inside.
 - `check()` runs at start (relay/daemon.py) and refuses to start, naming what is missing,
   when an aiosmtplib release no longer has what these functions use; pyproject.toml bounds
-  the version (`<6`). tests/test_transport.py pins the behaviour end to end.
+  the version (`<6`). tests/delivery/test_transport.py pins the behaviour end to end.
 """
 
 from __future__ import annotations

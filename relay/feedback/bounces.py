@@ -43,7 +43,7 @@ Rules:
   budget); the parts of an attached message are never searched; 1 MiB of text is
   searched, 1000 recipients a report are read, header values are capped
   (`regex_guard.bounded`), and every pattern here is linear (no unbounded
-  repetition; tests/test_feedback_bounces.py runs `check_linear` and hostile text on each).
+  repetition; tests/feedback/test_bounces.py runs `check_linear` and hostile text on each).
   Text declared in a charset whose decoder is not linear (idna, punycode) is read as UTF-8.
 - The stdlib `email` package reads the message with compat32 rules, except that header
   values stay as received (undecodable bytes decoded here as UTF-8, RFC 6532): nothing is

@@ -7,7 +7,7 @@ Rules:
 - The parser works on complete CRLF-terminated lines, many at a time (`bytes.find`,
   `bytes.replace` in C), never one Python step per line; an incomplete last line waits for
   the next block. So every transformation below sees whole lines and gives the same result
-  for any split of the input into blocks (tests/test_dataflow.py checks this property).
+  for any split of the input into blocks (tests/inbound/test_dataflow.py checks this property).
 - Transparency (§4.5.2): a leading "." of a line is removed. Then bare CR and bare LF inside
   a line become CRLF (as relay/mail/message.py's `normalize_line_endings`), and NUL bytes are
   removed (RFC 5322 §2.3 forbids them; an app that sends one gets its message relayed

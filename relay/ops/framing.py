@@ -3,7 +3,7 @@
 relay/ops/http.py feeds every byte a client sends through `RequestFraming` before aiohttp's
 parser sees it. aiohttp's parsers (llhttp in C, and the pure-Python fallback) already refuse
 most smuggling shapes; this check is the one place that decides, the same for both, and it
-bounds what they do not (tests/test_http_framing.py pins each case on the wire).
+bounds what they do not (tests/ops/test_framing.py pins each case on the wire).
 
 Rules:
 - One request per connection: the bytes after the end of the first request belong to no

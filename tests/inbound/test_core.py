@@ -30,6 +30,7 @@ from relay.inbound.core import (
     Settings,
     StartTls,
     State,
+    with_enhanced,
 )
 
 HOST = "relay.test"
@@ -776,3 +777,28 @@ def test_the_tail_of_a_line_too_long_to_keep_is_dropped_unchecked_and_the_sessio
     lines, events = converse(c, b"x" * 100 + b"\r\nQUIT\r\n")
     assert lines == ["500 5.5.2 Command line too long", "221 2.0.0 Bye"]
     assert not any(isinstance(e, BareNewline) for e in events)
+
+
+# The enhanced status codes added to the core's own replies (until issue 28 in
+# tests/test_inbound_unit.py).
+# --- relay/inbound/core.py: with_enhanced ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("250 OK", "250 2.0.0 OK"),
+        (
+            "552 Error: message size exceeds fixed maximum message size",
+            "552 5.3.4 message size exceeds fixed maximum message size",
+        ),
+        ("503 Error: need MAIL command", "503 5.5.1 need MAIL command"),
+        ("550 5.1.1 already enhanced", "550 5.1.1 already enhanced"),
+        ("250 HELP", "250 HELP"),  # EHLO's last line carries no status code
+        ("250-PIPELINING", "250-PIPELINING"),  # continuation lines are left alone
+        ("220 relay.test ESMTP", "220 relay.test ESMTP"),  # greeting: no enhanced code
+        ("354 End data with <CR><LF>.<CR><LF>", "354 End data with <CR><LF>.<CR><LF>"),
+    ],
+)
+def test_enhanced_codes_added_to_builtin_replies(raw: str, expected: str) -> None:
+    assert with_enhanced(raw) == expected

@@ -7,8 +7,8 @@ import asyncio
 
 import trustme
 
-from tests.test_inbound_inprocess import WAIT, Client
-from tests.test_inbound_mutants_handler import Start, client_context, start
+from tests.inbound.test_handler import Start, client_context, start
+from tests.inbound.test_inprocess import WAIT, Client
 
 __all__ = ["start"]  # the fixture
 

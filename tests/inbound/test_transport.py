@@ -1,6 +1,6 @@
 """relay/inbound/transport.py on a fake transport: no socket, so what is written, when, and
 whether reading is paused is seen exactly. The wire behaviour (replies, spool rows) is
-tests/test_inbound_inprocess.py's, which runs the same protocol on loopback."""
+tests/inbound/test_inprocess.py's, which runs the same protocol on loopback."""
 
 from __future__ import annotations
 
