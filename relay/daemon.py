@@ -477,7 +477,7 @@ def _run_loop(main: Coroutine[Any, Any, int], kind: str) -> int:
 
     Inbound STARTTLS (`loop.start_tls`, relay/inbound/transport.py) works on uvloop's
     transports too, so a listener with `tls` needs no fallback to the standard loop:
-    tests/test_inbound_auth.py checks it against the daemon as spawned, under uvloop, and
+    tests/e2e/test_inbound_auth_e2e.py checks it against the daemon as spawned, under uvloop, and
     under RELAY_EVENT_LOOP=asyncio."""
     if kind != "asyncio":
         try:

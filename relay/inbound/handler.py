@@ -75,7 +75,6 @@ log = logging.getLogger("relay.inbound")  # the name its log lines have always c
 # The `server` the hooks get: our protocol (relay/inbound/transport.py). The hooks' signatures
 # keep aiosmtpd's names, so their code reads as before.
 SMTP: TypeAlias = InboundProtocol
-RelaySMTP: TypeAlias = InboundProtocol
 
 
 class Suppressions:
@@ -272,7 +271,7 @@ class InboundHandler(AuthMechanisms):
         nuls: int,
         long_lines: bool = False,
     ) -> str:
-        """The end of a DATA (RelaySMTP.smtp_DATA): spool it, then the reply. Any failure
+        """The end of a DATA (the transport calls it once the final dot is in): spool it, then the reply. Any failure
         is 451/452 and leaves nothing behind (the client keeps the message)."""
         self.in_flight += 1
         try:

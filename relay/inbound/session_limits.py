@@ -18,9 +18,9 @@ Rules:
 - Minimum data rate: during DATA, once `limits.min_data_rate_window` has passed, the bytes
   received in the last window must be at least `min_data_rate * window`, else `421 4.4.2`
   and close. Measured over a ring of slots, so memory is constant however the client
-  fragments its writes. Today relay/inbound/session_watch.py feeds it from the transport's
-  `data_received` (independent of how smtp_DATA reads); a streaming smtp_DATA may instead
-  feed it each chunk it reads and check it on a read timeout of one slot.
+  fragments its writes. relay/inbound/session_watch.py feeds it from the transport's
+  `data_received` (relay/inbound/transport.py), whatever the protocol core makes of the
+  bytes.
 """
 
 from __future__ import annotations

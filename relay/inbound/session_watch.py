@@ -1,7 +1,7 @@
 """The per-connection watch over slow and erring clients: the command timer, the DATA rate
 meter and the error count (the decisions are relay/inbound/session_limits.py's). It only sees the
 replies the protocol pushes and the bytes the transport delivers, so it does not depend on
-how aiosmtpd (or a streaming replacement of smtp_DATA) parses commands and message data.
+how the protocol core (relay/inbound/core.py) parses commands and message data.
 
 Rules:
 - After a final reply (and after a `334` AUTH challenge) the command timer runs until a line

@@ -1,4 +1,4 @@
-"""The protocol class (`RelaySMTP`), in the test process where mutation testing sees it
+"""The protocol class (`InboundProtocol`), in the test process where mutation testing sees it
 (tests/MUTANTS.md): what the survivors of the inbound.py run showed untested. The DATA line
 limit with its transparent dot; implicit TLS (a session over TLS from the first byte, and a
 refused client whose EOF arrives while the 421 closes it); a plain session leaving no error in

@@ -1,4 +1,5 @@
-"""Inbound SMTP in the test process: relay/inbound.py's RelaySMTP and InboundHandler on a
+"""Inbound SMTP in the test process: relay/inbound/transport.py InboundProtocol and
+relay/inbound/handler.py InboundHandler on a
 loopback port, over a real SpoolWriter on a tmp_path spool, spoken to by a small asyncio
 SMTP client. What the daemon tests show end to end, here where mutation testing sees it
 (tests/MUTANTS.md): the reply codes, the rows a 250 leaves, and nothing left by a 4xx."""
