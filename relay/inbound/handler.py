@@ -271,8 +271,8 @@ class InboundHandler(AuthMechanisms):
         nuls: int,
         long_lines: bool = False,
     ) -> str:
-        """The end of a DATA (the transport calls it once the final dot is in): spool it, then the reply. Any failure
-        is 451/452 and leaves nothing behind (the client keeps the message)."""
+        """The end of a DATA (the transport calls it once the final dot is in): spool it,
+        then the reply. Any failure is 451/452 and leaves nothing behind (the client keeps the message)."""
         self.in_flight += 1
         try:
             faults.hit("inbound.accept")

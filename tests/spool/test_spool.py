@@ -469,7 +469,7 @@ async def test_large_body_file_is_on_disk_before_its_row(spool: Path, fsyncs: li
         handler = InboundHandler(cfg, cfg.listen[0], writer, Suppressions())
 
         async def deliver(content: bytes) -> str:
-            """What the inbound does with the data once the parser has it (handler.accept_stream)."""
+            """What the inbound does with the data once the parser has it (accept_stream)."""
             session = Session()
             session.peer = ("127.0.0.1", 40000)
             session.host_name = "client.test"
