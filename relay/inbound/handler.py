@@ -272,7 +272,8 @@ class InboundHandler(AuthMechanisms):
         long_lines: bool = False,
     ) -> str:
         """The end of a DATA (the transport calls it once the final dot is in): spool it,
-        then the reply. Any failure is 451/452 and leaves nothing behind (the client keeps the message)."""
+        then the reply. Any failure is 451/452 and leaves nothing behind (the client keeps
+        the message)."""
         self.in_flight += 1
         try:
             faults.hit("inbound.accept")
