@@ -371,7 +371,7 @@ def backlog(n: int, pf_n: int, window: float, chunks: int = 10) -> None:
             sink = Sink(sinkport)
             t0 = time.monotonic()
             if relay is not None:
-                relay.cli.main("queue", "flush")
+                relay.cli("queue", "flush")
             else:
                 sh("postqueue", "-f")
             first = sink.first(120)

@@ -217,11 +217,14 @@ _POLICIES = {
 
 
 def _bare(items: tuple[Address | Group, ...]) -> int:
-    """How many addresses without a domain the generator was given."""
+    """How many addresses without a domain the generator was given, but for a local part
+    holding `=?`: relay/mail/addrlist.py `_bare` leaves those as they came, since `=?...?=`
+    may be an encoded word (RFC 2047 §2), a display name rather than an address (found by
+    hypothesis: `From: =?`)."""
     n = 0
     for it in items:
         for a in it.addresses if isinstance(it, Group) else (it,):
-            n += not a.domain
+            n += not a.domain and "=?" not in a.username
     return n
 
 

@@ -75,7 +75,7 @@ def _login(browser: Any, relay: RelayProcess, name: str) -> Any:
 def test_release_a_held_message_and_the_chart(relay: RelayProcess, browser: Any) -> None:
     send(relay.port, "app@example.com", ["held@example.org"], make_message(1))
     qid = relay.queue()[0]["id"]
-    relay.cli.main("queue", "hold", qid, check=True)
+    relay.cli("queue", "hold", qid, check=True)
     page = _login(browser, relay, "olga")
     # the chart of the last hour draws the mail just accepted (the current minute is
     # read from the daemon's counters); the overview refreshes itself without a reload
