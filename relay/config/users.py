@@ -64,14 +64,19 @@ def parse_smtp_users(text: str) -> dict[str, str]:
     return users
 
 
-def load_smtp_users(path: Path) -> dict[str, str]:
+def read_users_file(path: Path) -> str:
+    """A users file's text (both kinds): UTF-8, or a UsersFileError naming the file."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UsersFileError(f"cannot read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise UsersFileError(f"{path} is not UTF-8 text") from None
-    return parse_smtp_users(text)
+    return text
+
+
+def load_smtp_users(path: Path) -> dict[str, str]:
+    return parse_smtp_users(read_users_file(path))
 
 
 # --- admin.users_file --------------------------------------------------------------------
@@ -117,10 +122,4 @@ def parse_console_users(text: str) -> dict[str, User]:
 
 
 def load_console_users(path: Path) -> dict[str, User]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsersFileError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise UsersFileError(f"{path} is not UTF-8 text") from None
-    return parse_console_users(text)
+    return parse_console_users(read_users_file(path))
