@@ -105,6 +105,7 @@ class Claimer:
         metrics: Metrics,
         is_suppressed: Callable[[str, str | None], tuple[str, float] | None],
         wake: Callable[[], None],
+        verp_sender: Callable[[str, int], str | None] = lambda q, r: None,
     ) -> None:
         self.writer = writer
         self._config = config
@@ -117,7 +118,7 @@ class Claimer:
         self.is_suppressed = is_suppressed
         self.wake = wake  # claim again at once (a kick or reset may open what was skipped)
         # feedback.verp: (queue id, recipient row) -> the envelope sender to use, or None
-        self.verp_sender: Callable[[str, int], str | None] = lambda q, r: None
+        self.verp_sender = verp_sender
         self._cmd_seen: int | None = None  # engine_commands read so far
         self._next_expiry_pass = 0.0  # when claim_and_dispatch next claims expired waits
         self._unconfirmed: list[float] = []  # the `now` of claim passes that failed

@@ -112,8 +112,8 @@ class Engine:
             clock=clock,
             stopping=lambda: self.stopping,
             on_dead_letter=on_dead_letter,
+            on_recorded=on_recorded,  # the outbox's write-back (the daemon's)
         )
-        self.recorder.on_recorded = on_recorded  # the outbox's write-back (the daemon's)
         self.pool = WorkerPool(
             self.dests,
             self.recorder,
@@ -147,8 +147,8 @@ class Engine:
             metrics=metrics,
             is_suppressed=is_suppressed,
             wake=self.wake,
+            verp_sender=verp_sender,  # feedback.verp (the daemon's)
         )
-        self.claims.verp_sender = verp_sender  # feedback.verp (the daemon's)
         self.apply_config(config)
 
     # --- configuration ------------------------------------------------------------------

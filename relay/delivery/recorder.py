@@ -89,6 +89,7 @@ class Recorder:
         clock: Callable[[], float],
         stopping: Callable[[], bool],
         on_dead_letter: DeadLetterHook | None = None,
+        on_recorded: Callable[[Iterable[str]], None] | None = None,
     ) -> None:
         self.writer = writer
         self._config = config
@@ -98,7 +99,8 @@ class Recorder:
         self._stopping = stopping
         self.on_dead_letter = on_dead_letter
         # told the queue ids of every record committed (the outbox's incremental write-back)
-        self.on_recorded: Callable[[Iterable[str]], None] | None = None
+        # told the queue ids of every record committed (the outbox's write-back)
+        self.on_recorded = on_recorded
         self.hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
         self._alert_backlog: list[alerts.Event] = []  # recorded with the next outcomes
         self.dead_times: deque[float] = deque()  # dead letters of the last hour
