@@ -22,7 +22,7 @@ import ast
 import logging
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -508,65 +508,56 @@ def md_cli(cmds: Sequence[Command], sendmail_rows: Sequence[tuple[str, str]]) ->
     return "\n".join(lines)
 
 
+def _table_page(title: str, intro: str, columns: Sequence[str], rows: Iterable[str]) -> str:
+    """A generated reference page: its title, the generated-file note, a paragraph, and one
+    table (`rows`: each a `| ... |` line already)."""
+    lines = [f"# {title}", "", f"<!-- {GENERATED_NOTE} -->", "", intro, ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join([*lines, *rows]) + "\n"
+
+
 def md_metrics(rows: Sequence[MetricRow]) -> str:
-    lines = [
-        "# Metrics",
-        "",
-        f"<!-- {GENERATED_NOTE} -->",
-        "",
+    return _table_page(
+        "Metrics",
         "Every metric of `GET /metrics` on `admin.listen` (Prometheus text format), from"
         " `relay/ops/metrics.py`. A histogram also exposes `_bucket`, `_sum` and `_count`."
         " [Health, metrics, logs and alerts](../health.md) says how to use them.",
-        "",
-        "| metric | type | labels | meaning |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        labels = ", ".join(f"`{label}`" for label in r.labels)
-        lines.append(f"| `{r.name}` | {r.type} | {labels} | {_cell(r.help)} |")
-    return "\n".join(lines) + "\n"
+        ["metric", "type", "labels", "meaning"],
+        (
+            f"| `{r.name}` | {r.type} | {', '.join(f'`{label}`' for label in r.labels)}"
+            f" | {_cell(r.help)} |"
+            for r in rows
+        ),
+    )
 
 
 def md_events(rows: Sequence[EventRow]) -> str:
-    lines = [
-        "# Log events",
-        "",
-        f"<!-- {GENERATED_NOTE} -->",
-        "",
+    return _table_page(
+        "Log events",
         "Every value of the `event` field of a log line, with the levels it is logged at"
         " and the modules that log it (from `logs.EVENTS` and every `log_event()` call in"
         " `relay/`). [Logs](../health.md#logs) describes the line's other fields.",
-        "",
-        "| event | level | logged by | meaning |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        files = ", ".join(f"`{f}`" for f in r.files)
-        levels = ", ".join(lv.lower() for lv in r.levels)
-        lines.append(f"| `{r.name}` | {levels} | {files} | {_cell(r.meaning)} |")
-    return "\n".join(lines) + "\n"
+        ["event", "level", "logged by", "meaning"],
+        (
+            f"| `{r.name}` | {', '.join(lv.lower() for lv in r.levels)}"
+            f" | {', '.join(f'`{f}`' for f in r.files)} | {_cell(r.meaning)} |"
+            for r in rows
+        ),
+    )
 
 
 def md_replies(rows: Sequence[ReplyRow]) -> str:
-    lines = [
-        "# SMTP replies",
-        "",
-        f"<!-- {GENERATED_NOTE} -->",
-        "",
+    return _table_page(
+        "SMTP replies",
         "Every SMTP reply string in the relay's code, with the file it comes from:"
         " what a client (or `relay-sendmail`) may be told, and the replies the relay"
         " records for a recipient itself (an expired retry, a DNS failure). `{...}` is"
         " filled in at run time. A `4xx` means the client keeps the message and tries"
         " again; a `5xx` means it must not. [Troubleshooting](../troubleshooting.md)"
         " starts from the common ones.",
-        "",
-        "| code | text | from |",
-        "|---|---|---|",
-    ]
-    for r in rows:
-        files = ", ".join(f"`{f}`" for f in r.files)
-        lines.append(f"| {r.code} | {_code(r.text)} | {files} |")
-    return "\n".join(lines) + "\n"
+        ["code", "text", "from"],
+        (f"| {r.code} | {_code(r.text)} | {', '.join(f'`{f}`' for f in r.files)} |" for r in rows),
+    )
 
 
 # --- man pages --------------------------------------------------------------------------
