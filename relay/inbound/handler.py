@@ -486,12 +486,6 @@ class InboundHandler(AuthMechanisms):
                 raise SpoolError(refusal)
             # grouped: the accepts of one writer batch are three statements on PostgreSQL
             result = await self.writer.run(Grouped(ops.accept_many, (msg, window)))
-            if result.reused:  # the alert: its own small job, after the accept's commit
-                try:
-                    await self.writer.run(self._reuse_alert_job(msg, result, mid, now))
-                except (SpoolError, OSError, sqlite3.Error) as e:
-                    # the message is safe; only the alert is not recorded (logged below too)
-                    log.warning("%s: reuse alert not recorded: %s", msg.queue_id, e)
         except (SpoolError, OSError) as e:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
@@ -531,7 +525,7 @@ class InboundHandler(AuthMechanisms):
             )
             return "250 2.0.0 Ok: already queued (duplicate suppressed)"
         if result.reused:
-            self._reused(result, queue_id, mid, namespace)
+            await self._reused(msg, result, mid, namespace, now)
         self.stats.accepted += 1
         if self.stats.metrics is not None:
             self.stats.metrics.accepted.labels(lane).inc()
@@ -578,9 +572,12 @@ class InboundHandler(AuthMechanisms):
 
         return job
 
-    def _reused(self, result: ops.AcceptResult, queue_id: str, mid: str, namespace: str) -> None:
+    async def _reused(
+        self, msg: ops.NewMessage, result: ops.AcceptResult, mid: str, namespace: str, now: float
+    ) -> None:
         """README "Dedup": a new message under a Message-ID already used for other content
-        within `dedup.window`: queued, and said loudly (WARNING, metric, alert)."""
+        within `dedup.window`: queued, and said loudly (WARNING, metric, alert). The alert is
+        its own small job after the accept's commit."""
         if self.stats.metrics is not None:
             self.stats.metrics.message_id_reused.inc()
         log_event(
@@ -588,12 +585,17 @@ class InboundHandler(AuthMechanisms):
             logging.WARNING,
             REUSED,
             "Message-ID reused for other content within dedup.window: queued, not a duplicate",
-            queue_id=queue_id,
+            queue_id=msg.queue_id,
             first_queue_id=",".join(sorted({first for _r, first in result.reused})),
             message_id=mid,
             rcpts=[r for r, _first in result.reused],
             client=namespace,
         )
+        try:
+            await self.writer.run(self._reuse_alert_job(msg, result, mid, now))
+        except (SpoolError, OSError, sqlite3.Error) as e:
+            # the message is safe; only the alert is not recorded (the line above says why)
+            log.warning("%s: reuse alert not recorded: %s", msg.queue_id, e)
 
     def spool_failed(self, queue_id: str, e: BaseException) -> str:
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
