@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import copy
 import http.client
@@ -49,6 +50,11 @@ _PORTS_LOW, _PORTS_HIGH = 20000, 32000
 _ports = random.Random()
 
 
+# the last ports free_port gave out in this process: not given again while their daemon
+# may still be starting (a worker's span of ports is a few thousand; 512 recent ones)
+_given: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -57,11 +63,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _PORTS_LOW + index * span
     for _ in range(200):
         port = _ports.randrange(low, low + span)
+        if port in _given:  # handed out already: its daemon may not have bound it yet
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _given.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is busy
         s.bind((host, 0))

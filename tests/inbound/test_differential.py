@@ -14,6 +14,9 @@ Deliberate differences (each one ours, on purpose):
   refused `553 5.6.7` (RFC 6531 §3.4); aiosmtpd accepts it.
 - VRFY: its argument goes through the same parser (`252` or `502`), not aiosmtpd's; only
   well-formed and missing arguments are compared here.
+- GOODBYE: after `502 5.5.1 Too many unrecognized commands, goodbye.` we close and answer
+  nothing more; aiosmtpd (1.4) still answers the lines the client pipelined behind it
+  (found by hypothesis: five `FOO` then `HELO x`). Replies are compared up to that one.
 - STARTTLS when TLS is on already: `454` (aiosmtpd would start TLS inside TLS); not reachable
   here (no TLS), pinned in tests/inbound/test_core.py.
 """
@@ -185,6 +188,12 @@ def test_other_command_lines_agree(lines: list[str], ehlo: bool) -> None:
     # the EHLO replies differ in their offers (we list STARTTLS/AUTH per listener): compare
     # the final line of every reply, by class
     def finals(replies: list[str]) -> list[str]:
-        return [r[:1] for r in replies if len(r) < 4 or r[3] != "-"]
+        out = []
+        for r in replies:
+            if len(r) < 4 or r[3] != "-":
+                out.append(r[:1])
+            if r.startswith("502 5.5.1 Too many unrecognized commands"):
+                break  # GOODBYE (above): nothing after it is compared
+        return out
 
     assert finals(ours) == finals(theirs), (data, ours, theirs)
