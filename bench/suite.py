@@ -10,6 +10,9 @@ Scenarios (names for --only):
   serial    one session, messages one after another: accept latency p50 / p99
   backlog   the upstream down while N messages are queued (acceptance rate as the queue
             fills), then the upstream back and a flush: first delivery, drain rate
+  cpu       the inbound process's CPU per 2 KiB message (utime+stime from /proc), this
+            tree against --base (default d23213b, aiosmtpd's inbound: issue 29's reference),
+            both under the same smtp-source load, alternated; no Postfix involved
   cli       the CLI and the daemon on a spool of --rows queued messages: time to the first
             line of `queue list`, `queue list --json`, `queue show`, `stats`, `queue
             summary`, each command's peak RSS, and the daemon's
@@ -38,10 +41,12 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,7 @@ PF_PORT, PF_SINK = 25, 2526
 RELAY_PORT, RELAY_SINK = 2525, 2527
 os.environ["PATH"] = os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin"
 
+TICK = os.sysconf("SC_CLK_TCK")
 OUT: list[str] = []
 PROCESSES = 1  # inbound.processes of every relay started here (--processes)
 
@@ -120,7 +126,11 @@ def postfix_queued() -> int:
 class Relay:
     """A relay daemon on a fresh spool (or a given one)."""
 
-    def __init__(self, extra: str = "", spool: Path | None = None) -> None:
+    def __init__(
+        self, extra: str = "", spool: Path | None = None, tree: Path | None = None
+    ) -> None:
+        """`tree`: run the relay from another source tree (this venv's packages, the
+        tree on PYTHONPATH) instead of this one."""
         self.dir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
         self.spool = spool or self.dir / "spool"
         self.conf = self.dir / "relay.yaml"
@@ -144,10 +154,21 @@ inbound: {{processes: {PROCESSES}}}
         )
         port_free(RELAY_PORT)
         self.log = open(self.dir / "relay.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [str(RELAY), "serve", "-c", str(self.conf)], stdout=self.log, stderr=self.log
-        )
+        cmd, env = [str(RELAY), "serve", "-c", str(self.conf)], None
+        if tree is not None:
+            cmd = [str(PYTHON), "-m", "relay", "serve", "-c", str(self.conf)]
+            env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=env)
         wait_port(RELAY_PORT, 120)
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds (user + system) so far: (the main process, its inbound children)."""
+        kids = [
+            int(x)
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
+            for x in (task / "children").read_text().split()
+        ]
+        return cpu_seconds(self.proc.pid), sum(cpu_seconds(k) for k in kids)
 
     def cli(self, *args: str) -> str:
         return sh(str(RELAY), *args, "-c", str(self.conf))
@@ -168,6 +189,26 @@ inbound: {{processes: {PROCESSES}}}
         self.log.close()
         if not keep:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def export(commit: str, dest: Path) -> Path:
+    """The tree of `commit` (git archive: the repository is not touched)."""
+    data = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as t:
+        t.extractall(dest, filter="data")
+    return dest
 
 
 class Sink:
@@ -238,6 +279,7 @@ def e2e(name: str, n: int, size: int, rounds: int, rcpts: int = 1) -> None:
     say(f"## {name}: {n} x {size} bytes, {rcpts} recipient(s), 20 sessions, {rounds} rounds")
     relay = Relay()
     rows: dict[str, list[tuple[float, float, int]]] = {"postfix": [], "relay": []}
+    cpus: list[tuple[float, float]] = []  # the relay's (inbound, main) CPU ms per message
     try:
         for _ in range(rounds):
             for who, port, sinkport in (
@@ -245,14 +287,23 @@ def e2e(name: str, n: int, size: int, rounds: int, rcpts: int = 1) -> None:
                 ("relay", RELAY_PORT, RELAY_SINK),
             ):
                 sink = Sink(sinkport)
+                cpu0 = relay.cpu()
                 t0 = time.monotonic()
                 acc = source(port, n, 20, size, rcpts)
                 count, t1 = sink.wait(n, 300)
                 sink.stop()
                 rows[who].append((acc, t1 - t0, count))
+                cpu = ""
+                if who == "relay":
+                    main_s, inbound_s = (b - a for a, b in zip(cpu0, relay.cpu(), strict=True))
+                    cpu = (
+                        f" cpu_ms_per_msg: inbound={inbound_s / n * 1000:.3f}"
+                        f" main={main_s / n * 1000:.3f}"
+                    )
+                    cpus.append((inbound_s / n * 1000, main_s / n * 1000))
                 say(
                     f"{who:<8} delivered={count} accept_s={acc:.2f} e2e_s={t1 - t0:.2f}"
-                    f" msgs_per_s={count / (t1 - t0):.0f}"
+                    f" msgs_per_s={count / (t1 - t0):.0f}{cpu}"
                 )
             postfix_purge()
         rss = relay.rss_kib()
@@ -264,7 +315,12 @@ def e2e(name: str, n: int, size: int, rounds: int, rcpts: int = 1) -> None:
     say(f"accept ratio per round {acc_r} median {acc_m}")
     say(f"end-to-end ratio per round {e2e_r} median {e2e_m}")
     say(f"relay delivered per round {lost}; relay peak RSS {rss // 1024} MiB")
+    inbound_ms = round(statistics.median(c[0] for c in cpus), 3)
+    main_ms = round(statistics.median(c[1] for c in cpus), 3)
+    say(f"relay CPU per message (medians): inbound process {inbound_ms} ms, main {main_ms} ms")
     RESULTS[name] = {
+        "inbound_cpu_ms": inbound_ms,
+        "main_cpu_ms": main_ms,
         "n": n,
         "size": size,
         "rcpts": rcpts,
@@ -275,6 +331,49 @@ def e2e(name: str, n: int, size: int, rounds: int, rcpts: int = 1) -> None:
         "relay_delivered": lost,
         "relay_rss_mib": rss // 1024,
         "rounds": rows,
+    }
+
+
+def inbound_cpu(n: int, rounds: int, base: str) -> None:
+    """The inbound process's CPU per 2 KiB message, this tree against `base`, alternated:
+    each round a fresh relay of each tree, smtp-source's `small` load (one message per
+    session, 20 sessions) after a warm-up of 500, the inbound child's CPU over the n."""
+    say(f"## cpu: inbound process CPU per message, {n} x 2 KiB, this tree vs {base}")
+    per: dict[str, list[float]] = {base: [], "this tree": []}
+    with tempfile.TemporaryDirectory(prefix="relay-bench-base-") as tmp:
+        trees: list[tuple[str, Path | None]] = [
+            (base, export(base, Path(tmp))),
+            ("this tree", None),
+        ]
+        sink = Sink(RELAY_SINK)
+        try:
+            for _ in range(rounds):
+                for name, tree in trees:
+                    relay = Relay(tree=tree)
+                    try:
+                        source(RELAY_PORT, 500, 20, 2048)
+                        before = relay.cpu()[1]
+                        took = source(RELAY_PORT, n, 20, 2048)
+                        ms = (relay.cpu()[1] - before) / n * 1000
+                    finally:
+                        relay.stop()
+                    per[name].append(ms)
+                    say(f"{name:<10} inbound_cpu_ms_per_msg={ms:.3f} accept_per_s={n / took:.0f}")
+        finally:
+            sink.stop()
+    med = {k: statistics.median(v) for k, v in per.items()}
+    r = med["this tree"] / med[base] if med[base] else 0.0
+    say(
+        f"inbound CPU per message (medians): {base} {med[base]:.3f} ms, this tree"
+        f" {med['this tree']:.3f} ms: {r:.2f} of {base}"
+    )
+    RESULTS["cpu"] = {
+        "n": n,
+        "base": base,
+        "base_ms": round(med[base], 3),
+        "this_ms": round(med["this tree"], 3),
+        "ratio": round(r, 2),
+        "rounds": per,
     }
 
 
@@ -550,7 +649,9 @@ def postfix_peer() -> Iterator[None]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="small,large,rcpts,serial,backlog,cli")
+    ap.add_argument("--only", default="cpu,small,large,rcpts,serial,backlog,cli")
+    ap.add_argument("--base", default="d23213b", help="the tree `cpu` compares with")
+    ap.add_argument("--cpu", type=int, default=5000, help="messages per round in `cpu`")
     ap.add_argument("--small", type=int, default=10000, help="messages in `small`")
     ap.add_argument("--large", type=int, default=2000, help="messages in `large`")
     ap.add_argument("--rcpts", type=int, default=2000, help="messages in `rcpts`")
@@ -591,7 +692,12 @@ def main() -> int:
         ("serial", lambda: serial(a.serial, a.rounds)),
         ("backlog", lambda: backlog(a.backlog, a.backlog_postfix, a.drain_window)),
     ]
-    if only - {"cli"}:
+    if "cpu" in only:
+        t = time.monotonic()
+        inbound_cpu(a.cpu, a.rounds, a.base)
+        say(f"(cpu: {time.monotonic() - t:.0f} s)")
+        say()
+    if only - {"cli", "cpu"}:
         with postfix_peer():
             for name, run in plan:
                 if name in only:
