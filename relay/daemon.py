@@ -53,7 +53,7 @@ from relay.feedback.service import FeedbackService
 from relay.inbound import fdlimit
 from relay.inbound.guard import InboundGuard
 from relay.inbound.handler import InboundHandler, Suppressions
-from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, InboundProcess, listen
+from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, STATS_ENV, InboundProcess, listen
 from relay.inbound.stats import InboundStats
 from relay.inbound.supervisor import Supervisor
 from relay.ops import alerts, faults
@@ -133,7 +133,13 @@ class Daemon:
         self.alerts = alerts.Dispatcher(
             self.writer, lambda: self.config.alerts, lambda: self.config.hostname, faults.now
         )
-        self.inbound = Supervisor(lambda: self.config, self._stop.is_set, self._wake)
+        self.inbound = Supervisor(
+            lambda: self.config,
+            self._stop.is_set,
+            self._wake,
+            absorb=self._absorb,
+            retire=self._retire,
+        )
         self.outbox = (  # README "The transactional outbox"
             Outbox(lambda: self.config, self.writer, self._wake) if config.outbox.enabled else None
         )
@@ -155,6 +161,19 @@ class Daemon:
         """New mail queued (an inbound process, the outbox, a DSN): the engine claims it."""
         if self.engine is not None:
             self.engine.wake()
+
+    def _absorb(self, source: str, payload: dict[str, Any]) -> None:
+        """An inbound process's counters (relay/inbound/supervisor.py): into /metrics, the
+        console's series and `relay status`."""
+        rows, counts = payload.get("metrics"), payload.get("stats")
+        if isinstance(rows, list):
+            self.metrics.absorb(source, rows)
+        if isinstance(counts, dict):
+            self.stats.absorb(source, counts)
+
+    def _retire(self, source: str) -> None:
+        self.metrics.retire(source)
+        self.stats.retire(source)
 
     async def _dead_letter(self, doc: dict[str, Any]) -> None:
         """The engine's dead-letter hook: the DSN to the sender (relay/delivery/dsn.py)."""
@@ -510,8 +529,13 @@ def serve(config_path: str | None) -> int:
         return 70  # EX_SOFTWARE: the installed library is not one we support
     try:
         if os.environ.get(ROLE_ENV) == "inbound":  # started by a main process
-            fd = os.environ.get(NOTIFY_ENV)
-            child = InboundProcess(config, int(fd) if fd else None, LISTEN_BACKLOG)
+            fd, stats_fd = os.environ.get(NOTIFY_ENV), os.environ.get(STATS_ENV)
+            child = InboundProcess(
+                config,
+                int(fd) if fd else None,
+                LISTEN_BACKLOG,
+                int(stats_fd) if stats_fd else None,
+            )
             return _run_loop(child.run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))
         daemon = Daemon(config, fd_limit)
         return _run_loop(daemon.run(), os.environ.get("RELAY_EVENT_LOOP", "auto"))

@@ -16,8 +16,11 @@ Rules:
   per turn of its event loop, however many it queued in that turn): the engine claims the
   new mail at once instead of at its next poll.
 - It runs no delivery, no admin or metrics endpoint, no health checks and no alerts: those
-  stay in the main process. Its per-IP limits and AUTH failure counters are its own (a
-  client spread over N+1 processes may open up to N+1 times `max_connections_per_ip`).
+  stay in the main process. Its counters (relay/ops/metrics.py, relay/inbound/stats.py) go
+  to the main process once a second and at exit, on a socket of its own (STATS_ENV), so
+  /metrics, the console and `relay status` count the mail every process takes. Its per-IP
+  limits and AUTH failure counters are its own (a client spread over N+1 processes may
+  open up to N+1 times `max_connections_per_ip`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -47,13 +52,24 @@ log = logging.getLogger("relay.inbound")
 
 ROLE_ENV = "RELAY_ROLE"  # "inbound" in a process the main one started
 NOTIFY_ENV = "RELAY_NOTIFY_FD"  # the pipe's write end, inherited
+STATS_ENV = "RELAY_STATS_FD"  # this process's end of its counters socket, inherited
+STATS_EVERY = 1.0  # seconds between two snapshots of the counters to the main process
 REFRESH_EVERY = 2.0  # seconds: the suppression list, as in the main process
 
 
 class InboundProcess:
-    def __init__(self, config: Config, notify_fd: int | None, listen_backlog: int) -> None:
+    def __init__(
+        self,
+        config: Config,
+        notify_fd: int | None,
+        listen_backlog: int,
+        stats_fd: int | None = None,
+    ) -> None:
         self.config = config
         self.notify_fd = notify_fd
+        self.stats_sock = (
+            socket.socket(fileno=stats_fd) if stats_fd is not None else None
+        )  # SOCK_SEQPACKET: one datagram per snapshot
         self.backlog = listen_backlog
         self.metrics = Metrics()
         self.writer = SpoolWriter(config.spool_path, config.spool_pg)
@@ -83,8 +99,23 @@ class InboundProcess:
         with contextlib.suppress(BlockingIOError, OSError):  # a full pipe: a wake is pending
             os.write(self.notify_fd, b"q")
 
+    def _report(self) -> None:
+        """The counters to the main process (whole snapshots: one lost is harmless)."""
+        if self.stats_sock is None:
+            return
+        payload = {"metrics": self.metrics.snapshot(), "stats": self.stats.counts()}
+        with contextlib.suppress(OSError):  # a full socket: the next one says the same
+            self.stats_sock.send(json.dumps(payload, separators=(",", ":")).encode())
+
+    async def _reporter(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_EVERY)
+            self._report()
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        if self.stats_sock is not None:
+            self.stats_sock.setblocking(False)
         _die_with_parent()
         await asyncio.to_thread(self.writer.start)
         await self.suppressions.refresh(self.writer)
@@ -123,6 +154,7 @@ class InboundProcess:
             loop.create_task(self.reserve.watch(), name="disk-reserve"),
             loop.create_task(self._refresh(), name="suppressions"),
             loop.create_task(self._reloader(), name="reloader"),
+            loop.create_task(self._reporter(), name="counters"),
         ]
         log_event(
             log, logging.INFO, "startup", "inbound process ready", pid=os.getpid(), role="inbound"
@@ -145,6 +177,7 @@ class InboundProcess:
             s.close()
         await feedback.close()
         await asyncio.to_thread(self.writer.close)
+        self._report()  # the last counts, after the last message
         return 0
 
     async def _refresh(self) -> None:

@@ -1,11 +1,16 @@
 """The inbound counters: what `relay status` shows of the listeners, and the rejected
 metric by reason. One object for every listener of a process (relay/daemon.py).
+
+With inbound processes (`inbound.processes`), each keeps its own and sends them to the main
+process once a second with its metrics (relay/ops/metrics.py's rules): `totals` is the
+main process's own counts plus the last ones of each inbound process (`absorb`), and those
+of exited ones (`retire`: a restarted process counts from zero, the totals never go down).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from relay.ops.metrics import Metrics
@@ -19,9 +24,37 @@ class InboundStats:
     sessions: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     metrics: Metrics | None = None
+    # other processes' last counts by source; "" sums those of exited ones
+    remote: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def reject(self, reason: str) -> None:
         self.rejected += 1
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
         if self.metrics is not None:
             self.metrics.rejected.labels(reason).inc()
+
+    def counts(self) -> dict[str, int]:
+        """This process's own counts (what an inbound process sends)."""
+        return {
+            "accepted": self.accepted,
+            "deduplicated": self.deduplicated,
+            "rejected": self.rejected,
+            "sessions": self.sessions,
+        }
+
+    def absorb(self, source: str, counts: dict[str, Any]) -> None:
+        self.remote[source] = {k: int(counts.get(k, 0)) for k in self.counts()}
+
+    def retire(self, source: str) -> None:
+        last = self.remote.pop(source, {})
+        gone = self.remote.setdefault("", {})
+        for k, v in last.items():
+            gone[k] = gone.get(k, 0) + v
+
+    def totals(self) -> dict[str, int]:
+        """Own counts plus every other process's (what `relay status` shows)."""
+        out = self.counts()
+        for counts in self.remote.values():
+            for k, v in counts.items():
+                out[k] = out.get(k, 0) + v
+        return out

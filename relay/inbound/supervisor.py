@@ -12,21 +12,28 @@ Rules:
 - `stop` (at shutdown, before the engine): SIGTERM to each, so they finish the DATA they
   are in (their 250 depends on the spool); a process still running at the deadline is
   killed.
+- Each process gets a socket of its own (a `SOCK_SEQPACKET` pair: one datagram, one
+  snapshot) on which it sends its counters once a second and at exit (JSON: `metrics`, a
+  relay/ops/metrics.py snapshot, and `stats`, its `relay status` counts). The last one
+  read goes to `absorb(source, payload)`; when the process has exited and its socket is
+  read to the end, `retire(source)`: its counts stay in the totals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV
+from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, STATS_ENV
 from relay.ops.logs import log_event
 
 if TYPE_CHECKING:
@@ -44,10 +51,14 @@ class Supervisor:
         config: Callable[[], Config],
         stopping: Callable[[], bool],
         on_queued: Callable[[], None],
+        absorb: Callable[[str, dict[str, Any]], None] | None = None,
+        retire: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.stopping = stopping
         self.on_queued = on_queued
+        self.absorb = absorb
+        self.retire = retire
         self.children: list[asyncio.subprocess.Process] = []  # running now
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = 0  # `r` bytes read: inbound processes (re)started listening
@@ -84,16 +95,41 @@ class Supervisor:
 
     async def _supervise(self, index: int, wfd: int) -> None:
         """Run inbound process `index`; start it again a second after it dies."""
-        env = {**os.environ, ROLE_ENV: "inbound", NOTIFY_ENV: str(wfd)}
         args = [sys.executable, "-m", "relay", "serve"]
         path = self.config().path
         if path:
             args += ["-c", str(path)]
+        loop = asyncio.get_running_loop()
         while not self.stopping():
-            proc = await asyncio.create_subprocess_exec(*args, env=env, pass_fds=(wfd,))
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            env = {
+                **os.environ,
+                ROLE_ENV: "inbound",
+                NOTIFY_ENV: str(wfd),
+                STATS_ENV: str(theirs.fileno()),
+            }
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *args, env=env, pass_fds=(wfd, theirs.fileno())
+                )
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            source = f"inbound-{index}-{proc.pid}"
+            ours.setblocking(False)
+            loop.add_reader(ours.fileno(), self._read_stats, ours, source)
             self.children.append(proc)
-            code = await proc.wait()
-            self.children.remove(proc)
+            try:
+                code = await proc.wait()
+            finally:
+                self.children.remove(proc)
+                loop.remove_reader(ours.fileno())
+                self._read_stats(ours, source)  # what it sent as it exited
+                ours.close()
+                if self.retire is not None:
+                    self.retire(source)
             if self.stopping():
                 return
             log_event(
@@ -106,6 +142,27 @@ class Supervisor:
                 code=code,
             )
             await asyncio.sleep(RESTART_AFTER)
+
+    def _read_stats(self, sock: socket.socket, source: str) -> None:
+        """Every snapshot waiting on `sock`; the last one that parses is absorbed."""
+        last: dict[str, Any] | None = None
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                continue  # never ours: a process writes whole JSON datagrams
+            if isinstance(payload, dict):
+                last = payload
+        if last is not None and self.absorb is not None:
+            self.absorb(source, last)
 
     def reload(self) -> None:
         """SIGHUP to each: they reload the config themselves."""

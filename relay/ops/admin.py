@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from relay.ops.http import HttpLimits, HttpServer, Request, Response
 from relay.ops.metrics import Metrics
@@ -146,4 +146,4 @@ class AdminServer:
         for state, n in by_state.items():
             m.queue_depth.labels(state).set(n)
         m.oldest_age.set(oldest_age or 0)
-        return bytes(generate_latest(m.registry))
+        return m.exposition()  # with the inbound processes' samples

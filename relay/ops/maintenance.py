@@ -105,12 +105,7 @@ class Maintenance:
         snap["node"] = self.engine.node
         snap["fleet_size"] = self.engine.fleet_size
         snap["started_at"] = ops.iso_utc(self.started_at)
-        snap["inbound"] = {
-            "accepted": self.stats.accepted,
-            "deduplicated": self.stats.deduplicated,
-            "rejected": self.stats.rejected,
-            "sessions": self.stats.sessions,
-        }
+        snap["inbound"] = self.stats.totals()  # with the inbound processes' counts
         now = time.time()
         node = self.engine.node
         pg = self.config().spool_pg is not None

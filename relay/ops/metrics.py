@@ -1,9 +1,29 @@
 """Prometheus metrics (prometheus-client: the reference exposition format, no hand-rolled
-text). One registry per daemon so tests can run several in one process."""
+text). One registry per daemon so tests can run several in one process.
+
+Rules (the inbound processes' counters, `inbound.processes`):
+- An inbound process keeps its own `Metrics`; once a second it sends the main process a
+  `snapshot` of it (relay/inbound/processes.py, relay/inbound/supervisor.py). The main
+  process keeps the last snapshot of each (`absorb`), and what it exposes (`collect`,
+  `exposition`: /metrics, the console's per-minute series) is its own values plus theirs,
+  sample by sample: counters and histograms add up, and so do gauges (connections open).
+- When an inbound process exits, its counters and histograms stay in the totals (`retire`:
+  its restart counts from zero again, the sum never goes down); its gauges go with it.
+- `_created` samples (a counter's start time) are never added: the main process's own stay.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+# (family name, family type, sample name, labels as sorted pairs, value): one sample of a
+# snapshot, as sent between processes (JSON: lists)
+SnapshotRow = tuple[str, str, str, tuple[tuple[str, str], ...], float]
 
 # The recipients counters by outcome: (name, help, labels). Each row of the outcome table
 # (relay/delivery/outcomes.py) names the one it moves and its `reason` label; this module
@@ -26,8 +46,13 @@ OUTCOME_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
+_Key = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name, labels
+
+
 class Metrics:
     def __init__(self) -> None:
+        # other processes' last snapshots by source; "" sums those of exited ones (retire)
+        self._remote: dict[str, dict[_Key, tuple[str, float]]] = {}
         r = self.registry = CollectorRegistry()
         self.accepted = Counter(
             "relay_accepted_messages", "Messages accepted and spooled", ["lane"], registry=r
@@ -183,7 +208,74 @@ class Metrics:
             registry=r,
         )
 
+    # --- the inbound processes' values (see the rules) ---------------------------------
+
+    def snapshot(self) -> list[SnapshotRow]:
+        """This registry's samples that are not zero, `_created` left out."""
+        rows: list[SnapshotRow] = []
+        for fam in self.registry.collect():
+            for smp in fam.samples:
+                if smp.value and not smp.name.endswith("_created"):
+                    labels = tuple(sorted(smp.labels.items()))
+                    rows.append((fam.name, fam.type, smp.name, labels, float(smp.value)))
+        return rows
+
+    def absorb(self, source: str, rows: Sequence[Sequence[Any]]) -> None:
+        """The latest snapshot of another process (`source`), replacing its previous one."""
+        self._remote[source] = {
+            (str(fam), str(name), tuple((str(k), str(v)) for k, v in labels)): (
+                str(kind),
+                float(value),
+            )
+            for fam, kind, name, labels, value in rows
+        }
+
+    def retire(self, source: str) -> None:
+        """`source` exited: its counters and histograms stay in the totals, its gauges go."""
+        last = self._remote.pop(source, {})
+        retired = self._remote.setdefault("", {})  # "" holds the exited processes' sums
+        for key, (kind, value) in last.items():
+            if kind != "gauge":
+                old = retired.get(key, (kind, 0.0))[1]
+                retired[key] = (kind, old + value)
+
+    def collect(self) -> Iterator[Metric]:
+        """This registry's families with the other processes' samples added."""
+        extra: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for snap in self._remote.values():
+            for (fam_name, name, labels), (_kind, value) in snap.items():
+                per = extra.setdefault(fam_name, {})
+                per[(name, labels)] = per.get((name, labels), 0.0) + value
+        for fam in self.registry.collect():
+            add = extra.get(fam.name)
+            if add:
+                add = dict(add)
+                samples: list[Sample] = []
+                for smp in fam.samples:
+                    key = (smp.name, tuple(sorted(smp.labels.items())))
+                    more = add.pop(key, 0.0)
+                    samples.append(smp._replace(value=smp.value + more) if more else smp)
+                samples += [
+                    Sample(name, dict(labels), value) for (name, labels), value in add.items()
+                ]
+                fam.samples = samples
+            yield fam
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of `collect` (what /metrics serves)."""
+        return bytes(generate_latest(_View(self)))
+
     def count_outcome(self, metric: str, destination: str, reason: str | None, n: int = 1) -> None:
         """One outcome's recipients counter (a row of relay/delivery/outcomes.py)."""
         c = self.outcomes[metric]
         (c.labels(destination) if reason is None else c.labels(destination, reason)).inc(n)
+
+
+class _View:
+    """What prometheus-client's `generate_latest` needs of a registry: `collect`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.collect()

@@ -6,6 +6,7 @@ outlives the main one."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import smtplib
@@ -119,3 +120,58 @@ def test_inbound_process_dies_with_a_killed_main_process(upstream, relay) -> Non
     r.start_again()
     with smtp_session(r.port) as s:
         assert s.noop()[0] == 250
+
+
+def test_inbound_processes_counters_reach_metrics_and_status(upstream, relay) -> None:
+    """The mail an inbound process takes is counted where the operator looks: /metrics,
+    `relay stats`; a process that is killed and started again takes nothing back."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        c = http.client.HTTPConnection("127.0.0.1", r.admin_port, timeout=10)
+        try:
+            c.request("GET", "/metrics")
+            body = c.getresponse().read().decode()
+        finally:
+            c.close()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                if not s.name.endswith("_created"):
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    up = upstream()
+    r = relay(upstream=up, config={"inbound": {"processes": 1}})
+    assert r.proc is not None
+    (child,) = _children(r.proc.pid)
+    for i in range(3):
+        assert send(r.port, "app@example.com", ["user@example.org"], make_message(i)) == {}
+    assert send(r.port, "app@example.com", ["user@example.org"], make_message(1)) == {}  # dup
+    with smtp_session(r.port) as s:
+        s.mail("app@example.com")
+        assert s.docmd("RCPT", "TO:<@example.org>")[0] == 501  # rejected: bad_address
+    up.wait_for(3)
+    _wait(
+        lambda: (
+            scrape().get("relay_accepted_messages_total") == 3
+            and scrape().get("relay_deduplicated_messages_total") == 1
+            and scrape().get("relay_rejected_total", 0) >= 1
+        ),
+        "the inbound process's counts in /metrics",
+    )
+    m = scrape()
+    assert m.get("relay_delivered_recipients_total") == 3  # the main process's own
+    _wait(
+        lambda: (r.cli_json("stats")["daemon"] or {}).get("inbound", {}).get("accepted") == 3,
+        "the inbound process's counts in relay stats",
+    )
+    st = r.cli_json("stats")["daemon"]["inbound"]
+    assert st["deduplicated"] == 1 and st["rejected"] >= 1 and st["sessions"] >= 5, st
+
+    # killed and started again: the counts it had stay; the new one adds to them
+    os.kill(child, signal.SIGKILL)
+    _wait(lambda: _ready(r) == 2, "a new inbound process listening")
+    assert scrape().get("relay_accepted_messages_total") == 3
+    assert send(r.port, "app@example.com", ["user@example.org"], make_message(7)) == {}
+    _wait(lambda: scrape().get("relay_accepted_messages_total") == 4, "the new process's count")

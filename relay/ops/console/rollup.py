@@ -55,7 +55,7 @@ def sample(metrics: Metrics) -> Sample:
     counts = dict.fromkeys(SERIES, 0.0)
     names = {v: k for k, v in _COUNTERS.items()}
     buckets: dict[float, float] = {}
-    for fam in metrics.registry.collect():
+    for fam in metrics.collect():  # with the inbound processes' counts
         key = names.get(fam.name)
         for s in fam.samples:
             if key is not None and s.name.endswith("_total"):
