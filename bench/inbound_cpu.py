@@ -24,39 +24,20 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 import yaml
+from suite import cpu_seconds, export  # bench/suite.py, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def export(commit: str, dest: Path) -> Path:
-    """The tree of `commit` (git archive: the repository is not touched)."""
-    data = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
-        check=True,
-        capture_output=True,
-    ).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as t:
-        t.extractall(dest, filter="data")
-    return dest
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def children(pid: int) -> list[int]:
