@@ -717,7 +717,7 @@ def test_org_domain_and_tags() -> None:
     ],
 )
 def test_parsers_are_linear(hostile: str) -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     _parse_spf(hostile)
     _tags(hostile.replace(" ", ";"))
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5

@@ -344,10 +344,10 @@ HOSTILE = [
 
 def test_hostile_input_is_fast() -> None:
     for reply in HOSTILE:
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(20):
             result = upstream_id(reply)
-        elapsed = (time.perf_counter() - start) / 20
+        elapsed = (time.process_time() - start) / 20
         assert result is None or _valid(result)
         assert elapsed < 0.01, (reply[:40], elapsed)
 

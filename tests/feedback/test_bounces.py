@@ -869,9 +869,9 @@ def test_patterns_are_linear(name: str) -> None:
     ]
     worst = 0.0
     for text in hostile:
-        started = time.perf_counter()
+        started = time.process_time()
         pattern.sub("", text)
-        worst = max(worst, time.perf_counter() - started)
+        worst = max(worst, time.process_time() - started)
     assert worst < 0.5, (name, worst)
 
 
@@ -890,12 +890,12 @@ def test_patterns_are_linear(name: str) -> None:
 )
 def test_hostile_notices_take_bounded_time(body: str) -> None:
     data = mail("From: MAILER-DAEMON@x.example\nSubject: Undelivered Mail\n\n" + body)
-    started = time.perf_counter()
+    started = time.process_time()
     try:
         events = parse_feedback_mail(data)
     except FeedbackError:
         events = []
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
     assert len(events) <= bounces.MAX_RECIPIENTS
 
 
@@ -908,10 +908,10 @@ def test_deep_nesting_and_slow_charsets_are_handled() -> None:
         parse_feedback_mail(nested)
     slow = b"From: MAILER-DAEMON@x\r\nSubject: Undelivered Mail\r\nContent-Type: text/plain;"
     slow += b" charset=punycode\r\n\r\n" + b"a-" * 300_000
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(FeedbackError):
         parse_feedback_mail(slow)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 SAMPLES = [mail(s) for s in (POSTFIX_DSN, MIXED_DSN, GLOBAL_DSN, ARF, QMAIL, EXIM, OFFICE365)]

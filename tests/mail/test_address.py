@@ -121,7 +121,7 @@ PATHOLOGICAL = [
     "arg", PATHOLOGICAL, ids=[f"shape{i}-len{len(a)}" for i, a in enumerate(PATHOLOGICAL)]
 )
 def test_pathological_input_is_linear(arg: str) -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     for _ in range(10):
         try:
             parse_path(arg, null_ok=True)
@@ -129,15 +129,15 @@ def test_pathological_input_is_linear(arg: str) -> None:
             pass
     # ten parses of up to 100 kB: milliseconds when linear; the old regex took 23 s for one
     # 28-character domain. The bound leaves room for a loaded 2-core machine.
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 @pytest.mark.parametrize("domain", ["aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa_", "x" * 300, "a..b"])
 def test_check_domain_refuses_quickly(domain: str) -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(AddressError):
         check_domain(domain)
-    assert time.perf_counter() - started < 0.1
+    assert time.process_time() - started < 0.1
 
 
 _atom = st.text(alphabet="abcXYZ019!#$%&'*+/=?^_`{|}~-", min_size=1, max_size=8)

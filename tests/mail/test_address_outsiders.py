@@ -99,11 +99,11 @@ def test_address_literals(literal: str, ok: bool) -> None:
 
 
 def test_literal_checks_stay_linear() -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     for body in (":" * 240, "1" * 240, "1:" * 120, "::" + "f" * 238):
         with pytest.raises(AddressError):
             parse_path(f"<a@[IPv6:{body}]>", null_ok=False)
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
 
 
 async def test_smtp_refuses_unseen_characters_with_the_address_replies(
