@@ -424,8 +424,7 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
 def _status(args: argparse.Namespace, spool: Any) -> int:
     """`relay status`: the daemon's health file, judged like a monitoring plugin. Reads no
     database: it works when the spool is the problem."""
-    from relay.ops.health import UNKNOWN_EXIT, plugin_output
-    from relay.ops.monitor import HEALTH_FILE
+    from relay.ops.health import HEALTH_FILE, UNKNOWN_EXIT, plugin_output
 
     path = spool / HEALTH_FILE
     doc: dict[str, Any]
