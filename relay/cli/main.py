@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 from relay import __version__
 from relay.config.tree import EX_CONFIG, ConfigError, load_config, parse_duration
 from relay.delivery.outcomes import ROWS
-from relay.feedback.apply import rates as feedback_rates
 from relay.mail.address import AddressError, check_mailbox, printable
 from relay.ops.logs import log_event, redact_text, set_secrets, setup_logging
 from relay.spool import bodies, db, ops
@@ -425,8 +424,7 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
 def _status(args: argparse.Namespace, spool: Any) -> int:
     """`relay status`: the daemon's health file, judged like a monitoring plugin. Reads no
     database: it works when the spool is the problem."""
-    from relay.ops.health import UNKNOWN_EXIT, plugin_output
-    from relay.ops.monitor import HEALTH_FILE
+    from relay.ops.health import HEALTH_FILE, UNKNOWN_EXIT, plugin_output
 
     path = spool / HEALTH_FILE
     doc: dict[str, Any]
@@ -1219,6 +1217,8 @@ def _stats(args: argparse.Namespace, conn: sqlite3.Connection, now: float) -> in
     else:
         st["daemon"] = None
     st["fleet"] = nodes
+    from relay.feedback.apply import rates as feedback_rates  # only stats reads them
+
     st["feedback"] = feedback_rates(conn, now)
     if args.json:
         _print_json(st)

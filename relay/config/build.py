@@ -17,9 +17,8 @@ import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relay.authenticity.dkim import DkimKey
 from relay.config import routes as routing
 from relay.config import values as types
 from relay.config.models import (
@@ -67,6 +66,9 @@ from relay.config.records import (
 )
 from relay.config.report import ConfigError, shown, validate
 from relay.config.sections.inbound import AliasesFile
+
+if TYPE_CHECKING:  # dkimpy, dnspython and cryptography load only when a key does
+    from relay.authenticity.dkim import DkimKey
 
 
 def build(
@@ -457,8 +459,6 @@ def dkim(raw: object, base: Path, errors: list[str]) -> dict[str, tuple[DkimKey,
     mappings per domain (RSA and Ed25519 side by side, RFC 8463). Each key is read and
     checked now: a missing or unusable key is a config error (exit 78), never a surprise
     per message."""
-    from relay.authenticity import dkim as dkim_sign
-
     if not isinstance(raw, Mapping):
         errors.append("dkim: expected a mapping of sending domains")
         return {}
@@ -470,6 +470,9 @@ def dkim(raw: object, base: Path, errors: list[str]) -> dict[str, tuple[DkimKey,
             e = validate(DkimEntrySection, {} if entry is None else entry, key, errors, base=base)
             if e is None:
                 continue
+            # dkimpy, dnspython and cryptography: only a config with a key pays for them
+            from relay.authenticity import dkim as dkim_sign
+
             try:
                 keys.append(
                     dkim_sign.load_key(
@@ -482,6 +485,10 @@ def dkim(raw: object, base: Path, errors: list[str]) -> dict[str, tuple[DkimKey,
                 )
             except dkim_sign.DkimConfigError as err:
                 errors.append(f"{key}: {err}")
+    if not keys:
+        return {}
+    from relay.authenticity import dkim as dkim_sign
+
     try:
         return dkim_sign.by_domain(keys)
     except dkim_sign.DkimConfigError as err:

@@ -15,18 +15,21 @@ import copy
 import datetime as dt
 import ipaddress
 import socket
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from relay.authenticity.dkim import DkimKey
 from relay.config import redact
 from relay.config.routes import Routing
 from relay.config.rules import LaneRule, ShapingRule
 from relay.config.sections.base import MAX_HEADER_SIZE
+
+if TYPE_CHECKING:  # dkimpy, dnspython, cryptography and ssl load only when a key or TLS does
+    import ssl
+
+    from relay.authenticity.dkim import DkimKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,14 +37,17 @@ import random
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from relay.config.tree import Alerts as AlertsConf
 from relay.ops import shell
 from relay.ops.logs import log_event, mask_address, redact_text, redact_webhook_url
 from relay.spool import ops
+
+# httpx loads with the first webhook (`relay alerts` only reads the spool; the daemon has it
+# loaded from the start, relay/delivery/oauth.py)
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +268,8 @@ async def post_webhook(
     client: httpx.AsyncClient, url: str, secret: bytes | None, doc: dict[str, Any], timeout: float
 ) -> str | None:
     """POST the alert; None when the receiver answered 2xx, else what went wrong."""
+    import httpx
+
     body = json.dumps(doc, sort_keys=True).encode()
     headers = {
         "Content-Type": "application/json",
@@ -450,6 +455,8 @@ class Dispatcher:
                 err = await run_command(conf.command, doc, conf.timeout)
             elif sink == "webhook" and conf.webhook is not None:
                 if self._client is None:
+                    import httpx
+
                     self._client = httpx.AsyncClient(follow_redirects=False)
                 wh = conf.webhook
                 err = await post_webhook(self._client, wh.url, wh.secret, doc, wh.timeout)

@@ -26,6 +26,9 @@ RANK: dict[str, int] = {"ok": 0, "warning": 1, "critical": 2}
 EXIT = {"ok": 0, "warning": 1, "critical": 2}
 UNKNOWN_EXIT = 3
 READINESS = ("listeners", "spool", "disk")
+# the health document the monitor writes each pass, in the spool folder; `relay status`
+# reads it (and nothing else: it works when the database is the problem)
+HEALTH_FILE = "health.json"
 
 
 @dataclass(slots=True)

@@ -48,7 +48,7 @@ SLOW_COMMIT = 2.0  # seconds: a group commit slower than this is a warning
 # daemon's own writes (maintenance every 2 s, the fleet heartbeat) renew it while it lasts,
 # with mail or without; the health pass's probe is a read and cannot tell
 REFUSED_HOLD = 5.0
-HEALTH_FILE = "health.json"
+HEALTH_FILE = health.HEALTH_FILE
 
 Result = tuple[str, health.Status, str]
 

@@ -17,7 +17,6 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -49,6 +48,8 @@ class ReserveGate:
         self.low = False
 
     async def check(self) -> None:
+        import asyncio  # the gate's alone: `relay status` reads `low` (relay/ops/health.py)
+
         path, reserve = self.where()
         try:
             free = await asyncio.to_thread(free_bytes, path)
@@ -72,6 +73,8 @@ class ReserveGate:
         return REFUSAL if self.low else None
 
     async def watch(self) -> None:
+        import asyncio
+
         while True:
             await self.check()
             await asyncio.sleep(EVERY)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -21,6 +20,9 @@ from pydantic import (
 
 from relay.config import values as t
 from relay.config.sections.base import MAX_HEADER_SIZE, MIN_HEADER_SIZE, Section, choice_of
+
+if TYPE_CHECKING:  # ssl loads when a listener has TLS (the `relay queue ...` CLI needs none)
+    import ssl
 
 
 class LimitsSection(Section):
@@ -152,6 +154,8 @@ class ListenerTLSSection(Section):
 
     @model_validator(mode="after")
     def _load(self, info: ValidationInfo) -> ListenerTLSSection:
+        import ssl
+
         key = (info.context or {}).get("key", "listen[]") + ".tls"
         for name in ("cert_file", "key_file"):
             path = getattr(self, name)
