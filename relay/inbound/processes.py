@@ -15,6 +15,8 @@ Rules:
 - After the messages it queues it writes one byte to a pipe the main process reads (one
   per turn of its event loop, however many it queued in that turn): the engine claims the
   new mail at once instead of at its next poll.
+- Its log lines are written once per turn of its event loop (relay/ops/logs.py
+  `lines_per_turn`), not one write each.
 - It runs no delivery, no admin or metrics endpoint, no health checks and no alerts: those
   stay in the main process. Its per-IP limits and AUTH failure counters are its own (a
   client spread over N+1 processes may open up to N+1 times `max_connections_per_ip`).
@@ -38,7 +40,7 @@ from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.stats import InboundStats
 from relay.inbound.tls_listener import implicit_context
 from relay.ops import alerts, faults
-from relay.ops.logs import log_event, reconfigure
+from relay.ops.logs import lines_per_turn, log_event, reconfigure
 from relay.ops.metrics import Metrics
 from relay.spool.reserve import ReserveGate
 from relay.spool.writer import SpoolWriter
@@ -84,6 +86,11 @@ class InboundProcess:
             os.write(self.notify_fd, b"q")
 
     async def run(self) -> int:
+        # the accepted lines of one loop turn (a spool commit's accepts) in one write
+        with lines_per_turn(asyncio.get_running_loop()):
+            return await self._serve()
+
+    async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
         _die_with_parent()
         await asyncio.to_thread(self.writer.start)
