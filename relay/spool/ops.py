@@ -380,7 +380,8 @@ def _accept_many_sqlite(
     `accept` one by one (nothing is written before that is known). SQLite's writer holds the
     database's write lock from its BEGIN IMMEDIATE on, so no other process takes a key
     between the read and the take; should one be taken all the same, this raises and the
-    writer rolls the group back and runs its jobs one by one (as `accept`)."""
+    writer rolls the group back and runs its jobs one by one (as `accept`); so would an
+    SQLite built without its JSON functions (json_each: built in since 3.38)."""
     keys = [r.dedup_key for m, _w in items for r in m.recipients]
     known: dict[str, float] = {
         row[0]: row[1]
