@@ -98,6 +98,34 @@ def with_enhanced(status: str) -> str:
     return f"{code} {enh} {text}"
 
 
+# what _say makes of a reply line: the line as sent, its bytes, and what it does to the
+# session (closes it, resets the error count, counts as an error, nothing), cached: most
+# replies are the same few lines (EHLO's, 250 OK, 354, 221) in every session
+_PLAIN, _CLOSES, _RESETS, _ERROR = "plain", "closes", "resets", "error"
+_SAID: dict[str, tuple[str, bytes, str]] = {}
+_SAID_MAX = 512  # lines; a client's own words in a reply (500 "FOO" not recognized) vary
+
+
+def _said(status: str) -> tuple[str, bytes, str]:
+    line = with_enhanced(status)
+    if line.startswith("552 5.3.4 Too much mail data"):
+        line = "552 5.3.4 Message size exceeds fixed maximum message size"
+    if line.startswith("421"):
+        kind = _CLOSES
+    elif resets_errors(line):
+        kind = _RESETS
+    elif counts_as_error(line):
+        kind = _ERROR
+    else:
+        kind = _PLAIN
+    said = (line, line.encode("utf-8", "surrogateescape") + b"\r\n", kind)
+    if kind is not _RESETS:  # "250 2.0.0 Ok: queued as <queue id>": never the same twice
+        if len(_SAID) >= _SAID_MAX:
+            _SAID.clear()
+        _SAID[status] = said
+    return said
+
+
 BARE_NEWLINE_REPLY = b"500 5.5.2 Syntax error: bare CR or LF in command line (RFC 5321 2.3.8)\r\n"
 TOO_MANY_ERRORS = "421 4.7.0 {host} too many errors, closing connection"
 BOGUS_LIMIT = 5  # unknown commands in a session; the fifth closes (aiosmtpd's BOGUS_LIMIT)
@@ -402,16 +430,17 @@ class ServerCore:
         """One reply line, with its enhanced code; counted (relay/inbound/session_limits.py)."""
         if self.state is State.CLOSED:
             return
-        status = with_enhanced(status)
-        if status.startswith("552 5.3.4 Too much mail data"):
-            status = "552 5.3.4 Message size exceeds fixed maximum message size"
-        self._out.append(status.encode("utf-8", "surrogateescape") + b"\r\n")
-        if status.startswith("421"):  # §3.8: a 421 closes the channel
+        said = _SAID.get(status)
+        if said is None:
+            said = _said(status)
+        status, line, kind = said
+        self._out.append(line)
+        if kind is _CLOSES:  # §3.8: a 421 closes the channel
             self._close("421", status)
             return
-        if resets_errors(status):
+        if kind is _RESETS:
             self.errors = 0
-        elif counts_as_error(status):
+        elif kind is _ERROR:
             self.errors += 1
             if self.settings.max_errors and self.errors >= self.settings.max_errors:
                 self._out.append(TOO_MANY_ERRORS.format(host=self.settings.hostname).encode())

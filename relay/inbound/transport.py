@@ -371,82 +371,105 @@ class InboundProtocol(asyncio.Protocol):
     # --- one event ---------------------------------------------------------------------------
 
     def _on_event(self, ev: core_.Event) -> None:
-        h = self.handler
+        """One event of the core, by its type (a table, not a chain of isinstance)."""
+        _ON_EVENT.get(type(ev), InboundProtocol._on_other)(self, ev)
+
+    def _on_mail(self, ev: core_.Mail) -> None:
+        self._touch()
+        core = self.core
+        assert core is not None and self.session is not None
+        self.envelope.smtp_utf8 = ev.smtputf8
+        self._decide(
+            self.handler.handle_MAIL(
+                self, self.session, cast(Any, self.envelope), ev.address, list(ev.options)
+            ),
+            core.reply,
+        )
+
+    def _on_rcpt(self, ev: core_.Rcpt) -> None:
+        self._touch()
+        core = self.core
+        assert core is not None and self.session is not None
+        self._decide(
+            self.handler.handle_RCPT(
+                self, self.session, cast(Any, self.envelope), ev.address, list(ev.options)
+            ),
+            core.reply,
+        )
+
+    def _on_data_chunk(self, ev: core_.DataChunk) -> None:
+        self._touch()
+        incoming = self._incoming
+        if incoming is not None and self._store_error is None:
+            self._decide(incoming.add(ev.data), _ignore, self._store_failed)
+
+    def _on_data_start(self, ev: core_.DataStart) -> None:
+        self._touch()
+        cfg = self.handler.config
+        self._incoming = IncomingBody(cfg.spool_path, cfg.inline_max)
+        self._store_error = None
+
+    def _on_data_end(self, ev: core_.DataEnd) -> None:
+        self._touch()
+        self._data_end(ev)
+
+    def _on_ehlo(self, ev: core_.Ehlo) -> None:
+        self._touch()
         core = self.core
         session = self.session
-        server = self
         assert core is not None and session is not None
-        if isinstance(ev, core_.Mail):
-            self._touch()
-            self.envelope.smtp_utf8 = ev.smtputf8
-            self._decide(
-                h.handle_MAIL(
-                    server, session, cast(Any, self.envelope), ev.address, list(ev.options)
-                ),
-                core.reply,
+        self.envelope = Envelope()
+        session.extended_smtp = True
+        self._decide(
+            self.handler.handle_EHLO(
+                self, session, cast(Any, self.envelope), ev.hostname, list(ev.responses)
+            ),
+            core.reply_lines,
+        )
+
+    def _on_helo(self, ev: core_.Helo) -> None:
+        self._touch()
+        session = self.session
+        assert session is not None
+        self.envelope = Envelope()
+        session.extended_smtp = False
+        session.host_name = ev.hostname
+
+    def _on_rset(self, ev: core_.Rset) -> None:
+        self._touch()
+        self.envelope = Envelope()
+
+    def _on_auth(self, ev: core_.Auth) -> None:
+        self._touch()
+        self._start(self._auth(ev), pause=True)
+
+    def _on_auth_answer(self, ev: core_.AuthAnswer) -> None:
+        waiter = self._auth_waiter
+        self._auth_waiter = None
+        self._pause_reading()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(ev.blob)
+
+    def _on_starttls(self, ev: core_.StartTls) -> None:
+        self._start(self._starttls(), pause=True)
+
+    def _on_refused(self, ev: core_.Refused) -> None:
+        self.handler.stats.reject(ev.reason)
+
+    def _on_bare_newline(self, ev: core_.BareNewline) -> None:
+        self._bare_newline()
+
+    def _on_closed(self, ev: core_.Closed) -> None:
+        if ev.reason in ("max_errors", "421"):  # the 421s we send (relay/inbound/guard.py)
+            reason = ev.reason
+            if ev.reply.startswith(TOO_MANY_AUTH):
+                reason = "auth_failures"
+            self.handler.guard.session_closed(
+                reason, self._peer_ip or "?", self.relay_listener.name
             )
-        elif isinstance(ev, core_.Rcpt):
-            self._touch()
-            self._decide(
-                h.handle_RCPT(
-                    server, session, cast(Any, self.envelope), ev.address, list(ev.options)
-                ),
-                core.reply,
-            )
-        elif isinstance(ev, core_.DataChunk):
-            self._touch()
-            incoming = self._incoming
-            if incoming is not None and self._store_error is None:
-                self._decide(incoming.add(ev.data), _ignore, self._store_failed)
-        elif isinstance(ev, core_.DataStart):
-            self._touch()
-            cfg = h.config
-            self._incoming = IncomingBody(cfg.spool_path, cfg.inline_max)
-            self._store_error = None
-        elif isinstance(ev, core_.DataEnd):
-            self._touch()
-            self._data_end(ev)
-        elif isinstance(ev, core_.Ehlo):
-            self._touch()
-            self.envelope = Envelope()
-            session.extended_smtp = True
-            self._decide(
-                h.handle_EHLO(
-                    server, session, cast(Any, self.envelope), ev.hostname, list(ev.responses)
-                ),
-                core.reply_lines,
-            )
-        elif isinstance(ev, core_.Helo):
-            self._touch()
-            self.envelope = Envelope()
-            session.extended_smtp = False
-            session.host_name = ev.hostname
-        elif isinstance(ev, core_.Rset):
-            self._touch()
-            self.envelope = Envelope()
-        elif isinstance(ev, core_.Auth):
-            self._touch()
-            self._start(self._auth(ev), pause=True)
-        elif isinstance(ev, core_.AuthAnswer):
-            waiter = self._auth_waiter
-            self._auth_waiter = None
-            self._pause_reading()
-            if waiter is not None and not waiter.done():
-                waiter.set_result(ev.blob)
-        elif isinstance(ev, core_.StartTls):
-            self._start(self._starttls(), pause=True)
-        elif isinstance(ev, core_.Refused):
-            h.stats.reject(ev.reason)
-        elif isinstance(ev, core_.BareNewline):
-            self._bare_newline()
-        elif isinstance(ev, core_.Closed):
-            if ev.reason in ("max_errors", "421"):  # the 421s we send (relay/inbound/guard.py)
-                reason = ev.reason
-                if ev.reply.startswith(TOO_MANY_AUTH):
-                    reason = "auth_failures"
-                h.guard.session_closed(reason, self._peer_ip or "?", self.relay_listener.name)
-        else:  # Noop, Vrfy, Help, Quit: answered by the core
-            self._touch()
+
+    def _on_other(self, ev: core_.Event) -> None:  # Noop, Vrfy, Help, Quit: the core answered
+        self._touch()
 
     def _decide(
         self,
@@ -673,3 +696,22 @@ class InboundProtocol(asyncio.Protocol):
 
 def _ignore(_: object) -> None:
     return None
+
+
+# InboundProtocol._on_event: the method for each type of event (others: _on_other)
+_ON_EVENT: dict[type[core_.Event], Callable[[InboundProtocol, Any], None]] = {
+    core_.Mail: InboundProtocol._on_mail,
+    core_.Rcpt: InboundProtocol._on_rcpt,
+    core_.DataChunk: InboundProtocol._on_data_chunk,
+    core_.DataStart: InboundProtocol._on_data_start,
+    core_.DataEnd: InboundProtocol._on_data_end,
+    core_.Ehlo: InboundProtocol._on_ehlo,
+    core_.Helo: InboundProtocol._on_helo,
+    core_.Rset: InboundProtocol._on_rset,
+    core_.Auth: InboundProtocol._on_auth,
+    core_.AuthAnswer: InboundProtocol._on_auth_answer,
+    core_.StartTls: InboundProtocol._on_starttls,
+    core_.Refused: InboundProtocol._on_refused,
+    core_.BareNewline: InboundProtocol._on_bare_newline,
+    core_.Closed: InboundProtocol._on_closed,
+}

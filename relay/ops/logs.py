@@ -71,9 +71,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Final, TextIO, TypeAlias
+from typing import TYPE_CHECKING, Final, TextIO, TypeAlias
 
 from relay.config.redact import (
     URL_RE,
@@ -83,6 +83,9 @@ from relay.config.redact import (
     replace_secrets,
     secret_pairs,
 )
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "EVENTS",
@@ -530,7 +533,86 @@ class LogfmtFormatter(_StructuredFormatter):
 
 
 class _RelayHandler(logging.StreamHandler[TextIO]):
-    """Marker subclass so setup_logging() can find and replace its own handler."""
+    """Our handler (setup_logging() finds and replaces it by its class). While an event
+    loop is registered with `lines_per_turn`, the lines logged on that loop's thread are
+    written once per turn of the loop (one write for all of them, scheduled with
+    call_soon) instead of one write each; a line from any other thread, `flush()`
+    (logging.shutdown at exit, a replaced handler) and the end of `lines_per_turn` write
+    the pending lines first, so no line is lost or out of order."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        turn = _turn
+        if turn is None or threading.get_ident() != turn[1]:
+            if self._pending:
+                self._write_pending()
+            super().emit(record)
+            return
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        if not self._pending:
+            try:
+                turn[0].call_soon(self.flush)
+            except RuntimeError:  # the loop is closed: write it now
+                self._pending.append(line)
+                self._write_pending()
+                return
+        self._pending.append(line)
+
+    def _write_pending(self) -> None:
+        """The pending lines, in writes of at most PIPE_BUF octets (or one longer line): on
+        a pipe another process shares (journald, a supervisor), each write stays atomic, so
+        lines never interleave, as when they were written one by one."""
+        lines, self._pending = self._pending, []
+        group: list[str] = []
+        size = 0
+        with contextlib.suppress(OSError, ValueError):  # as StreamHandler: never raise
+            for line in lines:
+                n = (len(line) if line.isascii() else len(line.encode())) + 1
+                if group and size + n > _PIPE_BUF:
+                    self.stream.write("\n".join(group) + "\n")
+                    super().flush()
+                    group, size = [], 0
+                group.append(line)
+                size += n
+            self.stream.write("\n".join(group) + "\n")
+            super().flush()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self._pending:
+                self._write_pending()
+        finally:
+            self.release()
+        super().flush()
+
+
+# the loop (and its thread) whose log lines are written once per turn: lines_per_turn
+_turn: tuple[asyncio.AbstractEventLoop, int] | None = None
+_PIPE_BUF: Final = 4096  # POSIX: a write of at most this many octets to a pipe is atomic
+
+
+@contextlib.contextmanager
+def lines_per_turn(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """Within: the lines logged on `loop`'s thread are written once per turn of the loop
+    (_RelayHandler); at the end, every pending line is written."""
+    global _turn
+    _turn = (loop, threading.get_ident())
+    try:
+        yield
+    finally:
+        _turn = None
+        handler = _find_handler(logging.getLogger())
+        if handler is not None:
+            with contextlib.suppress(OSError, ValueError):
+                handler.flush()
 
 
 def parse_level(level: str | int) -> int:

@@ -264,10 +264,13 @@ def accept_many(
     is a duplicate, as in `accept`. A batch with any key seen within the window or twice in
     the batch (a duplicate, an Idempotency-Key conflict, a Message-ID reused for other
     content: README "Dedup"), or with windows that differ, runs as `accept` one by one, so
-    those decisions live in one place. SQLite: always one by one."""
+    those decisions live in one place. SQLite: the same rule, in its own statements
+    (`_accept_many_sqlite`)."""
     windows = {w for _m, w in items}
-    if len(items) < 2 or len(windows) != 1 or db.dialect(conn) != "postgresql":
+    if len(items) < 2 or len(windows) != 1:
         return [accept(conn, m, w) for m, w in items]
+    if db.dialect(conn) != "postgresql":
+        return _accept_many_sqlite(conn, items, windows.pop())
     window = windows.pop()
     keys = sorted({r.dedup_key for m, _w in items for r in m.recipients})
     known: dict[str, tuple[float, str | None]] = {
@@ -364,6 +367,102 @@ def accept_many(
         )
     assert all(r is not None for r in results)
     return [r for r in results if r is not None]
+
+
+def _accept_many_sqlite(
+    conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]], window: float
+) -> list[AcceptResult]:
+    """`accept_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
+    accepts, relay/spool/writer.py): one SELECT of every dedup key, then one prepared
+    statement each for the keys, the messages and the recipients, run over the whole batch
+    (executemany: no SQL text per batch size, no limit on host parameters). As on
+    PostgreSQL, a key seen within the window or twice in the batch runs the batch as
+    `accept` one by one (nothing is written before that is known). SQLite's writer holds the
+    database's write lock from its BEGIN IMMEDIATE on, so no other process takes a key
+    between the read and the take; should one be taken all the same, this raises and the
+    writer rolls the group back and runs its jobs one by one (as `accept`); so would an
+    SQLite built without its JSON functions (json_each: built in since 3.38)."""
+    keys = [r.dedup_key for m, _w in items for r in m.recipients]
+    known: dict[str, float] = {
+        row[0]: row[1]
+        for row in conn.execute(
+            "SELECT key, created_at FROM dedup WHERE key IN (SELECT value FROM json_each(?))",
+            (json.dumps(keys),),
+        )
+    }
+    takes: list[tuple[str, str, float, str | None, str | None, float]] = []
+    seen: set[str] = set()
+    for msg, _w in items:
+        cutoff = msg.created_at - window
+        for r in msg.recipients:
+            at = known.get(r.dedup_key)
+            if r.dedup_key in seen or (at is not None and at > cutoff):
+                # a duplicate, an Idempotency-Key conflict or a Message-ID reused for other
+                # content (README "Dedup") is `accept`'s to decide (nothing written yet)
+                return [accept(conn, m, w) for m, w in items]
+            seen.add(r.dedup_key)
+            takes.append(
+                (r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint, cutoff)
+            )
+    if not takes:
+        return [AcceptResult(None, (), ()) for _item in items]
+    before = conn.total_changes
+    conn.executemany(
+        "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
+        " VALUES (?,?,?,?,?) ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+        " created_at = excluded.created_at, content_hash = excluded.content_hash,"
+        " fingerprint = excluded.fingerprint WHERE dedup.created_at <= ?",
+        takes,
+    )
+    if conn.total_changes - before != len(takes):
+        raise RuntimeError("a dedup key was taken between the read and the take")
+    queued = [m for m, _w in items if m.recipients]
+    conn.executemany(
+        "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
+        " identity, body, body_path, listener) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        [
+            (
+                m.queue_id,
+                m.message_id,
+                m.sender,
+                m.size,
+                m.created_at,
+                m.client,
+                m.peer,
+                m.lane,
+                m.identity,
+                m.body,
+                m.body_path,
+                m.listener,
+            )
+            for m in queued
+        ],
+    )
+    pending = RcptState.PENDING.value
+    conn.executemany(  # in the messages' order, each message's in its own: the ids accept gives
+        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
+        " next_attempt_at, dedup_key, updated_at) VALUES (?,?,?,?,?,0,?,?,?)",
+        [
+            (
+                m.queue_id,
+                r.address,
+                r.destination,
+                m.lane_prio,
+                pending,
+                m.created_at,
+                r.dedup_key,
+                m.created_at,
+            )
+            for m in queued
+            for r in m.recipients
+        ],
+    )
+    return [
+        AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ())
+        if m.recipients
+        else AcceptResult(None, (), ())
+        for m, _w in items
+    ]
 
 
 # --- claiming and recording -------------------------------------------------------------

@@ -30,8 +30,10 @@ Rules:
   a few statements, not a few per message (each statement is a round trip to the server).
   `many` must give each job the result it would have had run alone, in order. If the
   group fails, it is rolled back and its jobs run one by one as any job (so one bad job
-  still fails alone). SQLite runs every job alone: its statements are calls in this
-  thread, there is no round trip to save.
+  still fails alone). On SQLite only jobs made with `sqlite=True` are grouped (the
+  inbound's accepts: one SAVEPOINT and a few prepared statements for the batch instead of
+  six statements per message); the others run alone (their statements are calls in this
+  thread, there is no round trip to save).
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -75,10 +77,11 @@ LOCK_NAME = "write.lock"
 @dataclass(frozen=True, slots=True)
 class Grouped(Generic[T]):
     """A job the writer may run with the other jobs of its batch on the same `many` (see
-    the rules); alone it is `many(conn, [arg])[0]`."""
+    the rules); alone it is `many(conn, [arg])[0]`. `sqlite`: grouped on SQLite too."""
 
     many: Callable[[Any, list[Any]], list[T]]
     arg: Any
+    sqlite: bool = False
 
     def __call__(self, conn: Any) -> T:
         return self.many(conn, [self.arg])[0]
@@ -86,14 +89,13 @@ class Grouped(Generic[T]):
 
 def plan(batch: list[Item], grouping: bool) -> list[list[Item]]:
     """The batch in the order its units run: a unit is one job, or every Grouped job on
-    one `many` (at the place of the first of them) when `grouping`."""
-    if not grouping:
-        return [[item] for item in batch]
+    one `many` (at the place of the first of them) when `grouping` or the job says
+    `sqlite`."""
     units: list[list[Item]] = []
     groups: dict[Any, list[Item]] = {}
     for item in batch:
         job = item[0]
-        if isinstance(job, Grouped):
+        if isinstance(job, Grouped) and (grouping or job.sqlite):
             unit = groups.get(job.many)
             if unit is None:
                 unit = groups[job.many] = []
@@ -126,7 +128,7 @@ class SpoolWriter:
         self.last_commit_seconds = 0.0
         self.commit_seconds_total = 0.0
         self.failures = 0
-        self.grouped = 0  # jobs run in a group (PostgreSQL), for tests and the bench
+        self.grouped = 0  # jobs run in a group, for tests and the bench
         self.healthy = True
         self.refused_at = float("-inf")  # monotonic: the last job the database refused
         self.refused = ""

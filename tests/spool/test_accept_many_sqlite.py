@@ -1,0 +1,213 @@
+"""The inbound's accepts of one writer batch on SQLite (issue 29): one group, one SAVEPOINT
+and a few prepared statements, with every job given the result `accept` would have given
+it one by one, and one bad job still failing alone."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.spool import db, ops
+from relay.spool.writer import Grouped, SpoolWriter
+from tests.spool.test_batching import CASES, NOW, WINDOW, _dump, _msg
+
+
+@pytest.fixture
+def conn(tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    c = db.connect(tmp_path / "spool")
+    yield c
+    c.close()
+
+
+def _run(
+    conn: sqlite3.Connection,
+    seed: list[tuple[str, str, float, str | None]],
+    batch: list[ops.NewMessage],
+    grouped: bool,
+) -> tuple[list[ops.AcceptResult], tuple[list[Any], ...]]:
+    conn.execute("BEGIN")
+    try:
+        for key, mid, at, h in seed:
+            conn.execute(
+                "INSERT INTO dedup (key, msg_id, created_at, content_hash) VALUES (?,?,?,?)",
+                (key, mid, at, h),
+            )
+        items = [(m, WINDOW) for m in batch]
+        if grouped:
+            res = ops.accept_many(conn, items)
+        else:
+            res = [ops.accept(conn, m, w) for m, w in items]
+        rcpt_ids = [r[0] for r in conn.execute("SELECT id FROM recipients ORDER BY msg_id, id")]
+        return res, (*_dump(conn), rcpt_ids)
+    finally:
+        conn.execute("ROLLBACK")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_accept_many_on_sqlite_decides_as_accept_one_by_one(
+    conn: sqlite3.Connection,
+    case: tuple[str, list[tuple[str, str, float, str | None]], list[ops.NewMessage]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _name, seed, batch = case
+    alone, state_alone = _run(conn, seed, batch, grouped=False)
+    calls: list[str] = []
+    accept = ops.accept
+
+    def counted(c: Any, m: ops.NewMessage, w: float) -> ops.AcceptResult:
+        calls.append(m.queue_id)
+        return accept(c, m, w)
+
+    monkeypatch.setattr(ops, "accept", counted)
+    together, state_together = _run(conn, seed, batch, grouped=True)
+    assert together == alone
+    assert state_together == state_alone  # rows, and the recipients' ids in the same order
+    assert state_alone[0] or not any(r.queue_id for r in alone)  # the case queues something
+    # every key new and once: the batch's own statements; else accept one by one
+    keys = [r.dedup_key for m in batch for r in m.recipients]
+    all_new = not seed and len(set(keys)) == len(keys)
+    assert calls == ([] if all_new else [m.queue_id for m in batch])
+
+
+def test_accept_many_on_sqlite_takes_expired_keys_over(conn: sqlite3.Connection) -> None:
+    seed = [("k1", "OLD1", NOW - WINDOW - 5, None)]
+    batch = [
+        _msg("Q1", NOW, ("a@x.org", "k1", None, "fpA")),
+        _msg("Q2", NOW + 1, ("b@x.org", "k2", None)),
+    ]
+    alone, state_alone = _run(conn, seed, batch, grouped=False)
+    together, state_together = _run(conn, seed, batch, grouped=True)
+    assert (
+        together
+        == alone
+        == [
+            ops.AcceptResult("Q1", ("a@x.org",), ()),
+            ops.AcceptResult("Q2", ("b@x.org",), ()),
+        ]
+    )
+    assert state_together == state_alone
+
+
+def test_accept_many_on_sqlite_falls_back_when_one_key_would_be_taken_twice(
+    conn: sqlite3.Connection,
+) -> None:
+    batch = [_msg("Q1", NOW, ("a@x.org", "k1", None)), _msg("Q2", NOW + 5, ("a@x.org", "k1", None))]
+    conn.execute("BEGIN")
+    try:
+        res = ops.accept_many(conn, [(m, 1.0) for m in batch])
+        rows = conn.execute("SELECT key, msg_id FROM dedup").fetchall()
+    finally:
+        conn.execute("ROLLBACK")
+    assert [r.queue_id for r in res] == ["Q1", "Q2"]
+    assert [tuple(r) for r in rows] == [("k1", "Q2")]
+
+
+class _Blind:
+    """A connection whose read of the dedup keys finds none: as if a key were taken
+    between the read and the take."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        if sql.startswith("SELECT key, created_at FROM dedup"):
+            return iter(())
+        return self.conn.execute(sql, args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        return self.conn.executemany(sql, rows)
+
+    @property
+    def total_changes(self) -> int:
+        return self.conn.total_changes
+
+
+def test_a_key_taken_behind_the_read_fails_the_group(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN")
+    try:
+        ops.accept(conn, _msg("B1", NOW, ("z@x.org", "k9", None)), WINDOW)
+        batch = [_msg("Q1", NOW, ("y@x.org", "k8", None)), _msg("Q2", NOW, ("w@x.org", "k9", None))]
+        with pytest.raises(RuntimeError):
+            ops.accept_many(_Blind(conn), [(m, WINDOW) for m in batch])  # type: ignore[arg-type]
+    finally:
+        conn.execute("ROLLBACK")
+
+
+def _batched(w: SpoolWriter, jobs: list[Any]) -> list[Any]:
+    """Run `jobs` in one batch of the writer (held until all are queued)."""
+    gate = threading.Event()
+    started = threading.Event()
+
+    def hold(conn: Any) -> None:
+        started.set()
+        gate.wait(10)
+
+    t0 = threading.Thread(target=lambda: w.run_sync(hold))
+    t0.start()
+    assert started.wait(10)
+
+    async def main() -> list[Any]:
+        tasks = [asyncio.ensure_future(w.run(j)) for j in jobs]
+        for _ in range(1000):  # until every job waits in the queue behind `hold`
+            if w._q.qsize() >= len(jobs):
+                break
+            await asyncio.sleep(0.01)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        gate.set()
+        t0.join(10)
+
+
+def _accept(m: ops.NewMessage) -> Grouped[ops.AcceptResult]:
+    return Grouped(ops.accept_many, (m, WINDOW), sqlite=True)
+
+
+def test_the_sqlite_writer_runs_accepts_of_a_batch_as_one_group(tmp_path: Path) -> None:
+    w = SpoolWriter(tmp_path / "spool")
+    w.start()
+    try:
+        msgs = [_msg(f"Q{i:02}", NOW + i, (f"r{i}@x.org", f"k{i}", None)) for i in range(20)]
+        res = _batched(w, [_accept(m) for m in msgs])
+        assert [r.queue_id for r in res] == [m.queue_id for m in msgs]
+        assert w.grouped == 20
+        # a Grouped job without sqlite=True runs alone on SQLite
+        plain = _batched(
+            w,
+            [Grouped(ops.accept_many, (_msg(q, NOW, (q, q, None)), WINDOW)) for q in ("P1", "P2")],
+        )
+        assert [r.queue_id for r in plain] == ["P1", "P2"] and w.grouped == 20
+        n = w.run_sync(lambda c: c.execute("SELECT count(*) FROM recipients").fetchone()[0])
+        assert n == 22
+    finally:
+        w.close()
+
+
+def test_one_bad_accept_of_a_sqlite_group_fails_alone(tmp_path: Path) -> None:
+    """Q1 again (its queue id is taken): the group fails, is rolled back, and its jobs run
+    one by one; only that one fails."""
+    w = SpoolWriter(tmp_path / "spool")
+    w.start()
+    try:
+        w.run_sync(_accept(_msg("Q1", NOW, ("a@x.org", "k1", None))))
+        batch = [
+            _msg("Q2", NOW + 1, ("b@x.org", "k2", None)),
+            _msg("Q1", NOW + 2, ("c@x.org", "k3", None)),
+            _msg("Q3", NOW + 3, ("d@x.org", "k4", None)),
+        ]
+        res = _batched(w, [_accept(m) for m in batch])
+        assert [type(r).__name__ for r in res] == ["AcceptResult", "SpoolError", "AcceptResult"]
+        assert w.grouped == 0
+        keys = w.run_sync(lambda c: [r[0] for r in c.execute("SELECT key FROM dedup ORDER BY key")])
+        assert keys == ["k1", "k2", "k4"]  # the failed job's key rolled back with it
+    finally:
+        w.close()
