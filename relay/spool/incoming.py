@@ -19,6 +19,9 @@ Rules:
   `BodyFingerprint`): the dedup check that tells a resubmission from another message
   reusing its Message-ID never reads the stored body again, nor hashes it in the event loop
   in one piece.
+- What `add()` is given is the DATA parser's output (relay/inbound/dataflow.py): every line
+  end a CRLF (the parser makes bare CR and LF CRLF), so the fingerprint hashes the blocks as
+  they are (`crlf=True`) rather than making the line ends CRLF again.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class IncomingBody:
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
-        self._fingerprint.update(body)
+        self._fingerprint.update(body, crlf=True)
         self.size += len(data)
         self._mem += data
         if self._tmp is None and len(self._mem) <= self.inline_max:
