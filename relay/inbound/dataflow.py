@@ -80,10 +80,15 @@ class DataParser:
         # The end line: "." CRLF at a line start; the start of the data is a line start.
         # What was pending holds no CRLF (it was cut at the last one): search only the new
         # octets and the few before them, so a long incomplete line costs linear time.
-        if buf.startswith(b".\r\n"):
+        # An end line has a "." (most large bodies, base64 ones, have none: one memchr pass).
+        start = max(0, old - 4)
+        dot = buf.find(b".", start)
+        if dot < 0:
+            end = -1
+        elif buf.startswith(b".\r\n"):
             end = 0
         else:
-            i = buf.find(_END, max(0, old - 4))
+            i = buf.find(_END, max(start, dot - 2))
             end = -1 if i < 0 else i + 2
         if end >= 0:
             with memoryview(buf) as view:  # one copy each, not a slice and then bytes()
@@ -148,20 +153,26 @@ class DataParser:
             self._over(DataState.TOO_MUCH)
         if self.state is not DataState.NOMINAL:
             return b""
-        # One split (in C) gives the line-length limit, the longest line and the CRLF count;
-        # a 100 KiB message used to take five such passes (two splits, three two-byte counts).
-        parts = lines.split(b"\r\n")
-        longest = max(map(len, parts))
+        # One split at every line end (in C: `splitlines` cuts at CRLF, bare CR and bare LF)
+        # gives the longest line and whether any line end is bare: `lines` is whole lines
+        # ending in CRLF, so it has len(parts) line ends, all CRLFs exactly when they take two
+        # octets each. A 100 KiB message used to take a split and two one-byte counts (and
+        # before those, five passes).
+        parts = lines.splitlines()
+        # Bare CR or LF: any CR or LF that is not part of a CRLF. Removing transparency dots
+        # and NULs below never makes one (a NUL between a bare CR and a bare LF joins them into
+        # a CRLF: the slow path, which gives the same bytes).
+        bare = len(lines) - len(b"".join(parts)) != 2 * len(parts)
+        if bare:  # the line limit counts from CRLF to CRLF
+            parts = lines.split(b"\r\n")
+        longest = max(map(len, parts), default=0)
         if self.max_line and longest + 2 > self.max_line:
             self._over(DataState.TOO_LONG)
             return b""
-        crlf = len(parts) - 1
-        # Bare CR or LF: any CR or LF that is not part of the CRLF the split cut at. Removing
-        # transparency dots and NULs below never makes one (a NUL between a bare CR and a bare
-        # LF joins them into a CRLF: the slow path, which gives the same bytes).
-        bare = lines.count(b"\n") != crlf or lines.count(b"\r") != crlf
-        # §4.5.2 transparency: every line start is the block's start or after a CRLF
-        dots = lines.startswith(b".") or b"\r\n." in lines
+        # §4.5.2 transparency: every line start is the block's start or after a CRLF (and a
+        # line-start dot is a dot: one memchr pass when there is none, as in base64)
+        dot = lines.find(b".")
+        dots = dot == 0 or (dot > 0 and lines.find(b"\r\n.", max(0, dot - 2)) >= 0)
         if dots:
             if lines.startswith(b"."):
                 lines = lines[1:]
