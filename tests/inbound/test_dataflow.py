@@ -265,3 +265,15 @@ def test_longest_line_of_the_message_as_stored(line: bytes, longest: int) -> Non
     p = DataParser(0, 10_000)
     p.feed(b"a\r\n" + line + b"\r\n.\r\n")
     assert p.longest == longest
+
+
+@pytest.mark.parametrize("dots", [0, 1, 15, 16, 17, 40])
+@pytest.mark.parametrize("cut", [None, 3, 50])
+def test_many_dots_before_a_dot_line_and_the_end(dots: int, cut: int | None) -> None:
+    # the dot lines are found from the dots (the first few one by one, then one search):
+    # any number of ordinary dots before them changes nothing
+    text = b"a." * dots + b"\r\n" + b"b." * dots
+    stream = text + b"\r\n..x\r\n" + b"c." * dots + b"\r\n.\r\nQUIT\r\n"
+    _p, out, rest, done = run(stream, [] if cut is None else [cut, len(text) + cut])
+    assert done
+    assert (out, rest) == (text + b"\r\n.x\r\n" + b"c." * dots + b"\r\n", b"QUIT\r\n")
