@@ -37,6 +37,7 @@ _END = b"\r\n.\r\n"
 
 
 _FEW = 16  # dots looked at one by one before a search for the whole pattern
+_SHORT = 4096  # octets: below this, one search costs less than a few steps of Python
 
 
 def _find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
@@ -45,7 +46,10 @@ def _find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
     place, then one search for the pattern from the next. Most large bodies have few dots
     (a base64 one none, the header block some), so this is one memchr pass where a search
     for the pattern would be one of CPython's slower scans over CRLF-dense text; text full
-    of dots costs `_FEW` steps more than that search alone."""
+    of dots costs `_FEW` steps more than that search alone, so a short buffer is searched
+    at once."""
+    if len(buf) - start < _SHORT:
+        return buf.find(pattern, start)
     dot = buf.find(b".", start + 2)
     for _ in range(_FEW):
         if dot < 0:
