@@ -19,6 +19,9 @@ Rules:
   `BodyFingerprint`): the dedup check that tells a resubmission from another message
   reusing its Message-ID never reads the stored body again, nor hashes it in the event loop
   in one piece.
+- What `add()` is given is the DATA parser's output (relay/inbound/dataflow.py): every line
+  end a CRLF (the parser makes bare CR and LF CRLF), so the fingerprint hashes the blocks as
+  they are (`crlf=True`) rather than making the line ends CRLF again.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class IncomingBody:
         none; a message whose first empty line comes later is all body."""
         if self.head is not None:
             return data
+        if not self._head:  # the first block: searched where it is, not copied to be searched
+            return self._scan_first(data)
         start = max(0, len(self._head) - 3)
         self._head += data
         if self._head.startswith(b"\r\n"):  # no header block at all
@@ -91,6 +96,21 @@ class IncomingBody:
         # a later match starts at len - 3 or after, so past len - 1 the block cannot fit
         if i >= 0 or len(self._head) > HEAD_MAX + 1:
             return self._decided(b"", 0)  # all body (see `header_block`)
+        return b""
+
+    def _scan_first(self, data: bytes) -> bytes:
+        """`_scan_head` of the first block (nothing held yet): the same decisions, with one
+        copy of the body part and none of the whole block when its header block ends in it."""
+        if data.startswith(b"\r\n"):
+            self.head = b""
+            return data[2:]
+        i = data.find(b"\r\n\r\n")
+        if i >= 0 and i + 2 <= HEAD_MAX:
+            self.head = data[: i + 2]
+            return data[i + 4 :]
+        self._head += data  # not decided yet, or all body: the general path
+        if i >= 0 or len(self._head) > HEAD_MAX + 1:
+            return self._decided(b"", 0)
         return b""
 
     def _decided(self, head: bytes, body_at: int) -> bytes:
@@ -118,7 +138,7 @@ class IncomingBody:
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
-        self._fingerprint.update(body)
+        self._fingerprint.update(body, crlf=True)
         self.size += len(data)
         self._mem += data
         if self._tmp is None and len(self._mem) <= self.inline_max:

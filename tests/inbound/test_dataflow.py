@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import re
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relay.inbound import dataflow
 from relay.inbound.dataflow import DataParser, DataState, Feed
 from relay.mail.message import normalize_line_endings
 
@@ -86,6 +88,16 @@ def test_any_split_gives_the_whole_buffer_result(pieces: list[bytes], cuts: list
     assert done
     data, after = expected
     assert (out, rest) == (data, after)
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=_pieces, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_any_split_gives_the_whole_buffer_result_dots_found_one_by_one(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    # as above, with the dot-by-dot search of long buffers (dataflow._SHORT) on every buffer
+    with mock.patch.object(dataflow, "_SHORT", 0):
+        test_any_split_gives_the_whole_buffer_result.hypothesis.inner_test(pieces, cuts)
 
 
 _long_pieces = st.lists(
@@ -265,3 +277,15 @@ def test_longest_line_of_the_message_as_stored(line: bytes, longest: int) -> Non
     p = DataParser(0, 10_000)
     p.feed(b"a\r\n" + line + b"\r\n.\r\n")
     assert p.longest == longest
+
+
+@pytest.mark.parametrize("dots", [0, 1, 15, 16, 17, 40])
+@pytest.mark.parametrize("cut", [None, 3, 50, 5000])
+def test_many_dots_before_a_dot_line_and_the_end(dots: int, cut: int | None) -> None:
+    # in a long buffer the dot lines are found from the dots (the first few one by one,
+    # then one search): any number of ordinary dots before them changes nothing
+    text = b"a." * dots + b"\r\n" + b"y" * 5000 + b"\r\n" + b"b." * dots
+    stream = text + b"\r\n..x\r\n" + b"c." * dots + b"\r\n.\r\nQUIT\r\n"
+    _p, out, rest, done = run(stream, [] if cut is None else [cut, len(text) + cut])
+    assert done
+    assert (out, rest) == (text + b"\r\n.x\r\n" + b"c." * dots + b"\r\n", b"QUIT\r\n")

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relay.mail.message import normalize_line_endings
 from relay.spool import db, dedup, ops, schema
 from relay.spool.incoming import IncomingBody
 from tests.pgserver import BACKENDS, open_backend
@@ -93,6 +94,67 @@ def test_any_split_into_blocks_gives_the_whole_bodys_fingerprint(
     lines = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").rstrip(b"\n")
     canon = lines.replace(b"\n", b"\r\n") + b"\r\n" if lines else b""
     assert dedup.fingerprint("s", body) == _reference("s", canon)
+
+
+_crlf_pieces = st.lists(
+    st.one_of(
+        st.sampled_from([b"a", b"\r", b"\n", b"\r\n", b"\r\n\r\n", b"\r\n" * 3, b"xy"]),
+        st.binary(max_size=8),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_crlf_pieces, st.lists(st.integers(0, 200), max_size=12), st.booleans(), st.booleans())
+def test_blocks_known_to_be_crlf_give_the_general_paths_fingerprint(
+    parts: list[bytes], cuts: list[int], at_lines: bool, raw_too: bool
+) -> None:
+    """The path for blocks whose line ends are all CRLF (`crlf=True`, what the DATA parser
+    hands out) against the general path, on any bytes made CRLF and any split of them: with
+    `at_lines`, cuts only after a CRLF, as the parser cuts (so blocks of only empty lines
+    come often), else anywhere (also between a CR and its LF); with `raw_too`, every other
+    block takes the general path in the same hash."""
+    body = normalize_line_endings(b"".join(parts))
+    assert body.count(b"\r") == body.count(b"\n") == body.count(b"\r\n")
+    if at_lines:
+        ends = [i + 1 for i in range(len(body)) if body[i : i + 1] == b"\n"] or [0]
+        cuts = [ends[c % len(ends)] for c in cuts]
+    fast, slow = dedup.BodyFingerprint(), dedup.BodyFingerprint()
+    at = 0
+    for i, cut in enumerate([*sorted(c % (len(body) + 1) for c in cuts), len(body)]):
+        block = body[at:cut]
+        fast.update(block, crlf=not (raw_too and i % 2))
+        slow.update(block)
+        at = cut
+    assert fast.hexdigest("s") == slow.hexdigest("s") == dedup.fingerprint("s", body)
+    lines = body.rstrip(b"\r\n")
+    assert fast.hexdigest(None) == _reference_none(lines + b"\r\n" if lines else b"")
+
+
+def _reference_none(canon: bytes) -> str:
+    import hashlib
+
+    h = hashlib.sha256(b"subject:\r\n")
+    h.update(hashlib.sha256(canon).digest())
+    return h.hexdigest()[: dedup.FINGERPRINT_HEX]
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [b"a\r\n", b"\r\n", b"\r\n", b"b\r\n"],  # empty lines held over blocks, then text
+        [b"a\r\n\r\n\r\n", b"b"],  # empty lines at a block's end, text without line end
+        [b"\r\n\r\n", b"a\r\n\r\n"],  # empty lines first (they are content), then at the end
+        [b"a\r", b"\nb\r\n\r", b"\n"],  # a CRLF split between blocks
+        [b"a\r\n", b"b\r\n\r\n"],
+    ],
+)
+def test_crlf_blocks_table(blocks: list[bytes]) -> None:
+    fp = dedup.BodyFingerprint()
+    for b in blocks:
+        fp.update(b, crlf=True)
+    assert fp.hexdigest("s") == dedup.fingerprint("s", b"".join(blocks))
 
 
 def _reference(subject: str, canon: bytes) -> str:
