@@ -223,6 +223,55 @@ async def test_pipelined_group_is_one_write(upstream, conn_factory) -> None:
     assert up.chunks[-1] == BODY + b".\r\n"  # the body and the final dot: one write too
 
 
+async def test_pipelined_354_without_recipients_gets_a_lone_dot(conn_factory) -> None:
+    """RFC 2920 §3.1: a server that says 354 to a pipelined DATA though it refused every
+    RCPT gets a lone "." (the client must send one), then RSET; the outcome is the RCPT's."""
+    seen: list[bytes] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"220 raw.test\r\n")
+        while line := await r.readline():
+            seen.append(line)
+            verb = line[:4].upper()
+            if verb == b"EHLO":
+                w.write(b"250-raw.test\r\n250 PIPELINING\r\n")
+            elif verb in (b"MAIL", b"RSET"):
+                w.write(b"250 2.0.0 ok\r\n")
+            elif verb == b"RCPT":
+                w.write(b"550 5.1.1 no such user\r\n")
+            elif verb == b"DATA":
+                w.write(b"354 go ahead\r\n")
+            elif line == b".\r\n":
+                w.write(b"554 5.5.1 no valid recipients\r\n")
+            else:
+                w.write(b"221 2.0.0 bye\r\n")
+                break
+            await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        c = conn_factory(port=server.sockets[0].getsockname()[1])
+        await c.open()
+        for _ in range(2):
+            res = await c.send(SENDER, ["x@example.org"], BODY)
+            r = res.results["x@example.org"]
+            assert r.phase is Phase.RCPT and r.verdict.outcome is Outcome.BOUNCE
+            assert str(r.reply) == "550 5.1.1 no such user"
+            assert not res.connection_failed and c.usable
+        assert seen[1:] == 2 * [
+            b"MAIL FROM:<app@example.com>\r\n",
+            b"RCPT TO:<x@example.org>\r\n",
+            b"DATA\r\n",
+            b".\r\n",
+            b"RSET\r\n",
+        ]
+        await c.quit()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_421_to_rcpt_defers_the_rest_and_closes(upstream, conn_factory) -> None:
     up = upstream()
     up.rcpt_reply = lambda a: "421 4.3.2 shutting down" if a == "b@example.org" else None
