@@ -66,6 +66,11 @@ async def drain(proto: Any) -> None:
     await proto._drain_helper()
 
 
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(SMTPReadTimeoutError("Timed out waiting for server response"))
+
+
 _INVALID = SMTPStatus.invalid_response.value  # aiosmtplib's code for a reply it cannot read
 
 
@@ -140,12 +145,14 @@ class GroupReplies(asyncio.Protocol):
                 return reply
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            # a timer on the future, not asyncio.wait_for (which wraps it: more work per reply)
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError as exc:
-                raise SMTPReadTimeoutError("Timed out waiting for server response") from exc
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
 
     def _parse(self) -> SMTPResponse | None:

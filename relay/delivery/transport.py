@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -527,7 +528,8 @@ def _with_host(reply: Reply, label: str) -> Reply:
     return Reply(reply.code, reply.enhanced, f"{reply.text} ({label})")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # C0 controls and DEL (one C scan, not a loop)
+
+
 def _unsafe(address: str) -> bool:
-    return (
-        any(ord(ch) < 32 or ord(ch) == 127 for ch in address) or ">" in address.rpartition("@")[2]
-    )
+    return _CONTROL.search(address) is not None or ">" in address.rpartition("@")[2]

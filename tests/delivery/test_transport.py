@@ -602,3 +602,17 @@ async def test_a_stored_body_is_streamed_with_transparency(
     res = await c.send(SENDER, ["a@example.org"], body)
     assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
     assert up.wait_for(1)[0].data == prefix + data
+
+
+def test_unsafe_addresses_are_every_control_character_and_a_bracket_in_the_domain() -> None:
+    """The defence-in-depth check before MAIL/RCPT (one regex scan): exactly the C0 controls
+    and DEL anywhere, or ">" in the domain, as the per-character loop it replaced."""
+    from relay.delivery.transport import _unsafe
+
+    for n in range(0x110):
+        ch = chr(n)
+        for address in (f"a{ch}b@example.org", f"ab@exa{ch}mple.org"):
+            expected = n < 32 or n == 127 or (ch == ">" and address.startswith("ab@"))
+            assert _unsafe(address) is expected, (n, address)
+    assert not _unsafe("") and not _unsafe("ü>ser@exämple.org")
+    assert _unsafe("a@b>c@example.org") is False and _unsafe("a@example.org>") is True
