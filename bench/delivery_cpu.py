@@ -122,7 +122,11 @@ def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float
             time.sleep(0.5)
             before = cpu_seconds(d.proc.pid)
             t = time.perf_counter()
-            source(d.port, a.messages, a.sessions, a.size)
+            try:
+                source(d.port, a.messages, a.sessions, a.size)
+            except subprocess.CalledProcessError:
+                print((work / "relay.log").read_text()[-3000:], file=sys.stderr)
+                raise
             sink.wait(500 + a.messages)
             wall = time.perf_counter() - t
             used = cpu_seconds(d.proc.pid) - before
