@@ -2,7 +2,8 @@
 
 Rules:
 - aiosmtplib has no pipelining (RFC 2920): `GroupReplies` reads a group's replies while it
-  holds the transport, then gives it back; it relies on the protocol's `transport`.
+  holds the transport, then gives it back; it relies on the protocol's `transport`, its
+  callbacks, and its reply limits (`MAX_LINE_LENGTH`, `MAX_RESPONSE_LENGTH`).
 - aiosmtplib's `data()` sends the body and waits for the reply to the final dot under one
   timeout and one exception; we need the final dot as a phase of its own (ambiguity, RFC 5321
   §4.5.3.2.6) and a body streamed from a file with flow control. So `transport.py` drives
