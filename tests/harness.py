@@ -111,6 +111,8 @@ class Upstream:
     - data_reply(envelope) -> str | None   (the reply to the final ".")
     - stall: dict phase -> seconds to sleep before replying ("rcpt", "data", "mail")
     - disconnect_after_dot: bool -- drop the connection instead of replying to "."
+    - pipelining: bool -- offer PIPELINING (RFC 2920) in the EHLO reply; `chunks` are the
+      bytes of each read the server made, to see what a client wrote at once
     """
 
     host: str = "127.0.0.1"
@@ -130,6 +132,8 @@ class Upstream:
     ok_reply: Callable[[Envelope], str] = lambda e: "250 2.0.0 OK queued"
     stall: dict[str, float] = field(default_factory=dict)
     disconnect_after_dot: bool = False
+    pipelining: bool = False
+    chunks: list[bytes] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     connections: int = 0
     commands: list[str] = field(default_factory=list)
@@ -259,6 +263,15 @@ class _ScriptedSMTP(SMTP):
     async def smtp_DATA(self, arg: str) -> None:
         self._up.commands.append("DATA")
         await super().smtp_DATA(arg)
+
+    async def push(self, status: str) -> None:
+        if status == "250 HELP" and self._up.pipelining:  # the EHLO reply's last line
+            await super().push("250-PIPELINING")
+        await super().push(status)
+
+    def data_received(self, data: bytes) -> None:
+        self._up.chunks.append(bytes(data))
+        super().data_received(data)
 
 
 class _Handler:

@@ -234,6 +234,7 @@ class _Tally:
     """One attempt's outcomes as `apply` gathers them, recipient by recipient."""
 
     outcomes: list[ops.RcptUpdate] = dataclasses.field(default_factory=list)
+    upstream_ids: dict[int, str] = dataclasses.field(default_factory=dict)  # by rcpt_id
     dead: list[DeadLetter] = dataclasses.field(default_factory=list)
     delivered: int = 0
     throttled: bool = False
@@ -282,7 +283,7 @@ async def apply(
         e, st, results, t, now, upstream_seen=upstream_seen, connection_failed=connection_failed
     )
     e.recorder.emit_dead(t.dead, host)  # before the record: its alerts go in the same commit
-    await finish(e, job, t.outcomes, t.delivered)
+    await finish(e, job, t.outcomes, t.delivered, t.upstream_ids)
     if t.delayed is not None:
         await delay_warning(e, st, job, *t.delayed)
 
@@ -305,7 +306,9 @@ def _tally(
     row = ROWS[d.kind]
     reply = str(res.reply) if res is not None else str(decide.NO_REPLY.reply)
     uid = upstream_id(reply) if row.counts else None
-    t.outcomes.append(d.outcome if uid is None else dataclasses.replace(d.outcome, upstream_id=uid))
+    t.outcomes.append(d.outcome)
+    if uid is not None:  # set with the day's counters, in finish (one replace, not two)
+        t.upstream_ids[cl.rcpt_id] = uid
     e.metrics.attempts.labels(st.name, d.logged).inc()
     if d.logged == "ambiguous":
         log_event(
@@ -472,7 +475,15 @@ async def delay_warning(e: Attempt, st: DestState, job: Job, cl: ops.Claim, repl
     )
 
 
-async def finish(e: Attempt, job: Job, outcomes: Sequence[ops.RcptUpdate], delivered: int) -> None:
+async def finish(
+    e: Attempt,
+    job: Job,
+    outcomes: Sequence[ops.RcptUpdate],
+    delivered: int,
+    upstream_ids: dict[int, str] | None = None,
+) -> None:
+    """Record a job's outcomes; a delivered one gets the daily counters it bumps and the
+    upstream's id (`upstream_ids`, by rcpt_id: only a delivery has one, `_tally`)."""
     if job.done:
         return
     job.done = True
@@ -484,17 +495,28 @@ async def finish(e: Attempt, job: Job, outcomes: Sequence[ops.RcptUpdate], deliv
     )
     st.reserved = max(0, st.reserved - n)
     st.sent += delivered
-    if delivered:
-        outcomes = [
-            dataclasses.replace(o, counters=scopes) if o.state is RcptState.DELIVERED else o
-            for o in outcomes
-        ]
+    if delivered or upstream_ids:
+        ids = upstream_ids or {}
+        outcomes = [_delivery(o, scopes if delivered else None, ids) for o in outcomes]
     # a fleet releases the room it held under the ceilings in the commit that counts
     release = {scope: n for scope in job.reserved} if e.fleet and job.reserved else None
     try:
         await e.recorder.record(outcomes, release)
     finally:
         e.pool.job_done(n)
+
+
+def _delivery(
+    o: ops.RcptUpdate, scopes: tuple[str, ...] | None, ids: dict[int, str]
+) -> ops.RcptUpdate:
+    """`o` with the daily counters a delivery bumps and the upstream's id, in one replace
+    (a frozen record: each replace builds it anew)."""
+    uid = ids.get(o.rcpt_id)
+    if scopes is not None and o.state is RcptState.DELIVERED:
+        if uid is None:
+            return dataclasses.replace(o, counters=scopes)
+        return dataclasses.replace(o, counters=scopes, upstream_id=uid)
+    return o if uid is None else dataclasses.replace(o, upstream_id=uid)
 
 
 def _age(seconds: float) -> str:

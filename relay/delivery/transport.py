@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -116,6 +117,8 @@ class Connection:
         self.messages = 0
         self.tls_active = False
         self._dot_sent = False  # set by _data once the content and final "." are written
+        self._phase = Phase.MAIL  # the step a transaction is in (what a failure is about)
+        self._replies: smtpclient_adapter.GroupReplies | None = None  # pipelined groups
 
     @property
     def label(self) -> str:
@@ -223,8 +226,7 @@ class Connection:
         smtp = self.smtp
         started = time.monotonic()
         out = TransactionResult()
-        phase = Phase.MAIL
-        to = self.timeouts
+        self._phase = Phase.MAIL
         try:
             opts = []
             size = body.size if isinstance(body, StoredBody) else len(body)
@@ -262,49 +264,13 @@ class Connection:
             enc = "utf-8" if utf8 else "ascii"
             # The addresses were checked at MAIL/RCPT (relay/mail/address.py) and are sent exactly
             # as stored: never re-parsed into another address. "" is the null sender <>.
-            resp = await smtp.execute_command(
-                b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts, timeout=to.command
-            )
-            if resp.code != 250:
-                reply = Reply.parse(resp.code, resp.message)
-                v = classify(reply, Phase.MAIL)
-                for r in recipients:
-                    out.results[r] = RcptResult(v, reply, Phase.MAIL)
-                await self._reset_or_close(v)
-                return out
-            phase = Phase.RCPT
-            accepted: list[str] = []
-            for r in recipients:
-                resp = await smtp.execute_command(
-                    b"RCPT", b"TO:<" + r.encode(enc) + b">", timeout=to.command
-                )
-                reply = Reply.parse(resp.code, resp.message)
-                if resp.code in (250, 251, 252):
-                    accepted.append(r)
-                else:
-                    v = classify(reply, Phase.RCPT)
-                    out.results[r] = RcptResult(v, reply, Phase.RCPT)
-                    if v.closes_connection:
-                        # 421 to a RCPT: the server is going away; the rest wait too.
-                        for rest in recipients:
-                            out.results.setdefault(rest, RcptResult(v, reply, Phase.RCPT))
-                        self.close()
-                        return out
-            if not accepted:
-                await self._reset_or_close(None)
-                return out
-            phase = Phase.DATA
-            self._dot_sent = False
-            reply, phase = await self._data(body)
-            v = classify(reply, phase)
-            for r in accepted:
-                out.results[r] = RcptResult(v, reply, phase)
-            if v.closes_connection:
-                self.close()
-            elif v.outcome is not Outcome.DELIVERED:
-                await self._reset_or_close(v)
-            self.messages += 1
+            mail = (b"MAIL", b"FROM:<" + sender.encode(enc) + b">", *opts)
+            if smtp.supports_extension("pipelining"):
+                await self._pipelined(mail, recipients, enc, body, out)
+            else:
+                await self._stepwise(mail, recipients, enc, body, out)
         except Exception as e:
+            phase = self._phase
             if phase is Phase.DATA and self._dot_sent:
                 # _data raised while waiting for the reply to the final dot
                 phase = Phase.DOT
@@ -318,6 +284,158 @@ class Connection:
         finally:
             out.duration = time.monotonic() - started
         return out
+
+    async def _stepwise(
+        self,
+        mail: tuple[bytes, ...],
+        recipients: list[str],
+        enc: str,
+        body: bytes | StoredBody,
+        out: TransactionResult,
+    ) -> None:
+        """The dialogue one command at a time (an upstream without PIPELINING)."""
+        smtp = self.smtp
+        assert smtp is not None
+        to = self.timeouts
+        resp = await smtp.execute_command(*mail, timeout=to.command)
+        if resp.code != 250:
+            reply = Reply.parse(resp.code, resp.message)
+            v = classify(reply, Phase.MAIL)
+            for r in recipients:
+                out.results[r] = RcptResult(v, reply, Phase.MAIL)
+            await self._reset_or_close(v)
+            return
+        self._phase = Phase.RCPT
+        accepted: list[str] = []
+        for r in recipients:
+            resp = await smtp.execute_command(
+                b"RCPT", b"TO:<" + r.encode(enc) + b">", timeout=to.command
+            )
+            if not self._rcpt_reply(r, resp, recipients, accepted, out):
+                return
+        if not accepted:
+            await self._reset_or_close(None)
+            return
+        self._phase = Phase.DATA
+        self._dot_sent = False
+        await self._finish(await self._data(body), accepted, out)
+
+    async def _pipelined(
+        self,
+        mail: tuple[bytes, ...],
+        recipients: list[str],
+        enc: str,
+        body: bytes | StoredBody,
+        out: TransactionResult,
+    ) -> None:
+        """RFC 2920: MAIL, every RCPT and DATA in one write, their replies read in order
+        (§3.1), then the body as in the step-by-step dialogue. Each reply means what it
+        means there: a refused MAIL applies to every recipient, a RCPT reply to its
+        recipient, DATA's to the accepted ones, a 421 closes at once. Replies to commands
+        that followed a refusal (503 to RCPT after a refused MAIL, 554 to DATA without
+        recipients) are read and ignored; a server that still says 354 gets a lone "."
+        (§3.1: the client must send it), and then RSET, as the step-by-step dialogue."""
+        smtp = self.smtp
+        assert smtp is not None and smtp.protocol is not None
+        proto: Any = smtp.protocol
+        to = self.timeouts
+        rcpts = [b"RCPT TO:<" + r.encode(enc) + b">\r\n" for r in recipients]
+        reader = self._replies
+        if reader is None or reader.owner is not proto:
+            reader = self._replies = smtpclient_adapter.GroupReplies(proto)
+        accepted: list[str] = []
+        refused: Verdict | None = None  # a refused MAIL's verdict: RSET after the group
+        final: tuple[Reply, Phase] | None = None
+        async with smtpclient_adapter.command_lock(proto):
+            reader.hold()
+            try:
+                proto.write(b" ".join(mail) + b"\r\n" + b"".join(rcpts) + b"DATA\r\n")
+                resp = await reader.read(to.command)
+                if resp.code != 250:
+                    reply = Reply.parse(resp.code, resp.message)
+                    refused = classify(reply, Phase.MAIL)
+                    for r in recipients:
+                        out.results[r] = RcptResult(refused, reply, Phase.MAIL)
+                    if refused.closes_connection:
+                        self.close()
+                        return
+                    if not await self._drain_group(reader, len(recipients) + 1):
+                        return
+                else:
+                    self._phase = Phase.RCPT
+                    for r in recipients:
+                        resp = await reader.read(to.command)
+                        if not self._rcpt_reply(r, resp, recipients, accepted, out):
+                            return
+                    if not accepted:
+                        if not await self._drain_group(reader, 1):
+                            return
+                    else:
+                        self._phase = Phase.DATA
+                        self._dot_sent = False
+                        start = await reader.read(to.command)
+                        reader.release()
+                        if start.code != 354:
+                            final = Reply.parse(start.code, start.message), Phase.DATA
+                        else:
+                            final = await self._body_and_dot(proto, body)
+            finally:
+                reader.release()
+        if final is not None:
+            await self._finish(final, accepted, out)
+        else:
+            await self._reset_or_close(refused)
+
+    async def _drain_group(self, reader: smtpclient_adapter.GroupReplies, n: int) -> bool:
+        """Read and ignore the last `n` replies of a group whose outcome is already known
+        (the step-by-step dialogue would have sent RSET instead); False: the connection is
+        closed (a failure here only costs the connection, like a failed RSET)."""
+        try:
+            for k in range(n):
+                resp = await reader.read(self.timeouts.command)
+                if k == n - 1 and resp.code == 354:
+                    reader.owner.write(b".\r\n")
+                    await reader.read(self.timeouts.data)
+            return True
+        except Exception:
+            self.close()
+            return False
+
+    def _rcpt_reply(
+        self,
+        r: str,
+        resp: Any,
+        recipients: list[str],
+        accepted: list[str],
+        out: TransactionResult,
+    ) -> bool:
+        """One RCPT reply; False: a 421, the server is going away (the rest wait too)."""
+        if resp.code in (250, 251, 252):
+            accepted.append(r)
+            return True
+        reply = Reply.parse(resp.code, resp.message)
+        v = classify(reply, Phase.RCPT)
+        out.results[r] = RcptResult(v, reply, Phase.RCPT)
+        if v.closes_connection:
+            for rest in recipients:
+                out.results.setdefault(rest, RcptResult(v, reply, Phase.RCPT))
+            self.close()
+            return False
+        return True
+
+    async def _finish(
+        self, final: tuple[Reply, Phase], accepted: list[str], out: TransactionResult
+    ) -> None:
+        """The reply to DATA (refused) or to the final dot, for every accepted recipient."""
+        reply, phase = final
+        v = classify(reply, phase)
+        for r in accepted:
+            out.results[r] = RcptResult(v, reply, phase)
+        if v.closes_connection:
+            self.close()
+        elif v.outcome is not Outcome.DELIVERED:
+            await self._reset_or_close(v)
+        self.messages += 1
 
     async def _data(self, body: bytes | StoredBody) -> tuple[Reply, Phase]:
         """DATA, then the body and the final "."; returns the reply and the phase it ended
@@ -335,21 +453,27 @@ class Connection:
             start = await proto.read_response(timeout=self.timeouts.command)
             if start.code != 354:
                 return Reply.parse(start.code, start.message), Phase.DATA
-            smtpclient_adapter.expect_reply(proto)
-            faults.hit("transport.body")  # a write that fails before the final dot
-            if isinstance(body, StoredBody):
-                await self._stream(proto, body)
-            else:
-                if not body.endswith(b"\r\n"):
-                    body += b"\r\n"
-                proto.write(PERIOD_REGEX.sub(b"..", body))
+            return await self._body_and_dot(proto, body)
+
+    async def _body_and_dot(self, proto: Any, body: bytes | StoredBody) -> tuple[Reply, Phase]:
+        """After a 354: the body and the final ".", and the reply to it (the caller holds
+        the command lock)."""
+        smtpclient_adapter.expect_reply(proto)
+        faults.hit("transport.body")  # a write that fails before the final dot
+        if isinstance(body, StoredBody):
+            await self._stream(proto, body)
             proto.write(b".\r\n")
-            self._dot_sent = True  # only once written: a failed write is not ambiguous
-            try:
-                final = await proto.read_response(timeout=self.timeouts.data)
-            except BaseException:
-                smtp.close()
-                raise
+        else:
+            if not body.endswith(b"\r\n"):
+                body += b"\r\n"
+            proto.write(PERIOD_REGEX.sub(b"..", body) + b".\r\n")  # one write, one syscall
+        self._dot_sent = True  # only once written: a failed write is not ambiguous
+        try:
+            final = await proto.read_response(timeout=self.timeouts.data)
+        except BaseException:
+            if self.smtp is not None:
+                self.smtp.close()
+            raise
         return Reply.parse(final.code, final.message), Phase.DOT
 
     async def _stream(self, proto: Any, body: StoredBody) -> None:
@@ -404,7 +528,8 @@ def _with_host(reply: Reply, label: str) -> Reply:
     return Reply(reply.code, reply.enhanced, f"{reply.text} ({label})")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # C0 controls and DEL (one C scan, not a loop)
+
+
 def _unsafe(address: str) -> bool:
-    return (
-        any(ord(ch) < 32 or ord(ch) == 127 for ch in address) or ">" in address.rpartition("@")[2]
-    )
+    return _CONTROL.search(address) is not None or ">" in address.rpartition("@")[2]

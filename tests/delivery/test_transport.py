@@ -25,6 +25,18 @@ TIMEOUTS = Timeouts(connect=2.0, command=1.0, data=1.0)
 MakeConn = Callable[..., Connection]
 
 
+@pytest.fixture(params=[False, True], ids=["stepwise", "pipelined"])
+def upstream(request: pytest.FixtureRequest, upstream: Callable[..., Upstream]) -> Any:
+    """Every dialogue twice: an upstream without PIPELINING (one command at a time) and one
+    with it (RFC 2920: MAIL, the RCPTs and DATA in one write); the outcomes are the same."""
+
+    def make(**kwargs: Any) -> Upstream:
+        kwargs.setdefault("pipelining", request.param)
+        return upstream(**kwargs)
+
+    return make
+
+
 @pytest.fixture
 async def conn_factory() -> AsyncIterator[MakeConn]:
     made: list[Connection] = []
@@ -133,7 +145,9 @@ async def test_all_recipients_refused_sends_no_data(upstream, conn_factory) -> N
     await c.open()
     res = await c.send(SENDER, ["x@example.org", "y@example.org"], BODY)
     assert {r.verdict.outcome for r in res.results.values()} == {Outcome.BOUNCE}
-    assert "DATA" not in up.commands
+    # pipelined, DATA went in the group and was refused (503: no valid recipients)
+    assert ("DATA" in up.commands) is up.pipelining
+    assert up.received == []
     assert c.usable  # RSET, ready for the next transaction
     res = await c.send(SENDER, ["x@example.org"], BODY)
     assert res.results["x@example.org"].verdict.outcome is Outcome.BOUNCE
@@ -150,6 +164,112 @@ async def test_mail_from_refused_applies_to_every_recipient(upstream, conn_facto
         assert r.verdict.outcome is Outcome.FAIL  # the sender, never the recipients' fault
     assert not any(cmd.startswith("RCPT") for cmd in up.commands)
     assert c.usable
+
+
+async def test_transient_mail_reply_then_the_next_transaction(upstream, conn_factory) -> None:
+    up = upstream()
+    up.mail_reply = lambda s: "451 4.3.0 try later" if s == "busy@example.com" else None
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send("busy@example.com", ["a@example.org", "b@example.org"], BODY)
+    for r in res.results.values():
+        assert r.phase is Phase.MAIL and r.verdict.outcome is Outcome.TRANSIENT
+        assert str(r.reply) == "451 4.3.0 try later"
+    assert not res.connection_failed and c.usable
+    assert not any(cmd.startswith("RCPT") for cmd in up.commands)  # 503 need MAIL, if sent
+    # the replies to the rest of the group were read: the next transaction is in step
+    res = await c.send(SENDER, ["c@example.org"], BODY)
+    assert res.results["c@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert [m.rcpt_tos for m in up.wait_for(1)] == [["c@example.org"]]
+    assert up.connections == 1
+
+
+async def test_refused_rcpt_then_the_next_transaction(upstream, conn_factory) -> None:
+    up = upstream()
+    up.rcpt_reply = lambda a: "550 5.1.1 no such user" if a.startswith("bad") else None
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["bad@example.org", "ok@example.org", "bad2@example.org"], BODY)
+    assert {a: (r.phase, r.verdict.outcome) for a, r in res.results.items()} == {
+        "bad@example.org": (Phase.RCPT, Outcome.BOUNCE),
+        "ok@example.org": (Phase.DOT, Outcome.DELIVERED),
+        "bad2@example.org": (Phase.RCPT, Outcome.BOUNCE),
+    }
+    res = await c.send(SENDER, ["bad@example.org"], BODY)
+    assert res.results["bad@example.org"].verdict.outcome is Outcome.BOUNCE
+    res = await c.send(SENDER, ["ok2@example.org"], BODY)
+    assert res.results["ok2@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert [m.rcpt_tos for m in up.wait_for(2)] == [["ok@example.org"], ["ok2@example.org"]]
+    assert c.messages == 2 and up.connections == 1
+
+
+async def test_pipelined_group_is_one_write(upstream, conn_factory) -> None:
+    """RFC 2920: with PIPELINING offered, MAIL, the RCPTs and DATA go in one write; without
+    it, one command at a time."""
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    res = await c.send(SENDER, ["a@example.org", "b@example.org"], BODY)
+    assert {r.verdict.outcome for r in res.results.values()} == {Outcome.DELIVERED}
+    group = (
+        b"MAIL FROM:<app@example.com> SIZE=%d\r\n" % len(BODY)
+        + b"RCPT TO:<a@example.org>\r\nRCPT TO:<b@example.org>\r\nDATA\r\n"
+    )
+    if up.pipelining:
+        assert group in up.chunks
+    else:
+        assert not any(b"MAIL" in chunk and b"RCPT" in chunk for chunk in up.chunks)
+        assert b"MAIL FROM:<app@example.com> SIZE=%d\r\n" % len(BODY) in up.chunks
+    assert up.chunks[-1] == BODY + b".\r\n"  # the body and the final dot: one write too
+
+
+async def test_pipelined_354_without_recipients_gets_a_lone_dot(conn_factory) -> None:
+    """RFC 2920 §3.1: a server that says 354 to a pipelined DATA though it refused every
+    RCPT gets a lone "." (the client must send one), then RSET; the outcome is the RCPT's."""
+    seen: list[bytes] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"220 raw.test\r\n")
+        while line := await r.readline():
+            seen.append(line)
+            verb = line[:4].upper()
+            if verb == b"EHLO":
+                w.write(b"250-raw.test\r\n250 PIPELINING\r\n")
+            elif verb in (b"MAIL", b"RSET"):
+                w.write(b"250 2.0.0 ok\r\n")
+            elif verb == b"RCPT":
+                w.write(b"550 5.1.1 no such user\r\n")
+            elif verb == b"DATA":
+                w.write(b"354 go ahead\r\n")
+            elif line == b".\r\n":
+                w.write(b"554 5.5.1 no valid recipients\r\n")
+            else:
+                w.write(b"221 2.0.0 bye\r\n")
+                break
+            await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        c = conn_factory(port=server.sockets[0].getsockname()[1])
+        await c.open()
+        for _ in range(2):
+            res = await c.send(SENDER, ["x@example.org"], BODY)
+            r = res.results["x@example.org"]
+            assert r.phase is Phase.RCPT and r.verdict.outcome is Outcome.BOUNCE
+            assert str(r.reply) == "550 5.1.1 no such user"
+            assert not res.connection_failed and c.usable
+        assert seen[1:] == 2 * [
+            b"MAIL FROM:<app@example.com>\r\n",
+            b"RCPT TO:<x@example.org>\r\n",
+            b"DATA\r\n",
+            b".\r\n",
+            b"RSET\r\n",
+        ]
+        await c.quit()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_421_to_rcpt_defers_the_rest_and_closes(upstream, conn_factory) -> None:
@@ -222,28 +342,43 @@ async def test_disconnect_after_dot_is_ambiguous(upstream, conn_factory) -> None
 
 
 class DataRefusingUpstream(Upstream):
-    """Answers the DATA command itself (not the final dot) with 451."""
+    """Answers the DATA command itself (not the final dot) with `data_command_reply`."""
+
+    data_command_reply = "451 4.3.0 no DATA now"
 
     def _protocol(self) -> Any:
         proto = super()._protocol()
 
         async def smtp_DATA(arg: str) -> None:
-            await proto.push("451 4.3.0 no DATA now")
+            await proto.push(self.data_command_reply)
 
         proto._smtp_methods["DATA"] = smtp_DATA  # aiosmtpd dispatches through this table
         return proto
 
 
-async def test_data_command_refused_is_not_ambiguous(conn_factory) -> None:
-    up = DataRefusingUpstream().start()
+@pytest.mark.parametrize("pipelining", [False, True], ids=["stepwise", "pipelined"])
+@pytest.mark.parametrize(
+    ("reply", "outcome"),
+    [("451 4.3.0 no DATA now", Outcome.TRANSIENT), ("554 5.5.1 no DATA", Outcome.FAIL)],
+)
+async def test_data_command_refused_is_not_ambiguous(
+    conn_factory, pipelining: bool, reply: str, outcome: Outcome
+) -> None:
+    up = DataRefusingUpstream(pipelining=pipelining)
+    up.data_command_reply = reply
+    up.start()
     try:
         c = conn_factory(up)
         await c.open()
-        res = await c.send(SENDER, ["a@example.org"], BODY)
-        r = res.results["a@example.org"]
-        assert r.phase is Phase.DATA and not r.ambiguous
-        assert r.verdict.outcome is Outcome.TRANSIENT and r.reply.code == 451
+        res = await c.send(SENDER, ["a@example.org", "b@example.org"], BODY)
+        for r in res.results.values():
+            assert r.phase is Phase.DATA and not r.ambiguous
+            assert r.verdict.outcome is outcome and str(r.reply) == reply
         assert up.received == []
+        assert not res.connection_failed and c.usable  # RSET: in step for the next one
+        res = await c.send(SENDER, ["c@example.org"], BODY)
+        assert res.results["c@example.org"].phase is Phase.DATA
+        assert c.messages == 2
         await c.quit()
     finally:
         up.stop()
@@ -467,3 +602,17 @@ async def test_a_stored_body_is_streamed_with_transparency(
     res = await c.send(SENDER, ["a@example.org"], body)
     assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
     assert up.wait_for(1)[0].data == prefix + data
+
+
+def test_unsafe_addresses_are_every_control_character_and_a_bracket_in_the_domain() -> None:
+    """The defence-in-depth check before MAIL/RCPT (one regex scan): exactly the C0 controls
+    and DEL anywhere, or ">" in the domain, as the per-character loop it replaced."""
+    from relay.delivery.transport import _unsafe
+
+    for n in range(0x110):
+        ch = chr(n)
+        for address in (f"a{ch}b@example.org", f"ab@exa{ch}mple.org"):
+            expected = n < 32 or n == 127 or (ch == ">" and address.startswith("ab@"))
+            assert _unsafe(address) is expected, (n, address)
+    assert not _unsafe("") and not _unsafe("ü>ser@exämple.org")
+    assert _unsafe("a@b>c@example.org") is False and _unsafe("a@example.org>") is True
