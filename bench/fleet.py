@@ -495,9 +495,17 @@ class Relay:
     """One daemon on its own port and local spool dir; `dsn`: on that PostgreSQL spool."""
 
     def __init__(
-        self, work: Path, name: str, sink_port: int, dsn: str | None, inbound: int
+        self,
+        work: Path,
+        name: str,
+        sink_port: int,
+        dsn: str | None,
+        inbound: int,
+        base: str | None = None,
     ) -> None:
         self.name = name
+        # --base: the relay package of another tree, first on the path (PYTHONPATH)
+        self.env = None if base is None else {**os.environ, "PYTHONPATH": base}
         self.dir = work / name
         self.dir.mkdir(parents=True)
         self.port = free_port()
@@ -527,6 +535,7 @@ class Relay:
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
+            env=self.env,
         )
         out.close()
         try:
@@ -547,7 +556,10 @@ class Relay:
 
     def cli(self, *args: str) -> str:
         p = subprocess.run(
-            [*relay_cmd(), *args, "-c", str(self.conf)], capture_output=True, check=False
+            [*relay_cmd(), *args, "-c", str(self.conf)],
+            capture_output=True,
+            check=False,
+            env=self.env,
         )
         if p.returncode != 0:
             raise RuntimeError(
@@ -622,15 +634,19 @@ def note_logs(where: str, logs: dict[str, dict[str, Any]], odd: dict[str, int]) 
 
 
 def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[str, Any]:
-    """One node: acceptance and end to end of a.messages, with the sink up."""
+    """One node: acceptance and end to end of a.messages, with the sink up. A backend
+    named `...-base` runs the tree of --base."""
     n = a.messages
+    base = a.base if backend.endswith("-base") else None
     sink = Sink(work, a.tools)
     relay: Relay | None = None
     logs: dict[str, Any] = {}
     try:
         sink.go()
-        with pg_schema() if backend == "postgresql" else _no_schema() as dsn:
-            relay = Relay(work, f"single-{backend}-r{rnd}", sink.port, dsn, a.inbound_processes)
+        with pg_schema() if backend.startswith("postgresql") else _no_schema() as dsn:
+            relay = Relay(
+                work, f"single-{backend}-r{rnd}", sink.port, dsn, a.inbound_processes, base
+            )
             try:
                 cpu0 = cpu_of_tree(relay.proc.pid), (cpu_of_backends(dsn) if dsn else 0.0)
                 t0 = time.monotonic()
@@ -806,7 +822,23 @@ def main() -> int:
     ap.add_argument("--tools", choices=("auto", "postfix", "python"), default="auto")
     ap.add_argument("--inbound-processes", type=int, default=1, help="of every daemon")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (configs, logs)")
+    ap.add_argument(
+        "--backends",
+        default="sqlite,postgresql",
+        help="of `single`, alternating: sqlite, postgresql, and with --base sqlite-base,"
+        " postgresql-base",
+    )
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="another tree (e.g. `git archive REV | tar -x -C DIR`): the `...-base` backends"
+        " run its relay package (PYTHONPATH), for before/after in one run",
+    )
     a = ap.parse_args()
+    a.backends = [b for b in a.backends.split(",") if b]
+    known = {"sqlite", "postgresql"} | ({"sqlite-base", "postgresql-base"} if a.base else set())
+    if not a.backends or set(a.backends) - known:
+        ap.error(f"--backends: of {', '.join(sorted(known))} (the -base ones need --base)")
     a.drain = a.drain if a.drain is not None else max(1, a.messages * 3 // 5)
     only = set(a.only.split(","))
     try:
@@ -878,7 +910,7 @@ def main() -> int:
             DOC["single"] = {"runs": rows}
             t = time.monotonic()
             for rnd in range(1, a.rounds + 1):
-                order = ["sqlite", "postgresql"][:: 1 if rnd % 2 else -1]
+                order = a.backends[:: 1 if rnd % 2 else -1]
                 for backend in order:
                     r = single(work, a, backend, rnd)
                     rows.append(r)
@@ -895,13 +927,19 @@ def main() -> int:
                     "accept_per_s": median([r["accept_per_s"] for r in rows if r["backend"] == b]),
                     "e2e_per_s": median([r["e2e_per_s"] for r in rows if r["backend"] == b]),
                 }
-                for b in ("sqlite", "postgresql")
+                for b in a.backends
             }
+            for b in a.backends:
+                med[b]["cpu_ms_relay"] = [r["cpu_ms_relay"] for r in rows if r["backend"] == b]
+                med[b]["cpu_ms_pg"] = [r["cpu_ms_pg"] for r in rows if r["backend"] == b]
             DOC["single"]["median"] = med
-            DOC["single"]["ratio_pg_sqlite"] = {
-                k: round(med["postgresql"][k] / med["sqlite"][k], 2) if med["sqlite"][k] else None
-                for k in ("accept_per_s", "e2e_per_s")
-            }
+            if "sqlite" in med and "postgresql" in med:
+                DOC["single"]["ratio_pg_sqlite"] = {
+                    k: round(med["postgresql"][k] / med["sqlite"][k], 2)
+                    if med["sqlite"][k]
+                    else None
+                    for k in ("accept_per_s", "e2e_per_s")
+                }
             say(f"(single: {time.monotonic() - t:.0f} s)")
         if "drain" in only:
             say()
@@ -963,20 +1001,27 @@ def summary(a: argparse.Namespace, odd: dict[str, int], started: float, stamp: s
     say(f"## summary (medians of {a.rounds} round(s); rates in messages/s)")
     if "median" in DOC.get("single", {}):
         med = DOC["single"]["median"]
-        say(f"single node, {a.messages} x {a.size} B   accept/s   end-to-end/s")
         say(
-            f"  SQLite                      {med['sqlite']['accept_per_s']:8.0f}"
-            f"   {med['sqlite']['e2e_per_s']:12.0f}"
+            f"single node, {a.messages} x {a.size} B   accept/s   end-to-end/s"
+            "   CPU ms/message: relay, its PostgreSQL backends (every round)"
         )
-        say(
-            f"  PostgreSQL                  {med['postgresql']['accept_per_s']:8.0f}"
-            f"   {med['postgresql']['e2e_per_s']:12.0f}"
-        )
-        say(
-            f"  PostgreSQL / SQLite         "
-            f"{ratio(med['postgresql']['accept_per_s'], med['sqlite']['accept_per_s']):>8}"
-            f"   {ratio(med['postgresql']['e2e_per_s'], med['sqlite']['e2e_per_s']):>12}"
-        )
+        names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+        for b, m in med.items():
+            name = names.get(b.removesuffix("-base"), b) + (
+                " (base)" if b.endswith("-base") else ""
+            )
+            say(
+                f"  {name:<27} {m['accept_per_s']:8.0f}   {m['e2e_per_s']:12.0f}"
+                f"   {', '.join(f'{x:.2f}' for x in m['cpu_ms_relay'])};"
+                f" {', '.join(f'{x:.2f}' for x in m['cpu_ms_pg'])}"
+            )
+        for x, y in (("postgresql", "sqlite"), ("postgresql", "postgresql-base")):
+            if x in med and y in med:
+                say(
+                    f"  {x} / {y:<{26 - len(x)}}"
+                    f"{ratio(med[x]['accept_per_s'], med[y]['accept_per_s']):>8}"
+                    f"   {ratio(med[x]['e2e_per_s'], med[y]['e2e_per_s']):>12}"
+                )
     if "median" in DOC.get("drain", {}):
         d = {int(p): v for p, v in DOC["drain"]["median"].items()}
         base = d[min(d)]  # 1 process, unless --procs left it out

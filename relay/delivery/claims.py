@@ -176,6 +176,7 @@ class Claimer:
                 cmds: list[tuple[int, str, str]] = []
             else:
                 cmds = ops.engine_commands(c, self._cmd_seen)
+            envs: dict[str, ops.Envelope] = {}  # the claims' envelopes, read with them
             claims = ops.claim_due(
                 c,
                 now,
@@ -185,8 +186,8 @@ class Claimer:
                 expired_before,
                 self.membership.node,
                 now + self.membership.lease,
+                envs,
             )
-            envs = ops.load_envelopes(c, {cl.msg_id for cl in claims}) if claims else {}
             # The in-memory suppression list lags the spool by up to one refresh: before a
             # recipient is made `suppressed` (final), ask the spool, so that an operator's
             # `suppression remove` followed at once by `queue retry` is not undone.

@@ -253,120 +253,98 @@ def accept(conn: sqlite3.Connection, msg: NewMessage, dedup_window: float) -> Ac
     )
 
 
+# accept_many's one statement: take every key (RETURNING which were taken) and, only if
+# all of them were, insert the messages and their recipients (whose foreign key is checked
+# at the statement's end, when the messages are there)
+_ACCEPT_MANY = (
+    "WITH t AS (INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
+    " SELECT * FROM unnest(?::text[], ?::text[], ?::double precision[], ?::text[], ?::text[])"
+    " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+    " created_at = excluded.created_at, content_hash = excluded.content_hash,"
+    " fingerprint = excluded.fingerprint"
+    " WHERE dedup.created_at <= excluded.created_at - ? RETURNING key),"
+    " ok AS (SELECT count(*) = ? AS all_taken FROM t),"
+    " m AS (INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
+    " identity, body, body_path, listener) SELECT * FROM unnest(?::text[], ?::text[],"
+    " ?::text[], ?::bigint[], ?::double precision[], ?::text[], ?::text[], ?::text[],"
+    " ?::text[], ?::bytea[], ?::text[], ?::text[]) WHERE (SELECT all_taken FROM ok)),"
+    " r AS (INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
+    " next_attempt_at, dedup_key, updated_at) SELECT u.msg_id, u.address, u.destination,"
+    f" u.lane_prio, '{RcptState.PENDING}', 0, u.at, u.dedup_key, u.at"
+    " FROM unnest(?::text[], ?::text[], ?::text[], ?::integer[], ?::double precision[],"
+    " ?::text[]) AS u(msg_id, address, destination, lane_prio, at, dedup_key)"
+    " WHERE (SELECT all_taken FROM ok))"
+    " SELECT key FROM t"
+)
+
+
 def accept_many(
     conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]]
 ) -> list[AcceptResult]:
     """`accept` of several (message, dedup window) pairs, with the results they would have
-    had accepted one after the other in this order, in three statements whatever their
-    number (the writer's group of a batch on PostgreSQL, relay/spool/writer.py): read every
-    dedup key, take them, insert the messages and their recipients: the common case, where
-    every key of the batch is new. A key another node takes between the read and the take
-    is a duplicate, as in `accept`. A batch with any key seen within the window or twice in
-    the batch (a duplicate, an Idempotency-Key conflict, a Message-ID reused for other
-    content: README "Dedup"), or with windows that differ, runs as `accept` one by one, so
-    those decisions live in one place. SQLite: the same rule, in its own statements
-    (`_accept_many_sqlite`)."""
+    had accepted one after the other in this order (the writer's group of a batch,
+    relay/spool/writer.py). The common case, where every key of the batch is
+    new (or expired), is one statement whatever their number: take every key, and if every
+    one was taken, insert the messages and their recipients. Otherwise (a key live within
+    the window: a duplicate, an Idempotency-Key conflict, a Message-ID reused for other
+    content, README "Dedup"; or one another node took meanwhile) that statement is rolled
+    back to its savepoint and the batch runs as `accept` one by one, so those decisions live
+    in one place; so does a batch with a key twice, with windows that differ or with a
+    message without recipients. SQLite: the same rule, in its own statements
+    (`_accept_many_sqlite`; a lone message as `accept`)."""
     windows = {w for _m, w in items}
-    if len(items) < 2 or len(windows) != 1:
+    if len(windows) != 1 or (len(items) < 2 and db.dialect(conn) != "postgresql"):
         return [accept(conn, m, w) for m, w in items]
     if db.dialect(conn) != "postgresql":
         return _accept_many_sqlite(conn, items, windows.pop())
     window = windows.pop()
-    keys = sorted({r.dedup_key for m, _w in items for r in m.recipients})
-    known: dict[str, tuple[float, str | None]] = {
-        row[0]: (row[1], row[2])
-        for row in conn.execute(
-            "SELECT key, created_at, content_hash FROM dedup WHERE key = ANY(?)", (keys,)
-        )
-    }
-    results: list[AcceptResult | None] = [None] * len(items)
-    plans: list[tuple[int, list[NewRecipient], list[str]]] = []
     # key -> (queue id, at, content hash, fingerprint)
     takes: dict[str, tuple[str, float, str | None, str | None]] = {}
-    for i, (msg, _w) in enumerate(items):
-        cutoff = msg.created_at - window
-        fresh: list[NewRecipient] = []
+    for msg, _w in items:
+        if not msg.recipients:
+            return [accept(conn, m, w) for m, w in items]
         for r in msg.recipients:
-            row = known.get(r.dedup_key)
-            if r.dedup_key in takes or (row is not None and row[0] > cutoff):
-                # a key seen before or twice in this batch: a duplicate, an Idempotency-Key
-                # conflict or a Message-ID reused for other content (README "Dedup") is
-                # `accept`'s to decide, one message after the other (nothing written yet)
+            if r.dedup_key in takes:  # twice in the batch: `accept` decides
                 return [accept(conn, m, w) for m, w in items]
-            fresh.append(r)
             takes[r.dedup_key] = (msg.queue_id, msg.created_at, r.content_hash, r.fingerprint)
-        plans.append((i, fresh, []))
-    won: set[str] = set()
-    if takes:
-        order = sorted(takes)  # one lock order for every node (a fleet's inserts never cross)
-        won = {
-            row[0]
-            for row in conn.execute(
-                "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
-                " SELECT * FROM unnest(?::text[], ?::text[], ?::double precision[], ?::text[],"
-                " ?::text[])"
-                " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-                " created_at = excluded.created_at, content_hash = excluded.content_hash,"
-                " fingerprint = excluded.fingerprint"
-                " WHERE dedup.created_at <= excluded.created_at - ? RETURNING key",
-                (
-                    order,
-                    [takes[k][0] for k in order],
-                    [takes[k][1] for k in order],
-                    [takes[k][2] for k in order],
-                    [takes[k][3] for k in order],
-                    window,
-                ),
-            )
-        }
-    queued: list[tuple[NewMessage, list[NewRecipient]]] = []
-    for i, fresh, dupes in plans:
-        msg = items[i][0]
-        got = [r for r in fresh if r.dedup_key in won]
-        dupes += [r.address for r in fresh if r.dedup_key not in won]
-        if not got:
-            results[i] = AcceptResult(None, (), tuple(dupes))
-            continue
-        queued.append((msg, got))
-        results[i] = AcceptResult(msg.queue_id, tuple(r.address for r in got), tuple(dupes))
-    if queued:
-        msgs = [m for m, _r in queued]
-        rcpts = [(m, r) for m, got in queued for r in got]
-        # one statement: the messages (a CTE) and their recipients, whose foreign key is
-        # checked at its end, when the messages are there
-        conn.execute(
-            "WITH m AS (INSERT INTO messages (id, message_id, sender, size, created_at, client,"
-            " peer, lane, identity, body, body_path, listener) SELECT * FROM unnest(?::text[],"
-            " ?::text[], ?::text[], ?::bigint[], ?::double precision[], ?::text[], ?::text[],"
-            " ?::text[], ?::text[], ?::bytea[], ?::text[], ?::text[]))"
-            " INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
-            " next_attempt_at, dedup_key, updated_at) SELECT u.msg_id, u.address, u.destination,"
-            f" u.lane_prio, '{RcptState.PENDING}', 0, u.at, u.dedup_key, u.at"
-            " FROM unnest(?::text[], ?::text[], ?::text[], ?::integer[], ?::double precision[],"
-            " ?::text[]) AS u(msg_id, address, destination, lane_prio, at, dedup_key)",
-            (
-                [m.queue_id for m in msgs],
-                [m.message_id for m in msgs],
-                [m.sender for m in msgs],
-                [m.size for m in msgs],
-                [m.created_at for m in msgs],
-                [m.client for m in msgs],
-                [m.peer for m in msgs],
-                [m.lane for m in msgs],
-                [m.identity for m in msgs],
-                [m.body for m in msgs],
-                [m.body_path for m in msgs],
-                [m.listener for m in msgs],
-                [m.queue_id for m, _r in rcpts],
-                [r.address for _m, r in rcpts],
-                [r.destination for _m, r in rcpts],
-                [m.lane_prio for m, _r in rcpts],
-                [m.created_at for m, _r in rcpts],
-                [r.dedup_key for _m, r in rcpts],
-            ),
-        )
-    assert all(r is not None for r in results)
-    return [r for r in results if r is not None]
+    order = sorted(takes)  # one lock order for every node (a fleet's inserts never cross)
+    msgs = [m for m, _w in items]
+    rcpts = [(m, r) for m in msgs for r in m.recipients]
+    conn.execute("SAVEPOINT take")  # sent with the statement (relay/spool/pg.py DEFERRED)
+    taken = conn.execute(
+        _ACCEPT_MANY,
+        (
+            order,
+            [takes[k][0] for k in order],
+            [takes[k][1] for k in order],
+            [takes[k][2] for k in order],
+            [takes[k][3] for k in order],
+            window,
+            len(order),
+            [m.queue_id for m in msgs],
+            [m.message_id for m in msgs],
+            [m.sender for m in msgs],
+            [m.size for m in msgs],
+            [m.created_at for m in msgs],
+            [m.client for m in msgs],
+            [m.peer for m in msgs],
+            [m.lane for m in msgs],
+            [m.identity for m in msgs],
+            [m.body for m in msgs],
+            [m.body_path for m in msgs],
+            [m.listener for m in msgs],
+            [m.queue_id for m, _r in rcpts],
+            [r.address for _m, r in rcpts],
+            [r.destination for _m, r in rcpts],
+            [m.lane_prio for m, _r in rcpts],
+            [m.created_at for m, _r in rcpts],
+            [r.dedup_key for _m, r in rcpts],
+        ),
+    ).fetchall()
+    if len(taken) != len(order):  # a key is live: nothing of the batch stays written
+        conn.execute("ROLLBACK TO take")
+        return [accept(conn, m, w) for m, w in items]
+    return [AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ()) for m in msgs]
 
 
 def _accept_many_sqlite(
@@ -490,6 +468,7 @@ def claim_due(
     expired_before: float = float("-inf"),
     owner: str | None = None,
     lease_until: float | None = None,
+    envelopes: dict[str, Envelope] | None = None,
 ) -> list[Claim]:
     """Mark up to `limit` due recipients `sending`, transactional lane first. `skip` lists
     (lane priority, recipient domain) pairs not to claim now (a domain of None: every
@@ -502,7 +481,10 @@ def claim_due(
 
     A claim is a lease: `owner` (the node) holds it until `lease_until`, renewed while it
     works (renew_leases). On PostgreSQL the rows are selected FOR UPDATE SKIP LOCKED: the
-    nodes of a fleet claim disjoint recipients without waiting for each other."""
+    nodes of a fleet claim disjoint recipients without waiting for each other.
+
+    `envelopes`: filled with the claimed messages' envelopes (load_envelopes), which
+    PostgreSQL reads in the claim's own statement."""
     where = ""
     params: list[Any] = [now]
     closed = {p for p, d in [*skip, *waiting] if d is None}
@@ -528,47 +510,106 @@ def claim_due(
     # one range of the recipients_due index per lane, in lane order: the partial index is
     # used only when the query spells its WHERE the same way, and without it every claim
     # scanned and sorted every due recipient (34 ms per claim, in the writer, at 100,000)
-    rows: list[Any] = []
-    lock = " FOR UPDATE OF r SKIP LOCKED" if db.dialect(conn) == "postgresql" else ""
     full = {p for p, d in skip if d is None}
     if expired_before == float("-inf"):
         full |= {p for p, d in waiting if d is None}
-    for prio in sorted(set(LANE_PRIORITY.values()) - full):
+    lanes = sorted(set(LANE_PRIORITY.values()) - full)
+    if db.dialect(conn) == "postgresql":
+        return _claim_pg(conn, lanes, where, params, limit, now, owner, lease_until, envelopes)
+    rows: list[Any] = []
+    for prio in lanes:
         if len(rows) >= limit:
             break
-        select = (
-            "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
-            " coalesce(r.retry_base, m.created_at), m.lane,"
-            " m.identity, r.dedup_key FROM recipients r INDEXED BY recipients_due"
-            " JOIN messages m ON m.id = r.msg_id"
-            f" WHERE r.state IN {_DUE_INDEXED} AND r.lane_prio = ? AND r.next_attempt_at <= ?"
-            + where
-            + " ORDER BY r.next_attempt_at LIMIT ?"
-        )
-        if lock:
-            # PostgreSQL: the rows taken and marked in one statement (one round trip), in
-            # the order of the select (`n`: its row number), not one execution per row
-            rows += [
-                r[1:]
-                for r in conn.execute(
-                    f"WITH c AS ({select}{lock}), n AS (SELECT row_number() OVER () AS n, *"
-                    f" FROM c), u AS (UPDATE recipients SET state = '{RcptState.SENDING}',"
-                    " updated_at = ?, lease_owner = ?, lease_until = ? FROM c"
-                    " WHERE recipients.id = c.id) SELECT * FROM n ORDER BY n",
-                    [prio, *params, limit - len(rows), now, owner, lease_until],
-                ).fetchall()
-            ]
-        else:
-            rows += conn.execute(select, [prio, *params, limit - len(rows)]).fetchall()
+        rows += conn.execute(
+            _CLAIM_SELECT.format(cols="") + where + " ORDER BY r.next_attempt_at LIMIT ?",
+            [prio, *params, limit - len(rows)],
+        ).fetchall()
     if not rows:
         return []
-    if not lock:
-        conn.executemany(
-            f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
-            " lease_owner = ?, lease_until = ? WHERE id = ?",
-            [(now, owner, lease_until, r[0]) for r in rows],
-        )
+    conn.executemany(
+        f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
+        " lease_owner = ?, lease_until = ? WHERE id = ?",
+        [(now, owner, lease_until, r[0]) for r in rows],
+    )
+    if envelopes is not None:
+        envelopes.update(load_envelopes(conn, {r[1] for r in rows}))
     return [Claim(*r) for r in rows]
+
+
+_CLAIM_SELECT = (
+    "SELECT r.id, r.msg_id, r.address, r.destination, r.attempts,"
+    " coalesce(r.retry_base, m.created_at) AS base, m.lane,"
+    " m.identity, r.dedup_key{cols} FROM recipients r INDEXED BY recipients_due"
+    " JOIN messages m ON m.id = r.msg_id"
+    f" WHERE r.state IN {_DUE_INDEXED} AND r.lane_prio = ? AND r.next_attempt_at <= ?"
+)
+# the envelope's columns (load_envelopes), read by PostgreSQL's claim
+_ENVELOPE_COLS = (
+    ", m.message_id, m.sender, m.size, m.body, m.body_path, m.delay_warned_at, m.client, m.listener"
+)
+
+
+def _claim_pg(
+    conn: sqlite3.Connection,
+    lanes: list[int],
+    where: str,
+    params: list[Any],
+    limit: int,
+    now: float,
+    owner: str | None,
+    lease_until: float | None,
+    envelopes: dict[str, Envelope] | None,
+) -> list[Claim]:
+    """claim_due on PostgreSQL: one statement (one round trip) for every lane and, with
+    `envelopes`, the envelopes of the claimed messages. Lane by lane (a CTE each, each
+    lane's LIMIT what the lanes before it left), the rows taken FOR UPDATE SKIP LOCKED,
+    marked `sending` and returned in the order of the selects; a message's body comes in
+    the first of its rows only."""
+    if not lanes:
+        return []
+    ctes: list[str] = []
+    args: list[Any] = []
+    cols = _ENVELOPE_COLS if envelopes is not None else ""
+    for k, prio in enumerate(lanes):
+        left = "".join(f" - (SELECT count(*) FROM c{j})" for j in range(k))
+        ctes.append(
+            f"c{k} AS ("
+            + _CLAIM_SELECT.format(cols=cols)
+            + where
+            + f" ORDER BY r.next_attempt_at LIMIT greatest(?{left}, 0) FOR UPDATE OF r SKIP LOCKED)"
+        )
+        args += [prio, *params, limit]
+    union = " UNION ALL ".join(
+        f"SELECT {k} AS k, row_number() OVER () AS n, c{k}.* FROM c{k}" for k in range(len(lanes))
+    )
+    env = (
+        ", message_id, sender, size, CASE WHEN row_number() OVER (PARTITION BY msg_id"
+        " ORDER BY k, n) = 1 THEN body END, body_path, delay_warned_at, client, listener"
+        if envelopes is not None
+        else ""
+    )
+    # each lane's rows marked by an UPDATE of their own: joined with one lane's CTE (whose
+    # LIMIT a generic plan estimates at one row), the rows are found by the primary key
+    # whatever the size of the spool when the plan was made; joined with the union of the
+    # lanes (two rows), a generic plan made while the spool was small used a hash join over a
+    # Seq Scan of every recipient, for good (bench/README.md, Issue 31)
+    marks = "".join(
+        f", u{k} AS (UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
+        f" lease_owner = ?, lease_until = ? FROM c{k} WHERE recipients.id = c{k}.id)"
+        for k in range(len(lanes))
+    )
+    rows = conn.execute(
+        "WITH " + ", ".join(ctes) + marks + f", c AS ({union})"
+        " SELECT id, msg_id, address, destination, attempts, base, lane, identity, dedup_key"
+        + env
+        + " FROM c ORDER BY k, n",
+        [*args, *[now, owner, lease_until] * len(lanes)],
+    ).fetchall()
+    if envelopes is not None:
+        for r in rows:
+            if r[1] not in envelopes:
+                envelopes[r[1]] = Envelope(r[1], *r[9:])
+    return [Claim(*r[:9]) for r in rows]
 
 
 def renew_leases(conn: sqlite3.Connection, owner: str, until: float) -> int:
@@ -643,9 +684,10 @@ class Envelope:
 def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str, Envelope]:
     ids = list(set(msg_ids))
     out: dict[str, Envelope] = {}
-    if db.dialect(conn) == "postgresql":  # one text for any number: a prepared statement
+    if db.dialect(conn) == "postgresql":  # one text for any number, planned per call
         for row in conn.execute(
-            "SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
+            db.CUSTOM_PLAN
+            + "SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
             " listener FROM messages WHERE id = ANY(?)",
             (ids,),
         ):
@@ -818,6 +860,16 @@ _RECORD_MANY = (
     " AS u(id, state, inc, next_at, reply, reason, at, upstream_id)"
     f" WHERE r.id = u.id AND (r.state = '{RcptState.SENDING}') IS TRUE"
 )
+# the attempt log of the outcomes the UPDATE applied, in the same statement (a CTE: no
+# round trip of its own), in the outcomes' order
+_RECORD_LOG = (
+    " a AS (INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
+    " duration) SELECT l.msg_id, l.rcpt_id, l.at, l.destination, l.host, l.outcome, l.reply,"
+    " l.duration FROM unnest(?::text[], ?::bigint[], ?::double precision[], ?::text[],"
+    " ?::text[], ?::text[], ?::text[], ?::double precision[]) WITH ORDINALITY"
+    " AS l(msg_id, rcpt_id, at, destination, host, outcome, reply, duration, ord)"
+    " WHERE l.rcpt_id IN (SELECT id FROM w) ORDER BY l.ord)"
+)
 
 
 def record_many(
@@ -827,11 +879,12 @@ def record_many(
     ceilings: Collection[str] | None = None,
 ) -> list[int]:
     """`record` of several (outcomes, now, day) calls, each with the count it would have
-    returned alone. PostgreSQL: one UPDATE over every outcome (RETURNING what changed and
-    its identity), then at most one INSERT each for the attempt log, the suppression list,
-    the daily counters and the hourly delivered counts, instead of a few statements per
-    outcome (each a round trip). The counters are summed and locked in `record`'s order.
-    SQLite, or one recipient twice among the outcomes: `record` one call after the other.
+    returned alone. PostgreSQL: one statement for the UPDATE of every outcome (RETURNING
+    what changed and its identity) and the attempt log of those it changed, then at most
+    one INSERT each for the suppression list, the daily counters and the hourly delivered
+    counts, instead of a few statements per outcome (each a round trip). The counters are
+    summed and locked in `record`'s order. SQLite, or one recipient twice among the
+    outcomes: `record` one call after the other.
 
     `ceilings`: the scopes among the counters that are under a fleet's daily ceiling (a
     claim later in the same transaction reads them, ceiling_take): counted here. The other
@@ -849,39 +902,44 @@ def record_many(
     if not flat:
         return counts
     held = "" if owner is None else " AND (r.lease_owner = ? OR r.lease_owner IS NULL)"
+    params: list[Any] = [
+        ids,
+        [o.state.value for _i, o, _n, _d in flat],
+        [1 if o.count_attempt else 0 for _i, o, _n, _d in flat],
+        [o.next_attempt_at for _i, o, _n, _d in flat],
+        [o.last_reply for _i, o, _n, _d in flat],
+        [o.reason for _i, o, _n, _d in flat],
+        [now for _i, _o, now, _d in flat],
+        [o.upstream_id for _i, o, _n, _d in flat],
+        *(() if owner is None else (owner,)),
+    ]
+    logs = [(o, now) for _i, o, now, _d in flat if o.log is not None]
+    log_cte = ""
+    if logs:
+        log_cte = "," + _RECORD_LOG
+        params += [
+            [o.msg_id for o, _n in logs],
+            [o.rcpt_id for o, _n in logs],
+            [now for _o, now in logs],
+            *(
+                [getattr(o.log, f) for o, _n in logs]
+                for f in ("destination", "host", "outcome", "reply", "duration")
+            ),
+        ]
+    # one statement: the outcomes, and the attempt log of those applied (planned per call:
+    # db.CUSTOM_PLAN)
     rows = conn.execute(
-        _RECORD_MANY + held + " RETURNING r.id,"
-        " (SELECT m.identity FROM messages m WHERE m.id = r.msg_id)",
-        (
-            ids,
-            [o.state.value for _i, o, _n, _d in flat],
-            [1 if o.count_attempt else 0 for _i, o, _n, _d in flat],
-            [o.next_attempt_at for _i, o, _n, _d in flat],
-            [o.last_reply for _i, o, _n, _d in flat],
-            [o.reason for _i, o, _n, _d in flat],
-            [now for _i, _o, now, _d in flat],
-            [o.upstream_id for _i, o, _n, _d in flat],
-            *(() if owner is None else (owner,)),
-        ),
+        db.CUSTOM_PLAN
+        + "WITH w AS ("
+        + _RECORD_MANY
+        + held
+        + " RETURNING r.id, (SELECT m.identity FROM messages m WHERE m.id = r.msg_id) AS identity)"
+        + log_cte
+        + " SELECT id, identity FROM w",
+        params,
     ).fetchall()
     identity_of = {int(r[0]): r[1] for r in rows}
     done = [(i, o, now, day) for i, o, now, day in flat if o.rcpt_id in identity_of]
-    logs = [(o, now) for _i, o, now, _d in done if o.log is not None]
-    if logs:
-        conn.execute(
-            "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
-            " duration) SELECT * FROM unnest(?::text[], ?::bigint[], ?::double precision[],"
-            " ?::text[], ?::text[], ?::text[], ?::text[], ?::double precision[])",
-            (
-                [o.msg_id for o, _n in logs],
-                [o.rcpt_id for o, _n in logs],
-                [now for _o, now in logs],
-                *(
-                    [getattr(o.log, f) for o, _n in logs]
-                    for f in ("destination", "host", "outcome", "reply", "duration")
-                ),
-            ),
-        )
     supp = [(o.suppress, now) for _i, o, now, _d in done if o.suppress is not None]
     if supp:
         conn.execute(
@@ -1136,11 +1194,12 @@ def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
         # three statements for any number (a prune's 5,000 were 20,000 round trips, seconds
         # during which the writer took no other job), the body paths in the order of `ids`
         ids = list(dict.fromkeys(ids))
-        conn.execute("DELETE FROM attempts WHERE msg_id = ANY(?)", (ids,))
-        conn.execute("DELETE FROM recipients WHERE msg_id = ANY(?)", (ids,))
+        conn.execute(db.CUSTOM_PLAN + "DELETE FROM attempts WHERE msg_id = ANY(?)", (ids,))
+        conn.execute(db.CUSTOM_PLAN + "DELETE FROM recipients WHERE msg_id = ANY(?)", (ids,))
         gone = dict(
             conn.execute(
-                "DELETE FROM messages WHERE id = ANY(?) RETURNING id, body_path", (ids,)
+                db.CUSTOM_PLAN + "DELETE FROM messages WHERE id = ANY(?) RETURNING id, body_path",
+                (ids,),
             ).fetchall()
         )
         return [gone[qid] for qid in ids if gone.get(qid)]

@@ -52,7 +52,7 @@ from relay.mail.address import AddressError, check_mailbox
 from relay.mail.message import date_header, header, parse_headers
 from relay.ops import alerts
 from relay.ops.logs import log_event
-from relay.spool import dedup, ops
+from relay.spool import db, dedup, ops
 from relay.spool.model import FINAL, RcptState
 from relay.spool.writer import SpoolWriter
 
@@ -256,7 +256,7 @@ def write_back(
         return []
     else:
         rows = conn.execute(
-            WRITE_BACK.format(only="AND o.queue_id = ANY(?)"), (queue_ids,)
+            db.CUSTOM_PLAN + WRITE_BACK.format(only="AND o.queue_id = ANY(?)"), (queue_ids,)
         ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows if r[1] != "queued"]
 

@@ -26,7 +26,9 @@ Rules:
 - Driver: psycopg 3 (sync). The writer is a thread that runs a batch of jobs per
   transaction, so a synchronous driver in that thread is the natural fit (asyncpg would
   need the event loop the writer keeps its batches away from); psycopg prepares a statement
-  on the server after its fifth use (`prepare_threshold`), which covers the hot path.
+  on the server after its fifth use (`prepare_threshold`), which covers the hot path, but
+  for the statements marked `db.CUSTOM_PLAN` (lookups of a batch of keys): those are sent
+  unprepared and planned for their parameters at every call.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from psycopg import errors as pg_errors
 
 from relay.config.redact import dsn_passwords as dsn_passwords  # the spool's callers use them
 from relay.config.redact import redact_dsn
+from relay.spool.db import CUSTOM_PLAN
 from relay.spool.schema import MIGRATIONS, statements
 
 DIALECT = "postgresql"
@@ -141,7 +144,8 @@ def _wrap(e: psycopg.Error) -> sqlite3.Error:
 
 
 # statements whose answer nobody reads: sent with the next statement, in one round trip
-DEFERRED = frozenset({"BEGIN", "SAVEPOINT job", "RELEASE job"})
+# (`SAVEPOINT take`: ops.accept_many's, released with its job's)
+DEFERRED = frozenset({"BEGIN", "SAVEPOINT job", "RELEASE job", "SAVEPOINT take"})
 
 # Counters added at COMMIT (PgConnection.add_counts): per table, its key columns and types
 # and its counter columns. The rows every node bumps (`dest:smarthost` today, an identity's
@@ -276,6 +280,8 @@ class PgConnection:
                 self._deferred.clear()
                 self._conn = self._open()
             at_commit = self._track_counts(query) if not params else []
+            # db.CUSTOM_PLAN: unprepared (an unnamed statement: planned for its parameters)
+            prepare = False if query.startswith(CUSTOM_PLAN) else None
             if query in DEFERRED and not params:
                 self._deferred.append(query)
                 return _Deferred()
@@ -287,9 +293,9 @@ class PgConnection:
                             self._conn.execute(q)
                         for q, p in at_commit:
                             self._conn.execute(translate(q), p)
-                        cur = self._conn.execute(query, params)
+                        cur = self._conn.execute(query, params, prepare=prepare)
                 else:
-                    cur = self._conn.execute(query, params)
+                    cur = self._conn.execute(query, params, prepare=prepare)
             except psycopg.Error as e:
                 raise _wrap(e) from e
             if cur.statusmessage == "ROLLBACK" and query.strip().upper() == "COMMIT":

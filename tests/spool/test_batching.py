@@ -17,6 +17,7 @@ import pytest
 
 from relay.config.tree import PgSpool
 from relay.spool import ops, pg
+from relay.spool.model import RcptState
 from relay.spool.writer import Grouped, SpoolWriter, plan
 from tests.pgserver import pg_dsn  # noqa: F401 (fixture)
 
@@ -127,6 +128,12 @@ CASES: list[tuple[str, list[tuple[str, str, float, str | None]], list[ops.NewMes
             _msg("Q1", NOW, ("a@x.org", "k1", None, "fpA")),
             _msg("Q2", NOW + 0.1, ("b@x.org", "k2", None, "fpB")),
         ],
+    ),
+    ("one fresh message alone (one statement)", [], [_msg("Q1", NOW, ("a@x.org", "k1", None))]),
+    (
+        "one message alone whose second key is live: rolled back to `accept`",
+        [("k2", "OLD2", NOW - 10, None)],
+        [_msg("Q1", NOW, ("a@x.org", "k1", None), ("b@x.org", "k2", None))],
     ),
     (
         "every recipient a duplicate",
@@ -777,3 +784,26 @@ def test_counters_at_commit_follow_the_savepoints_and_the_rollback(
     conn.execute("BEGIN")
     conn.execute("COMMIT")
     assert dict(conn.execute("SELECT scope, count FROM daily_counts").fetchall()) == after
+
+
+def test_statements_of_batch_keys_are_planned_per_call_never_on_a_generic_plan(
+    conn: pg.PgConnection,
+) -> None:
+    """db.CUSTOM_PLAN: a generic plan made while the spool was small scans the table whole
+    for good (bench/README.md, Issue 31); such statements are sent unprepared, planned
+    for their parameters each time, while the rest are prepared at their fifth use."""
+    conn.execute("BEGIN")
+    try:
+        ops.accept_many(
+            conn, [(_msg(f"Q{i}", NOW, (f"a{i}@x.org", f"k{i}", None)), WINDOW) for i in range(3)]
+        )
+        for _ in range(8):
+            ops.load_envelopes(conn, ["Q0", "Q1"])
+            gone = ops.RcptUpdate(10**9, "Q0", RcptState.DELIVERED, True, None, "250 ok")
+            assert ops.record_many(conn, [([gone], NOW, None)]) == [0]
+            conn.execute("SELECT count(*) FROM messages WHERE id = ?", ("Q0",))
+        prepared = [r[0] for r in conn.execute("SELECT statement FROM pg_prepared_statements")]
+    finally:
+        conn.execute("ROLLBACK")
+    assert any("count(*) FROM messages" in s for s in prepared)  # psycopg prepares
+    assert not [s for s in prepared if "custom plan" in s or "FROM messages WHERE id = ANY" in s]

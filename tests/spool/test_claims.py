@@ -97,3 +97,18 @@ def test_a_claim_stops_at_its_limit_lane_by_lane(
     assert [c.address.split("@")[0] for c in got] == want
     left = conn.execute("SELECT count(*) FROM recipients WHERE state <> 'sending'").fetchone()
     assert left[0] == len(QUEUE) - limit
+
+
+@pytest.mark.parametrize("limit", [2, 4, 10])
+def test_a_claim_reads_its_messages_envelopes_as_load_envelopes_does(
+    conn: sqlite3.Connection, limit: int
+) -> None:
+    # a message with two recipients, claimed together with the others: its envelope once,
+    # body and all (PostgreSQL sends the body in its first row only)
+    put(conn, "MX", ["t-x1@a.test", "t-x2@b.test"], created_at=T0 - 2000, lane="transactional")
+    envs: dict[str, ops.Envelope] = {}
+    got = run(conn, ops.claim_due, T0 + 1, limit, envelopes=envs)
+    assert len(got) == min(limit, len(QUEUE) + 2)
+    assert [c.address for c in got][:2] == ["t-x1@a.test", "t-x2@b.test"]
+    assert envs == ops.load_envelopes(conn, {c.msg_id for c in got})
+    assert envs["MX"].body is not None or envs["MX"].body_path is not None
