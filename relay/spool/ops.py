@@ -291,9 +291,9 @@ def accept_many(
     back to its savepoint and the batch runs as `accept` one by one, so those decisions live
     in one place; so does a batch with a key twice, with windows that differ or with a
     message without recipients. SQLite: the same rule, in its own statements
-    (`_accept_many_sqlite`; a lone message as `accept`)."""
+    (`_accept_many_sqlite`)."""
     windows = {w for _m, w in items}
-    if len(windows) != 1 or (len(items) < 2 and db.dialect(conn) != "postgresql"):
+    if len(windows) != 1:
         return [accept(conn, m, w) for m, w in items]
     if db.dialect(conn) != "postgresql":
         return _accept_many_sqlite(conn, items, windows.pop())

@@ -46,8 +46,7 @@ from psycopg import errors as pg_errors
 
 from relay.config.redact import dsn_passwords as dsn_passwords  # the spool's callers use them
 from relay.config.redact import redact_dsn
-from relay.spool.db import CUSTOM_PLAN
-from relay.spool.schema import MIGRATIONS, statements
+from relay.spool.schema import CUSTOM_PLAN, MIGRATIONS, statements
 
 DIALECT = "postgresql"
 # a lock key of our own for migrations (pg_advisory_xact_lock takes a bigint)

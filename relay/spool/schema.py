@@ -272,3 +272,13 @@ def statements(script: str) -> Iterator[str]:
             if buf.strip():
                 yield buf
             buf = ""
+
+
+# PostgreSQL: a statement whose text starts with this is planned for its parameters at every
+# call (relay/spool/pg.py sends it unprepared), never run on a cached generic plan. For
+# lookups of a batch of keys (`= ANY(?)`, a join with unnest) on tables that grow: a generic
+# plan is fixed at a statement's sixth use, and one made while the table was a few pages
+# (a fresh spool) scans it whole (a Seq Scan on messages, a nested loop over every recipient)
+# for the life of the connection, unless an ANALYZE (autovacuum) invalidates it: 1.8-4 ms
+# a call at 12,000 messages where the index takes 0.05-0.3 ms (bench/README.md, Issue 31).
+CUSTOM_PLAN = "/* custom plan */ "
