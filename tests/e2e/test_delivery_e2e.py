@@ -54,8 +54,20 @@ def state_of(r: RelayProcess, address: str) -> str | None:
 
 
 def wait_state(r: RelayProcess, address: str, state: str, timeout: float = 30.0) -> dict[str, Any]:
-    r.wait_until(lambda: state_of(r, address) == state, timeout=timeout, what=f"{address} {state}")
-    return recipient(r, address)
+    """The recipient's entry as it was when it was seen in `state` (the same `queue list`:
+    a second look could come after the next attempt on a loaded machine)."""
+    seen: dict[str, Any] = {}
+
+    def in_state() -> bool:
+        for m in r.queue():
+            for rc in m["recipients"]:
+                if rc["address"] == address:
+                    seen.clear()
+                    seen.update({**rc, "queue_id": m["id"], "message": m})
+        return seen.get("state") == state
+
+    r.wait_until(in_state, timeout=timeout, what=f"{address} {state}")
+    return dict(seen)
 
 
 def show(r: RelayProcess, queue_id: str) -> dict[str, Any]:

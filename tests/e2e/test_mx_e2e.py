@@ -88,8 +88,16 @@ def recipient(r: RelayProcess, address: str) -> dict[str, Any]:
 
 
 def wait_state(r: RelayProcess, address: str, state: str) -> dict[str, Any]:
-    r.wait_until(lambda: r.recipient_states().get(address) == state, what=f"{address} {state}")
-    return recipient(r, address)
+    """The recipient's entry from the same look that saw it in `state`."""
+    seen: dict[str, Any] = {}
+
+    def in_state() -> bool:
+        seen.clear()
+        seen.update(recipient(r, address))
+        return seen.get("state") == state
+
+    r.wait_until(in_state, what=f"{address} {state}")
+    return dict(seen)
 
 
 def attempt_hosts(r: RelayProcess, queue_id: str) -> list[str | None]:
