@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import yaml
-from suite import cpu_seconds, export  # bench/suite.py, beside this file
+from suite import export, settled  # bench/suite.py, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,9 +145,9 @@ def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float
     d = Daemon(tree, work)
     try:
         asyncio.run(load(d.port, 200, a.sessions, a.size, 0, a.rcpts))  # warm-up
-        before = cpu_seconds(d.inbound)
+        before = settled(d.inbound)
         wall = asyncio.run(load(d.port, a.messages, a.sessions, a.size, 10_000, a.rcpts))
-        used = cpu_seconds(d.inbound) - before
+        used = settled(d.inbound) - before
     finally:
         d.stop()
     return used / a.messages * 1000, a.messages / wall
