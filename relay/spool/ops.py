@@ -1003,7 +1003,11 @@ def _record_many_sqlite(
     by `owner`) with their messages' identities, then one prepared statement each for the
     updates, the attempt log, the suppression list, the daily counters and the hourly
     delivered counts, run over the whole batch (executemany), instead of a few statements
-    per outcome. Every row ends as `record` one call after the other would leave it: the
+    per outcome. `+r.state`: the recipients are found by their ids (the primary key), not
+    by scanning every one in flight through recipients_waiting (what SQLite's planner
+    chose: 41 µs per record of one outcome in groups of 5 with 3,000 in flight, against 14
+    by id and 24 one by one). Every row ends as `record` one call after the other would
+    leave it: the
     same outcomes applied, the attempt log in the same order (the same ids), the counters
     summed. The writer holds the write lock from its BEGIN IMMEDIATE on, so nothing
     changes a recipient between the read and the update; should one change all the same
@@ -1022,7 +1026,7 @@ def _record_many_sqlite(
             "SELECT r.id, r.msg_id, m.identity FROM recipients r"
             " LEFT JOIN messages m ON m.id = r.msg_id"
             " WHERE r.id IN (SELECT value FROM json_each(?))"
-            f" AND r.state = '{RcptState.SENDING}'" + held,
+            f" AND +r.state = '{RcptState.SENDING}'" + held,
             (
                 json.dumps([o.rcpt_id for _i, o, _n, _d in flat]),
                 *(() if owner is None else (owner,)),

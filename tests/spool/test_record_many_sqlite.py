@@ -240,3 +240,23 @@ def test_the_sqlite_writer_runs_the_records_of_a_batch_as_one_group(
     assert together[1]  # the attempt log was written
     # 5 held, each job frees 1
     assert together[6] == ([] if not bad else [("n1", "dest:x.org", 1, 0.0)])
+
+
+def test_the_group_finds_its_recipients_by_id_not_by_scanning_those_in_flight(
+    conn: sqlite3.Connection,
+) -> None:
+    """SQLite's planner, left to itself, read every recipient `sending` through
+    recipients_waiting and tested each against the batch's ids."""
+    seen: list[str] = []
+    conn.set_trace_callback(seen.append)
+    conn.execute("BEGIN")
+    try:
+        ids, qids = _seed(conn, 9)
+        ops.record_many(conn, _cases(ids, qids)["record_many's cases"], "n1")
+        (select,) = [s for s in seen if s.startswith("SELECT r.id, r.msg_id, m.identity")]
+        conn.set_trace_callback(None)
+        plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + select))
+    finally:
+        conn.set_trace_callback(None)
+        conn.execute("ROLLBACK")
+    assert "SEARCH r USING INTEGER PRIMARY KEY" in plan, plan
