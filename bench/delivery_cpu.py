@@ -10,8 +10,10 @@ smarthost. Postfix's `smtp-source` sends `--messages` messages of `--size` octet
 `--sessions` sessions, after a warm-up of 500. The figure is the main process's user+system
 CPU (utime+stime in /proc/<pid>/stat, all its threads: the event loop and the spool writer)
 from the start of the load until the sink has counted every message, divided by their
-number; rounds alternate the trees (every `--base` given, then the working tree). Not part
-of `make test`; it needs Postfix's smtp-sink and smtp-source (Debian: postfix).
+number, and the same per thread (/proc/<pid>/task: the event loop's, and the busiest other
+one, the spool writer's); rounds alternate the trees (every `--base` given, then the
+working tree). Not part of `make test`; it needs Postfix's smtp-sink and smtp-source
+(Debian: postfix).
 """
 
 from __future__ import annotations
