@@ -10,8 +10,10 @@ smarthost. Postfix's `smtp-source` sends `--messages` messages of `--size` octet
 `--sessions` sessions, after a warm-up of 500. The figure is the main process's user+system
 CPU (utime+stime in /proc/<pid>/stat, all its threads: the event loop and the spool writer)
 from the start of the load until the sink has counted every message, divided by their
-number; rounds alternate the trees (every `--base` given, then the working tree). Not part
-of `make test`; it needs Postfix's smtp-sink and smtp-source (Debian: postfix).
+number, and the same per thread (/proc/<pid>/task: the event loop's, and the busiest other
+one, the spool writer's); rounds alternate the trees (every `--base` given, then the
+working tree). Not part of `make test`; it needs Postfix's smtp-sink and smtp-source
+(Debian: postfix).
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from pathlib import Path
 
 import yaml
 from inbound_cpu import ROOT, cpu_seconds, export, free_port
+from suite import TICK
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """utime+stime of each thread of `pid` (/proc/<pid>/task), seconds."""
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 class Sink:
@@ -111,7 +126,9 @@ def source(port: int, n: int, sessions: int, size: int) -> None:
     )
 
 
-def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float]:
+def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float, float, float]:
+    """ms of CPU per message: the main process, its event-loop thread, and its busiest
+    other thread (the spool writer); and the rate."""
     work.mkdir(parents=True)
     sink = Sink(work)
     try:
@@ -121,6 +138,7 @@ def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float
             sink.wait(500)
             time.sleep(0.5)
             before = cpu_seconds(d.proc.pid)
+            threads_before = thread_cpu(d.proc.pid)
             t = time.perf_counter()
             try:
                 source(d.port, a.messages, a.sessions, a.size)
@@ -130,11 +148,14 @@ def measure(tree: Path, work: Path, a: argparse.Namespace) -> tuple[float, float
             sink.wait(500 + a.messages)
             wall = time.perf_counter() - t
             used = cpu_seconds(d.proc.pid) - before
+            threads = thread_cpu(d.proc.pid)
         finally:
             d.stop()
     finally:
         sink.stop()
-    return used / a.messages * 1000, a.messages / wall
+    per = {t: (v - threads_before.get(t, 0.0)) / a.messages * 1000 for t, v in threads.items()}
+    loop = per.pop(d.proc.pid, 0.0)
+    return used / a.messages * 1000, a.messages / wall, loop, max(per.values(), default=0.0)
 
 
 def main() -> int:
@@ -146,16 +167,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     bases = a.base or ["a6192d2"]
-    results: dict[str, list[tuple[float, float]]] = {b: [] for b in bases}
+    results: dict[str, list[tuple[float, float, float, float]]] = {b: [] for b in bases}
     results["this tree"] = []
     with tempfile.TemporaryDirectory(prefix="delivery-cpu-") as tmp:
         trees = [(b, export(b, Path(tmp) / f"base-{k}")) for k, b in enumerate(bases)]
         trees.append(("this tree", ROOT))
         for n in range(a.rounds):
             for k, (name, tree) in enumerate(trees):
-                ms, rate = measure(tree, Path(tmp) / f"run-{k}-{n}", a)
-                results[name].append((ms, rate))
-                print(f"round {n + 1} {name:9}: {ms:.3f} ms CPU/message, {rate:.0f} msg/s")
+                ms, rate, loop, writer = measure(tree, Path(tmp) / f"run-{k}-{n}", a)
+                results[name].append((ms, rate, loop, writer))
+                print(
+                    f"round {n + 1} {name:9}: {ms:.3f} ms CPU/message (loop thread {loop:.3f},"
+                    f" writer thread {writer:.3f}), {rate:.0f} msg/s",
+                    flush=True,
+                )
     print(
         f"\n{a.messages} x {a.size} B, {a.sessions} sessions, smtp-source -> relay -> smtp-sink,"
         f" main process CPU, medians of {a.rounds}:"
@@ -163,7 +188,12 @@ def main() -> int:
     for name, rows in results.items():
         ms = statistics.median(r[0] for r in rows)
         rate = statistics.median(r[1] for r in rows)
-        print(f"  {name:9}: {ms:.3f} ms CPU/message, {rate:.0f} msg/s")
+        loop = statistics.median(r[2] for r in rows)
+        writer = statistics.median(r[3] for r in rows)
+        print(
+            f"  {name:9}: {ms:.3f} ms CPU/message (loop thread {loop:.3f}, writer thread"
+            f" {writer:.3f}), {rate:.0f} msg/s"
+        )
     t = statistics.median(r[0] for r in results["this tree"])
     for b in bases:
         ms = statistics.median(r[0] for r in results[b])

@@ -10,8 +10,8 @@ Rules:
 - A record the spool refuses (disk full, lock) is retried, 0.5 s doubling up to 30 s,
   until it is taken or the engine stops (then the claims stay `sending` and the next start
   makes them due again: at-least-once).
-- The records of one writer batch are one `ops.record_many` per node (PostgreSQL: a few
-  statements), the room they release summed per scope.
+- The records of one writer batch are one `ops.record_many` per node (a few statements,
+  on SQLite as on PostgreSQL), the room they release summed per scope.
 """
 
 from __future__ import annotations
@@ -157,10 +157,12 @@ class Recorder:
         conf = config.alerts
         sinks = alerts.sinks_of(conf)
 
-        # grouped: the records of one writer batch are a few statements on PostgreSQL
+        # grouped: the records of one writer batch are a few statements (SQLite too: one
+        # SAVEPOINT and a few prepared statements for the batch, ops.record_many)
         job = Grouped(
             record_jobs,
             _Record(tuple(outcomes), now, day, self.node, release, evs, conf.coalesce, sinks),
+            sqlite=True,
         )
 
         while True:

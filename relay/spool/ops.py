@@ -883,7 +883,8 @@ def record_many(
     what changed and its identity) and the attempt log of those it changed, then at most
     one INSERT each for the suppression list, the daily counters and the hourly delivered
     counts, instead of a few statements per outcome (each a round trip). The counters are
-    summed and locked in `record`'s order. SQLite, or one recipient twice among the
+    summed and locked in `record`'s order. SQLite: the same in its own statements
+    (`_record_many_sqlite`; a lone call as `record`). One recipient twice among the
     outcomes: `record` one call after the other.
 
     `ceilings`: the scopes among the counters that are under a fleet's daily ceiling (a
@@ -893,8 +894,11 @@ def record_many(
     daily counters here."""
     flat = [(i, o, now, day) for i, (outs, now, day) in enumerate(calls) for o in outs]
     ids = [o.rcpt_id for _i, o, _n, _d in flat]
-    if db.dialect(conn) != "postgresql" or len(set(ids)) != len(ids):
+    pg = db.dialect(conn) == "postgresql"
+    if len(set(ids)) != len(ids) or (not pg and len(calls) < 2):
         return [_record_each(conn, outs, now, day, owner) for outs, now, day in calls]
+    if not pg:
+        return _record_many_sqlite(conn, calls, flat, owner)
     for _i, o, _n, _d in flat:
         if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
@@ -985,6 +989,113 @@ def record_many(
             " DO UPDATE SET delivered = identity_hours.delivered + excluded.delivered",
             ([k[0] for k in order_h], [k[1] for k in order_h], [hours[k] for k in order_h]),
         )
+    return counts
+
+
+def _record_many_sqlite(
+    conn: sqlite3.Connection,
+    calls: Sequence[tuple[Sequence[RcptUpdate], float, str | None]],
+    flat: list[tuple[int, RcptUpdate, float, str | None]],
+    owner: str | None,
+) -> list[int]:
+    """`record_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
+    records, relay/spool/writer.py): one SELECT of the recipients still `sending` (and held
+    by `owner`) with their messages' identities, then one prepared statement each for the
+    updates, the attempt log, the suppression list, the daily counters and the hourly
+    delivered counts, run over the whole batch (executemany), instead of a few statements
+    per outcome. `+r.state`: the recipients are found by their ids (the primary key), not
+    by scanning every one in flight through recipients_waiting (what SQLite's planner
+    chose: 41 µs per record of one outcome in groups of 5 with 3,000 in flight, against 14
+    by id and 24 one by one). Every row ends as `record` one call after the other would
+    leave it: the
+    same outcomes applied, the attempt log in the same order (the same ids), the counters
+    summed. The writer holds the write lock from its BEGIN IMMEDIATE on, so nothing
+    changes a recipient between the read and the update; should one change all the same
+    (or an outcome name another message than its recipient's), this raises and the writer
+    rolls the group back and runs its jobs one by one (as `record`)."""
+    for _i, o, _n, _d in flat:
+        if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
+            raise ValueError(f"an attempt cannot make a recipient {o.state}")
+    counts = [0] * len(calls)
+    if not flat:
+        return counts
+    held = "" if owner is None else " AND (r.lease_owner = ? OR r.lease_owner IS NULL)"
+    found: dict[int, tuple[str, str | None]] = {
+        row[0]: (row[1], row[2])
+        for row in conn.execute(
+            "SELECT r.id, r.msg_id, m.identity FROM recipients r"
+            " LEFT JOIN messages m ON m.id = r.msg_id"
+            " WHERE r.id IN (SELECT value FROM json_each(?))"
+            f" AND +r.state = '{RcptState.SENDING}'" + held,
+            (
+                json.dumps([o.rcpt_id for _i, o, _n, _d in flat]),
+                *(() if owner is None else (owner,)),
+            ),
+        )
+    }
+    done = [(i, o, now, day) for i, o, now, day in flat if o.rcpt_id in found]
+    for _i, o, _n, _d in done:
+        if found[o.rcpt_id][0] != o.msg_id:  # `record` reads the outcome's message: it decides
+            raise RuntimeError(f"recipient {o.rcpt_id} is not one of {o.msg_id}")
+    before = conn.total_changes
+    conn.executemany(
+        "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
+        " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
+        " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
+        f" WHERE id = ? AND state = '{RcptState.SENDING}'"
+        + ("" if owner is None else " AND (lease_owner = ? OR lease_owner IS NULL)"),
+        [
+            (
+                o.state.value,
+                1 if o.count_attempt else 0,
+                o.next_attempt_at,
+                o.last_reply,
+                o.reason,
+                now,
+                o.upstream_id,
+                o.rcpt_id,
+                *(() if owner is None else (owner,)),
+            )
+            for _i, o, now, _d in done
+        ],
+    )
+    if conn.total_changes - before != len(done):
+        raise RuntimeError("a recipient changed between the read and the update")
+    conn.executemany(
+        "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
+        " duration) VALUES (?,?,?,?,?,?,?,?)",
+        [
+            (o.msg_id, o.rcpt_id, now, lg.destination, lg.host, lg.outcome, lg.reply, lg.duration)
+            for _i, o, now, _d in done
+            if (lg := o.log) is not None
+        ],
+    )
+    conn.executemany(
+        "INSERT INTO suppression (address, scope, reason, created_at, source)"
+        " VALUES (?,'',?,?,'smtp') ON CONFLICT DO NOTHING",
+        [(o.suppress[0].lower(), o.suppress[1], now) for _i, o, now, _d in done if o.suppress],
+    )
+    bumps: dict[tuple[str, str], int] = {}
+    hours: dict[tuple[str, int], int] = {}
+    for i, o, now, day in done:
+        counts[i] += 1
+        for scope in o.counters:
+            bumps[(scope, day or "")] = bumps.get((scope, day or ""), 0) + 1
+        identity = found[o.rcpt_id][1]
+        if o.state is RcptState.DELIVERED and identity is not None:
+            key = (identity, int(now // 3600))
+            hours[key] = hours.get(key, 0) + 1
+    conn.executemany(  # in `record`'s order (the fleet's hot rows: see there)
+        "INSERT INTO daily_counts (scope, day, count) VALUES (?, ?, ?)"
+        " ON CONFLICT (scope, day) DO UPDATE SET count = daily_counts.count + excluded.count",
+        [(k[0], k[1], bumps[k]) for k in sorted(bumps)],
+    )
+    conn.executemany(
+        "INSERT INTO identity_hours (identity, hour, delivered) VALUES (?, ?, ?)"
+        " ON CONFLICT (identity, hour) DO UPDATE"
+        " SET delivered = identity_hours.delivered + excluded.delivered",
+        [(k[0], k[1], hours[k]) for k in sorted(hours)],
+    )
     return counts
 
 

@@ -31,9 +31,10 @@ Rules:
   `many` must give each job the result it would have had run alone, in order. If the
   group fails, it is rolled back and its jobs run one by one as any job (so one bad job
   still fails alone). On SQLite only jobs made with `sqlite=True` are grouped (the
-  inbound's accepts: one SAVEPOINT and a few prepared statements for the batch instead of
-  six statements per message); the others run alone (their statements are calls in this
-  thread, there is no round trip to save).
+  inbound's accepts and the engine's records: one SAVEPOINT and a few prepared statements
+  for the batch instead of a few statements per message and a SAVEPOINT/RELEASE per job);
+  the others run alone (their statements are calls in this thread, there is no round trip
+  to save).
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.

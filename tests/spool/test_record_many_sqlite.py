@@ -1,0 +1,262 @@
+"""The engine's records of one writer batch on SQLite (issues 29 and 31): one group, one
+SAVEPOINT and a few prepared statements, leaving every row (recipients, attempt log,
+suppression list, daily and hourly counters) as `record` one call after the other would,
+and one bad record still failing alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.delivery import recorder
+from relay.spool import db, ops
+from relay.spool.writer import Grouped, SpoolWriter
+from tests.spool.test_accept_many_sqlite import _batched
+from tests.spool.test_batching import NOW, WINDOW, _msg, _outcomes, _record_state
+
+Calls = list[tuple[list[ops.RcptUpdate], float, str | None]]
+
+
+@pytest.fixture
+def conn(tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    c = db.connect(tmp_path / "spool")
+    yield c
+    c.close()
+
+
+def _state(conn: Any) -> tuple[list[Any], ...]:
+    """`_record_state`, with the attempt log's ids and rcpt ids (the same order, the same
+    ids) and the ceiling holds."""
+    return (
+        *_record_state(conn),
+        [tuple(r) for r in conn.execute("SELECT id, rcpt_id FROM attempts ORDER BY id")],
+        [tuple(r) for r in conn.execute("SELECT * FROM ceiling_holds ORDER BY node, scope")],
+    )
+
+
+def _seed(conn: sqlite3.Connection, n: int) -> tuple[list[int], list[str]]:
+    """`n` messages of one recipient each, claimed by n1; Q3 held by an operator meanwhile
+    and then `sending` again under n2's lease; Q5 and on of another identity."""
+    for i in range(n):
+        m = _msg(f"Q{i}", NOW, (f"r{i}@x.org", f"k{i}", None))
+        if i >= 5:
+            m = dataclasses.replace(m, identity="other.org")
+        ops.accept(conn, m, WINDOW)
+    claims = sorted(
+        ops.claim_due(conn, NOW, 2 * n, owner="n1", lease_until=NOW + 30), key=lambda c: c.msg_id
+    )
+    ids, qids = [c.rcpt_id for c in claims], [c.msg_id for c in claims]
+    ops.hold(conn, [qids[3]], NOW)
+    conn.execute("UPDATE recipients SET state = 'sending' WHERE msg_id = ?", (qids[3],))
+    conn.execute("UPDATE recipients SET lease_owner = 'n2' WHERE msg_id = ?", (qids[3],))
+    return ids, qids
+
+
+def _cases(ids: list[int], qids: list[str]) -> dict[str, Calls]:
+    base = _outcomes(ids, qids)
+    log = ops.AttemptLog("delivered", "250 ok", "y.org", "mx.y.org", 0.25)
+    more = [
+        [
+            ops.RcptUpdate(  # another identity, in the same hour as the first call
+                ids[5], qids[5], ops.RcptState.DELIVERED, True, None, "250", None, log,
+                counters=("dest:y.org", "id:other.org"), upstream_id="UP5",
+            ),
+            ops.RcptUpdate(  # the same address suppressed again: the first reason stays
+                ids[6], qids[6], ops.RcptState.BOUNCED, True, None, "550 gone", None,
+                ops.AttemptLog("bounce", "550 gone", "y.org", None, None),
+                suppress=("c@x.ORG", "550 gone"),
+            ),
+        ],
+        [
+            ops.RcptUpdate(
+                ids[7], qids[7], ops.RcptState.FAILED, True, None, "554 no", None, None,
+                counters=("dest:y.org",),
+            ),
+        ],
+    ]  # fmt: skip
+    twice = [
+        ops.RcptUpdate(ids[8], qids[8], ops.RcptState.DEFERRED, True, NOW + 300, "451", None),
+    ]
+    again = [
+        ops.RcptUpdate(ids[8], qids[8], ops.RcptState.DELIVERED, True, None, "250", None, log),
+    ]
+    return {
+        "record_many's cases": [
+            (outs, NOW + 1 + k * 7200, f"day{k % 2}") for k, outs in enumerate(base)
+        ],
+        "counters summed over calls, days and hours": [
+            (outs, NOW + 1 + k * 1800, f"day{k // 2}") for k, outs in enumerate(base + more)
+        ],
+        "one recipient in two calls": [(twice, NOW + 1, "d"), (again, NOW + 2, "d")],
+        "nothing to record": [([], NOW + 1, "d"), ([], NOW + 2, "d")],
+    }
+
+
+CASE_NAMES = list(_cases(list(range(9)), ["q"] * 9))
+
+
+def _recorded(conn: sqlite3.Connection, case: str, owner: str | None, grouped: bool) -> Any:
+    conn.execute("BEGIN")
+    try:
+        calls = _cases(*_seed(conn, 9))[case]
+        if grouped:
+            counts = ops.record_many(conn, calls, owner)
+        else:
+            counts = [ops.record(conn, o, now, day, owner) for o, now, day in calls]
+        return counts, _state(conn)
+    finally:
+        conn.execute("ROLLBACK")
+
+
+@pytest.mark.parametrize("owner", ["n1", None])
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_record_many_on_sqlite_records_as_record_one_call_after_the_other(
+    conn: sqlite3.Connection, case: str, owner: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alone = _recorded(conn, case, owner, grouped=False)
+    calls: list[int] = []
+    each = ops._record_each
+
+    def counted(c: Any, outs: Any, now: float, day: str | None, own: str | None) -> int:
+        calls.append(len(outs))
+        return each(c, outs, now, day, own)
+
+    monkeypatch.setattr(ops, "_record_each", counted)
+    together = _recorded(conn, case, owner, grouped=True)
+    assert together == alone
+    # the batch's own statements, unless one recipient is in it twice
+    assert bool(calls) == (case == "one recipient in two calls")
+    if case == "record_many's cases":
+        counts, state = alone
+        assert counts == ([2, 3, 0] if owner is None else [2, 2, 0])
+        assert state[1] and state[2] and state[3] and state[4]  # every table was written
+
+
+def test_record_many_on_sqlite_refuses_a_state_an_attempt_cannot_make(
+    conn: sqlite3.Connection,
+) -> None:
+    bad = ops.RcptUpdate(1, "Q1", ops.RcptState.HELD, True, None, None)
+    with pytest.raises(ValueError, match="cannot make"):
+        ops.record_many(conn, [([], NOW, None), ([bad], NOW, None)])
+
+
+class _Stale:
+    """A connection whose read of the recipients to record finds them all `sending`: as if
+    one changed between the read and the update."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        if sql.startswith("SELECT r.id, r.msg_id, m.identity FROM recipients"):
+            return self.conn.execute(
+                "SELECT r.id, r.msg_id, m.identity FROM recipients r"
+                " JOIN messages m ON m.id = r.msg_id"
+            )
+        return self.conn.execute(sql, args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        return self.conn.executemany(sql, rows)
+
+    @property
+    def total_changes(self) -> int:
+        return self.conn.total_changes
+
+
+def test_a_recipient_changed_behind_the_read_fails_the_group(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN")
+    try:
+        ids, qids = _seed(conn, 9)
+        calls = _cases(ids, qids)["record_many's cases"]
+        with pytest.raises(RuntimeError, match="changed between"):
+            ops.record_many(_Stale(conn), calls, "n1")  # type: ignore[arg-type]
+    finally:
+        conn.execute("ROLLBACK")
+
+
+def test_an_outcome_of_another_message_fails_the_group(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN")
+    try:
+        ids, qids = _seed(conn, 9)
+        wrong = ops.RcptUpdate(ids[0], qids[1], ops.RcptState.DELIVERED, True, None, "250")
+        with pytest.raises(RuntimeError, match="not one of"):
+            ops.record_many(conn, [([wrong], NOW, "d"), ([], NOW, "d")])
+    finally:
+        conn.execute("ROLLBACK")
+
+
+# --- through the writer: the engine's record jobs -------------------------------------------
+
+
+def _job(outs: list[ops.RcptUpdate], now: float, day: str | None, sqlite: bool) -> Any:
+    rec = recorder._Record(tuple(outs), now, day, "n1", {"dest:x.org": 1}, [], 60.0, ())
+    return Grouped(recorder.record_jobs, rec, sqlite=sqlite)
+
+
+def _through_writer(tmp_path: Path, sqlite: bool, bad: bool = False) -> tuple[Any, ...]:
+    w = SpoolWriter(tmp_path / ("grouped" if sqlite else "alone"))
+    w.start()
+    try:
+
+        def seed(c: sqlite3.Connection) -> tuple[list[int], list[str]]:
+            got = _seed(c, 9)
+            c.execute(
+                "INSERT INTO ceiling_holds (node, scope, n, until)"
+                " VALUES ('n1', 'dest:x.org', 5, 0)"
+            )
+            return got
+
+        ids, qids = w.run_sync(seed)
+        calls = _cases(ids, qids)["counters summed over calls, days and hours"]
+        if bad:  # a state an attempt cannot make: that job fails, alone
+            held = ops.RcptUpdate(ids[7], qids[7], ops.RcptState.HELD, True, None, None)
+            calls[3] = ([held], *calls[3][1:])
+        res = _batched(w, [_job(o, now, day, sqlite) for o, now, day in calls])
+        return [type(r).__name__ for r in res], w.grouped, w.run_sync(_state)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_the_sqlite_writer_runs_the_records_of_a_batch_as_one_group(
+    tmp_path: Path, bad: bool
+) -> None:
+    res_alone, grouped_alone, alone = _through_writer(tmp_path, sqlite=False, bad=bad)
+    res_together, grouped, together = _through_writer(tmp_path, sqlite=True, bad=bad)
+    assert together == alone
+    assert res_together == res_alone
+    assert grouped_alone == 0
+    if bad:  # the group was rolled back and its jobs ran one by one: only that one failed
+        assert res_alone == ["NoneType"] * 3 + ["ValueError", "NoneType"]
+        assert grouped == 0
+    else:
+        assert res_alone == ["NoneType"] * 5
+        assert grouped == 5
+    assert together[1]  # the attempt log was written
+    # 5 held, each job frees 1
+    assert together[6] == ([] if not bad else [("n1", "dest:x.org", 1, 0.0)])
+
+
+def test_the_group_finds_its_recipients_by_id_not_by_scanning_those_in_flight(
+    conn: sqlite3.Connection,
+) -> None:
+    """SQLite's planner, left to itself, read every recipient `sending` through
+    recipients_waiting and tested each against the batch's ids."""
+    seen: list[str] = []
+    conn.set_trace_callback(seen.append)
+    conn.execute("BEGIN")
+    try:
+        ids, qids = _seed(conn, 9)
+        ops.record_many(conn, _cases(ids, qids)["record_many's cases"], "n1")
+        (select,) = [s for s in seen if s.startswith("SELECT r.id, r.msg_id, m.identity")]
+        conn.set_trace_callback(None)
+        plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + select))
+    finally:
+        conn.set_trace_callback(None)
+        conn.execute("ROLLBACK")
+    assert "SEARCH r USING INTEGER PRIMARY KEY" in plan, plan
