@@ -290,7 +290,9 @@ def source(port: int, n: int, sessions: int, size: int, rcpts: int = 1) -> float
         args += ["-r", str(rcpts)]
     args += ["-f", "from@bench.example", "-t", "to@dest.example", f"127.0.0.1:{port}"]
     t0 = time.monotonic()
-    subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # say why (a refusal, a timeout), not just the exit status
+        raise RuntimeError(f"{' '.join(args)}: exit {done.returncode}: {done.stderr[-2000:]}")
     return time.monotonic() - t0
 
 
