@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 import trustme
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from relay.delivery import transport
 from relay.delivery.replies import Outcome, Phase
 from relay.delivery.transport import ConnectFailed, Connection, Timeouts, TlsPolicy
 from tests.harness import Upstream, free_port, server_context
@@ -616,3 +619,16 @@ def test_unsafe_addresses_are_every_control_character_and_a_bracket_in_the_domai
             assert _unsafe(address) is expected, (n, address)
     assert not _unsafe("") and not _unsafe("ü>ser@exämple.org")
     assert _unsafe("a@b>c@example.org") is False and _unsafe("a@example.org>") is True
+
+
+@given(
+    st.binary(max_size=300)
+    | st.lists(st.sampled_from([b".", b"\r\n", b"\n", b"\r", b"a", b".."])).map(b"".join)
+)
+@settings(max_examples=500, deadline=None)
+def test_dot_stuffing_is_aiosmtplibs(body: bytes) -> None:
+    """The transparency of relay/delivery/transport.py gives the octets aiosmtplib's regex
+    gives (`(?m)^\\.` -> `..`), on any bytes: CRLF, bare LF, bare CR, dots anywhere."""
+    from aiosmtplib.protocol import PERIOD_REGEX
+
+    assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
