@@ -122,6 +122,7 @@ class Claimer:
         self._cmd_seen: int | None = None  # engine_commands read so far
         self._next_expiry_pass = 0.0  # when claim_and_dispatch next claims expired waits
         self._unconfirmed: list[float] = []  # the `now` of claim passes that failed
+        self.last_cap = 0  # how many the last pass could claim (fewer: it took all it could)
 
     @property
     def config(self) -> Config:
@@ -137,6 +138,7 @@ class Claimer:
     async def claim_and_dispatch(self) -> int:
         """One pass: claim what is due and fits, dispatch it; the number claimed."""
         cap = min(self.max_inflight() - self.pool.inflight, self.config.delivery.batch)
+        self.last_cap = cap  # a pass that claims fewer took all that was claimable
         if cap <= 0:
             return 0
         now = self.clock()

@@ -199,6 +199,7 @@ class Engine:
         failures = 0  # claim passes failed in a row (a full disk, a spool that is away)
         try:
             while not self.stopping:
+                self._wake.clear()  # before the pass: a wake that comes during it is kept
                 try:
                     claimed = await self.claims.claim_and_dispatch()
                 except Exception as e:
@@ -219,9 +220,14 @@ class Engine:
                     failures = 0
                 if self.stopping:
                     break
-                if claimed and self.pool.inflight < self.claims.max_inflight():
-                    continue
-                self._wake.clear()
+                if claimed >= self.claims.last_cap > 0 and (
+                    self.pool.inflight < self.claims.max_inflight()
+                ):
+                    continue  # a full pass: more may be due now
+                # a pass that claimed less took all that was due and not held back (full
+                # queues, open circuits): another pass now would find nothing and only take
+                # the spool's write lock from the inbound processes' commits; new mail,
+                # operator commands and finished jobs wake it, or poll_interval does
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
         finally:
