@@ -187,7 +187,19 @@ def test_testing_mode_delivers_and_logs_what_enforce_would_refuse(world: World) 
 
 
 def test_the_policy_cache_file_is_valid_json(world: World, tmp_path: Path) -> None:
+    """On its own: under xdist this module's tests may run in another process, each with a
+    `world` of its own, so the policy is fetched here (a delivery to good.test)."""
     import json
 
-    doc = json.loads((world.relay.spool / "mta-sts.json").read_text())
-    assert "good.test" in doc["policies"]
+    r = world.relay
+    send(r.port, SENDER, ["c@good.test"], make_message(40))
+    cache = r.spool / "mta-sts.json"
+
+    def cached() -> bool:
+        try:
+            doc = json.loads(cache.read_text())
+        except FileNotFoundError:
+            return False
+        return "good.test" in doc["policies"]  # valid JSON whenever it is there
+
+    r.wait_until(cached, timeout=20, what="good.test's policy in mta-sts.json")
