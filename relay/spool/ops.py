@@ -748,6 +748,32 @@ def record(
     return _record_each(conn, outcomes, now, day, owner)
 
 
+# an outcome onto its recipient, if that is still `sending` (SQLite: one by one, or the
+# writer batch's records as one group); `_HELD` added when the claim has an owner
+_RECORD_UPDATE = (
+    "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
+    " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
+    " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
+    f" WHERE id = ? AND state = '{RcptState.SENDING}'"
+)
+# (a claim with no owner is one made before leases: nobody else holds it)
+_HELD = " AND (lease_owner = ? OR lease_owner IS NULL)"
+
+
+def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
+    return (
+        o.state.value,
+        1 if o.count_attempt else 0,
+        o.next_attempt_at,
+        o.last_reply,
+        o.reason,
+        now,
+        o.upstream_id,
+        o.rcpt_id,
+        *(() if owner is None else (owner,)),
+    )
+
+
 def _record_each(
     conn: sqlite3.Connection,
     outcomes: Sequence[RcptUpdate],
@@ -757,8 +783,7 @@ def _record_each(
 ) -> int:
     """`record`, one outcome after the other (SQLite: no round trips to save)."""
     changed = 0
-    # (a claim with no owner is one made before leases: nobody else holds it)
-    held = "" if owner is None else " AND (lease_owner = ? OR lease_owner IS NULL)"
+    held = "" if owner is None else _HELD
     # the counters every node bumps (the fleet's hot rows) go last, summed, in one order:
     # daily_counts by scope, then identity_hours; a node that locks them in another
     # order than its peer deadlocks with it (relay/spool/ops.py ceiling_take locks
@@ -768,23 +793,7 @@ def _record_each(
     for o in outcomes:
         if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
-        cur = conn.execute(
-            "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
-            " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
-            " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
-            f" WHERE id = ? AND state = '{RcptState.SENDING}'" + held,
-            (
-                o.state.value,
-                1 if o.count_attempt else 0,
-                o.next_attempt_at,
-                o.last_reply,
-                o.reason,
-                now,
-                o.upstream_id,
-                o.rcpt_id,
-                *(() if owner is None else (owner,)),
-            ),
-        )
+        cur = conn.execute(_RECORD_UPDATE + held, _record_update_args(o, now, owner))
         changed += cur.rowcount
         if cur.rowcount == 0:
             continue  # deleted or changed by an operator meanwhile
@@ -897,14 +906,14 @@ def record_many(
     pg = db.dialect(conn) == "postgresql"
     if len(set(ids)) != len(ids) or (not pg and len(calls) < 2):
         return [_record_each(conn, outs, now, day, owner) for outs, now, day in calls]
-    if not pg:
-        return _record_many_sqlite(conn, calls, flat, owner)
     for _i, o, _n, _d in flat:
         if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
             raise ValueError(f"an attempt cannot make a recipient {o.state}")
-    counts = [0] * len(calls)
     if not flat:
-        return counts
+        return [0] * len(calls)
+    if not pg:
+        return _record_many_sqlite(conn, calls, flat, owner)
+    counts = [0] * len(calls)
     held = "" if owner is None else " AND (r.lease_owner = ? OR r.lease_owner IS NULL)"
     params: list[Any] = [
         ids,
@@ -1012,13 +1021,9 @@ def _record_many_sqlite(
     summed. The writer holds the write lock from its BEGIN IMMEDIATE on, so nothing
     changes a recipient between the read and the update; should one change all the same
     (or an outcome name another message than its recipient's), this raises and the writer
-    rolls the group back and runs its jobs one by one (as `record`)."""
-    for _i, o, _n, _d in flat:
-        if not can_move(RcptState.SENDING, o.state):  # the one transition table decides
-            raise ValueError(f"an attempt cannot make a recipient {o.state}")
+    rolls the group back and runs its jobs one by one (as `record`). `record_many` has
+    checked every outcome's state against the transition table, and that there is one."""
     counts = [0] * len(calls)
-    if not flat:
-        return counts
     held = "" if owner is None else " AND (r.lease_owner = ? OR r.lease_owner IS NULL)"
     found: dict[int, tuple[str, str | None]] = {
         row[0]: (row[1], row[2])
@@ -1039,25 +1044,8 @@ def _record_many_sqlite(
             raise RuntimeError(f"recipient {o.rcpt_id} is not one of {o.msg_id}")
     before = conn.total_changes
     conn.executemany(
-        "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
-        " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
-        " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
-        f" WHERE id = ? AND state = '{RcptState.SENDING}'"
-        + ("" if owner is None else " AND (lease_owner = ? OR lease_owner IS NULL)"),
-        [
-            (
-                o.state.value,
-                1 if o.count_attempt else 0,
-                o.next_attempt_at,
-                o.last_reply,
-                o.reason,
-                now,
-                o.upstream_id,
-                o.rcpt_id,
-                *(() if owner is None else (owner,)),
-            )
-            for _i, o, now, _d in done
-        ],
+        _RECORD_UPDATE + ("" if owner is None else _HELD),
+        [_record_update_args(o, now, owner) for _i, o, now, _d in done],
     )
     if conn.total_changes - before != len(done):
         raise RuntimeError("a recipient changed between the read and the update")

@@ -4,9 +4,7 @@ it one by one, and one bad job still failing alone."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 
 from relay.spool import db, ops
 from relay.spool.writer import Grouped, SpoolWriter
-from tests.spool.test_batching import CASES, NOW, WINDOW, _dump, _msg
+from tests.spool.test_batching import CASES, NOW, WINDOW, _batched, _dump, _msg
 
 
 @pytest.fixture
@@ -137,35 +135,6 @@ def test_a_key_taken_behind_the_read_fails_the_group(conn: sqlite3.Connection) -
             ops.accept_many(_Blind(conn), [(m, WINDOW) for m in batch])  # type: ignore[arg-type]
     finally:
         conn.execute("ROLLBACK")
-
-
-def _batched(w: SpoolWriter, jobs: list[Any]) -> list[Any]:
-    """Run `jobs` in one batch of the writer (held until all are queued)."""
-    gate = threading.Event()
-    started = threading.Event()
-
-    def hold(conn: Any) -> None:
-        started.set()
-        gate.wait(10)
-
-    t0 = threading.Thread(target=lambda: w.run_sync(hold))
-    t0.start()
-    assert started.wait(10)
-
-    async def main() -> list[Any]:
-        tasks = [asyncio.ensure_future(w.run(j)) for j in jobs]
-        for _ in range(1000):  # until every job waits in the queue behind `hold`
-            if w._q.qsize() >= len(jobs):
-                break
-            await asyncio.sleep(0.01)
-        gate.set()
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
-    try:
-        return asyncio.run(main())
-    finally:
-        gate.set()
-        t0.join(10)
 
 
 def _accept(m: ops.NewMessage) -> Grouped[ops.AcceptResult]:

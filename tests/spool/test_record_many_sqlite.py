@@ -16,8 +16,7 @@ import pytest
 from relay.delivery import recorder
 from relay.spool import db, ops
 from relay.spool.writer import Grouped, SpoolWriter
-from tests.spool.test_accept_many_sqlite import _batched
-from tests.spool.test_batching import NOW, WINDOW, _msg, _outcomes, _record_state
+from tests.spool.test_batching import NOW, WINDOW, _batched, _msg, _outcomes, _record_state
 
 Calls = list[tuple[list[ops.RcptUpdate], float, str | None]]
 
