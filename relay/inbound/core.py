@@ -596,7 +596,7 @@ class ServerCore:
         if self.state is State.AUTH:  # the answer to a 334: the exchange is over
             self._go("answer")
             self._say("500 5.5.6 Authentication exchange line is too long")
-            self._events.append(AuthAnswer(None))
+            self._answered()
         else:  # RFC 5321 §4.5.3.1.4
             self._say("500 Command line too long")
 
@@ -783,15 +783,22 @@ class ServerCore:
         self._go("answer")
         if blob == b"*":  # RFC 4954 §4: the client cancels the exchange
             self._say("501 5.7.0 Auth aborted")
-            self._events.append(AuthAnswer(None))
+            self._answered()
             return
         try:
             decoded = base64.b64decode(blob, validate=True)
         except binascii.Error:
             self._say("501 5.5.2 Can't decode base64")
-            self._events.append(AuthAnswer(None))
+            self._answered()
             return
         self._events.append(AuthAnswer(decoded))
+
+    def _answered(self) -> None:
+        """An exchange the core ended itself (already answered): AuthAnswer(None), unless
+        that answer was the error that closed the session (max_errors): then Closed was the
+        last event, and nothing is left to decide (auth_done is for an open session)."""
+        if self.state is not State.CLOSED:
+            self._events.append(AuthAnswer(None))
 
     # --- MAIL, RCPT, DATA ------------------------------------------------------------------
 

@@ -716,6 +716,26 @@ def test_an_auth_answer_that_is_no_answer_is_answered_by_the_core() -> None:
         assert c.state is State.COMMAND
 
 
+@pytest.mark.parametrize(
+    "answer", [b"*\r\n", b"!!!\r\n", b"x" * 2000 + b"\r\n"], ids=["cancel", "base64", "long"]
+)
+def test_an_auth_answer_that_is_the_last_error_ends_with_closed_alone(answer: bytes) -> None:
+    """The answer the core refuses itself is the max_errors-th error: the session closes
+    (421), and no AuthAnswer follows the Closed event (the handler would call auth_done on
+    a closed session: ProtocolStateError; found by the core fuzzer, `make fuzz`)."""
+    c = session(auth_offered=True, auth_plaintext=True, max_errors=2)
+    converse(c, EHLO)
+    c.receive_data(b"FOO\r\nAUTH PLAIN\r\n")
+    assert c.next_event() == Auth("PLAIN", None)
+    c.auth_challenge(b"")
+    c.receive_data(answer)
+    assert c.next_event() == Closed("max_errors")
+    assert c.next_event() is PAUSED and c.state is State.CLOSED
+    assert c.data_to_send().endswith(
+        b"421 4.7.0 relay.test too many errors, closing connection\r\n"
+    )
+
+
 def test_a_bare_lf_in_an_auth_answer_closes() -> None:
     c = session(auth_offered=True, auth_plaintext=True)
     converse(c, EHLO)
