@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from relay.ops.metrics import Remote
+
 if TYPE_CHECKING:
     from relay.ops.metrics import Metrics
 
@@ -24,8 +26,7 @@ class InboundStats:
     sessions: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     metrics: Metrics | None = None
-    # other processes' last counts by source; "" sums those of exited ones
-    remote: dict[str, dict[str, int]] = field(default_factory=dict)
+    remote: Remote[str] = field(default_factory=Remote)  # the other processes' counts
 
     def reject(self, reason: str) -> None:
         self.rejected += 1
@@ -43,18 +44,12 @@ class InboundStats:
         }
 
     def absorb(self, source: str, counts: dict[str, Any]) -> None:
-        self.remote[source] = {k: int(counts.get(k, 0)) for k in self.counts()}
+        self.remote.absorb(source, {k: float(counts.get(k, 0)) for k in self.counts()})
 
     def retire(self, source: str) -> None:
-        last = self.remote.pop(source, {})
-        gone = self.remote.setdefault("", {})
-        for k, v in last.items():
-            gone[k] = gone.get(k, 0) + v
+        self.remote.retire(source)
 
     def totals(self) -> dict[str, int]:
         """Own counts plus every other process's (what `relay status` shows)."""
-        out = self.counts()
-        for counts in self.remote.values():
-            for k, v in counts.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        remote = self.remote.totals()
+        return {k: v + int(remote.get(k, 0)) for k, v in self.counts().items()}

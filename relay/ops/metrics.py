@@ -14,8 +14,8 @@ Rules (the inbound processes' counters, `inbound.processes`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -47,12 +47,41 @@ OUTCOME_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 
 _Key = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name, labels
+K = TypeVar("K", bound=Hashable)
+
+
+class Remote(Generic[K]):
+    """Other processes' counts (see the rules): the last snapshot of each process, and the
+    sums of those that exited. One mechanism for the metrics and for InboundStats."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[K, float]] = {}
+        self._gone: dict[K, float] = {}
+
+    def absorb(self, source: str, values: dict[K, float]) -> None:
+        """`source`'s latest snapshot, replacing its previous one."""
+        self._last[source] = values
+
+    def retire(self, source: str, keep: Callable[[K], bool] = lambda _k: True) -> None:
+        """`source` exited: its values that `keep` says are counts stay in the sums."""
+        for key, value in self._last.pop(source, {}).items():
+            if keep(key):
+                self._gone[key] = self._gone.get(key, 0.0) + value
+
+    def totals(self) -> dict[K, float]:
+        """Every process's values summed, key by key."""
+        out = dict(self._gone)
+        for snap in self._last.values():
+            for key, value in snap.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
 
 class Metrics:
     def __init__(self) -> None:
-        # other processes' last snapshots by source; "" sums those of exited ones (retire)
-        self._remote: dict[str, dict[_Key, tuple[str, float]]] = {}
+        # other processes' samples (absorb, retire); the type of each sample's family
+        self._remote: Remote[_Key] = Remote()
+        self._kinds: dict[str, str] = {}
         r = self.registry = CollectorRegistry()
         self.accepted = Counter(
             "relay_accepted_messages", "Messages accepted and spooled", ["lane"], registry=r
@@ -222,34 +251,25 @@ class Metrics:
 
     def absorb(self, source: str, rows: Sequence[Sequence[Any]]) -> None:
         """The latest snapshot of another process (`source`), replacing its previous one."""
-        self._remote[source] = {
-            (str(fam), str(name), tuple((str(k), str(v)) for k, v in labels)): (
-                str(kind),
-                float(value),
-            )
-            for fam, kind, name, labels, value in rows
-        }
+        values: dict[_Key, float] = {}
+        for fam, kind, name, labels, value in rows:
+            key = (str(fam), str(name), tuple((str(k), str(v)) for k, v in labels))
+            values[key] = float(value)
+            self._kinds[key[0]] = str(kind)
+        self._remote.absorb(source, values)
 
     def retire(self, source: str) -> None:
         """`source` exited: its counters and histograms stay in the totals, its gauges go."""
-        last = self._remote.pop(source, {})
-        retired = self._remote.setdefault("", {})  # "" holds the exited processes' sums
-        for key, (kind, value) in last.items():
-            if kind != "gauge":
-                old = retired.get(key, (kind, 0.0))[1]
-                retired[key] = (kind, old + value)
+        self._remote.retire(source, lambda key: self._kinds.get(key[0]) != "gauge")
 
     def collect(self) -> Iterator[Metric]:
         """This registry's families with the other processes' samples added."""
         extra: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-        for snap in self._remote.values():
-            for (fam_name, name, labels), (_kind, value) in snap.items():
-                per = extra.setdefault(fam_name, {})
-                per[(name, labels)] = per.get((name, labels), 0.0) + value
+        for (fam_name, name, labels), value in self._remote.totals().items():
+            extra.setdefault(fam_name, {})[(name, labels)] = value
         for fam in self.registry.collect():
             add = extra.get(fam.name)
             if add:
-                add = dict(add)
                 samples: list[Sample] = []
                 for smp in fam.samples:
                     key = (smp.name, tuple(sorted(smp.labels.items())))
