@@ -6,7 +6,9 @@ property tests take headers as the standard library's own generator writes them.
 from __future__ import annotations
 
 import email
+import email.header
 import email.policy
+import re
 from email.headerregistry import Address, Group
 from email.message import EmailMessage
 
@@ -294,6 +296,23 @@ def _parsed(lines: list[bytes]) -> dict[str, list[tuple[str, str | None, str]]]:
     frm=[Address("", "=?", "")],
     policy="SMTP",
 )
+@example(  # and: a group's ";" written as an encoded word (`_specials_encoded`)
+    to=[
+        Group(
+            "0",
+            (
+                Address("\xa0", "0", ""),
+                Address("0" * 40, "0.0.00", ""),
+                Address("", "0.0.00", "aa.aaaaaaaa.example"),
+            ),
+        )
+    ],
+    cc=None,
+    reply=None,
+    sender=None,
+    frm=[Address("", "0", "")],
+    policy="SMTP",
+)
 def test_stdlib_headers_change_only_at_bare_addresses(
     to: list[Address | Group],
     cc: list[Address | Group] | None,
@@ -353,8 +372,37 @@ def _shape(items: tuple[Address | Group, ...]) -> list[tuple[bool, list[str]]]:
     ]
 
 
+_ENCODED_WORD = re.compile(r"=\?[^?\s]+\?[qQbB]\?[^?\s]*\?=")
+
+
+def _specials_encoded(lines: list[bytes], fields: dict[str, tuple[Address | Group, ...]]) -> bool:
+    """An encoded word of the generator's output holds a `;`, `,` or `:` that no display
+    name holds: the list's own punctuation, which RFC 5322 needs literal, written inside an
+    encoded word (Python 3.11-3.13 end a group so: `<0.0.00>, ...\r\n =?utf-8?q?=3B?=`,
+    found by hypothesis; the standard library reads its own output back, our strict reader
+    sees a group that never ends and leaves the field as it came)."""
+    names = "".join(
+        (it.display_name or "") + "".join(a.display_name for a in it.addresses)
+        if isinstance(it, Group)
+        else it.display_name
+        for items in fields.values()
+        for it in items
+    )
+    for word in _ENCODED_WORD.findall(b"".join(lines).decode("ascii", "replace")):
+        try:
+            text = str(email.header.make_header(email.header.decode_header(word)))
+        except (LookupError, UnicodeError, email.errors.HeaderParseError):
+            continue
+        if any(c in text and c not in names for c in ";,:"):
+            return True
+    return False
+
+
 def _faithful(lines: list[bytes], fields: dict[str, tuple[Address | Group, ...]]) -> bool:
-    """The generator's output reads back with the groups and addresses it was given."""
+    """The generator's output reads back with the groups and addresses it was given, and
+    writes the list's punctuation as punctuation (`_specials_encoded`)."""
+    if _specials_encoded(lines, fields):
+        return False
     try:
         msg = email.message_from_bytes(b"\r\n".join(lines) + b"\r\n\r\n", policy=email.policy.SMTP)
         return all(
