@@ -376,24 +376,27 @@ _ENCODED_WORD = re.compile(r"=\?[^?\s]+\?[qQbB]\?[^?\s]*\?=")
 
 
 def _specials_encoded(lines: list[bytes], fields: dict[str, tuple[Address | Group, ...]]) -> bool:
-    """An encoded word of the generator's output holds a `;`, `,` or `:` that no display
-    name holds: the list's own punctuation, which RFC 5322 needs literal, written inside an
-    encoded word (Python 3.11-3.13 end a group so: `<0.0.00>, ...\r\n =?utf-8?q?=3B?=`,
-    found by hypothesis; the standard library reads its own output back, our strict reader
-    sees a group that never ends and leaves the field as it came)."""
-    names = "".join(
-        (it.display_name or "") + "".join(a.display_name for a in it.addresses)
-        if isinstance(it, Group)
-        else it.display_name
+    """An encoded word of the generator's output that is nothing but the list's own
+    punctuation (`;`, `,`, `:`), which no display name it was given is: RFC 5322 needs that
+    punctuation literal (Python 3.11-3.13 end a group so: `<0.0.00>, ...\r\n
+    =?utf-8?q?=3B?=`, found by hypothesis twice; the standard library reads its own output
+    back, our strict reader sees a group that never ends and leaves the field as it came)."""
+    names = {
+        name.strip()
         for items in fields.values()
         for it in items
-    )
+        for name in (
+            [it.display_name or "", *(a.display_name for a in it.addresses)]
+            if isinstance(it, Group)
+            else [it.display_name]
+        )
+    }
     for word in _ENCODED_WORD.findall(b"".join(lines).decode("ascii", "replace")):
         try:
-            text = str(email.header.make_header(email.header.decode_header(word)))
+            text = str(email.header.make_header(email.header.decode_header(word))).strip()
         except (LookupError, UnicodeError, email.errors.HeaderParseError):
             continue
-        if any(c in text and c not in names for c in ";,:"):
+        if text and set(text) <= set(";,:") and text not in names:
             return True
     return False
 
