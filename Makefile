@@ -6,9 +6,7 @@ STAMP := $(VENV)/.installed
 # Test processes (pytest-xdist): the end-to-end tests mostly wait on daemons and sockets,
 # so more workers than cores shorten `make test` (measured on 2 cores, 4,268 tests: 12.3 min
 # with two workers, 10.4 with three, 6.9 with four). TEST_WORKERS=0 runs everything in one
-# process. `--dist worksteal`: a worker that runs out takes half of another's pending tests
-# (with the default `load`, the last tests queued behind a slow e2e test waited for it;
-# measured on a slower machine, 2026-12-05: 534 s against 557-572 s).
+# process.
 TEST_WORKERS ?= 4
 
 .PHONY: run test test-tools screenshots lint typecheck bench fuzz coverage mutate clean install docs
@@ -44,7 +42,7 @@ test: $(STAMP) test-tools
 	$(BIN)/ruff check relay tests bench
 	$(BIN)/ruff format --check relay tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 # A PNG of each console page into docs/console/ (README "Console"): a daemon with demo mail,
 # driven by Debian's chromium (tests/console_screenshots.py).
