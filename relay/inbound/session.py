@@ -8,6 +8,7 @@ the core's events.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,10 @@ class Session:
     # (the `allow` networks and the peer it was checked for, inside them): InboundHandler's
     # peer_allowed parses the address again only when a SIGHUP changed the networks
     allowed_by: tuple[Any, Any, bool] | None = None
+    # work a decision leaves for after its reply has been written (the accepted line, the
+    # main process's wake-up): the transport runs it once the reply is out; None when no
+    # transport drives the session (a handler called on its own runs it on the loop)
+    after_reply: list[Callable[[], None]] | None = None
 
 
 @dataclass(slots=True)

@@ -232,7 +232,9 @@ class InboundProtocol(asyncio.Protocol):
         self._peer_key = key
         h.stats.sessions += 1
         self.transport = t
-        self.session = Session(peer=peer, ip=ip, allowed_by=(lst.allow, peer, allowed))
+        self.session = Session(
+            peer=peer, ip=ip, allowed_by=(lst.allow, peer, allowed), after_reply=[]
+        )
         settings = settings_for(h, lst, allowed)
         self.core = core_.ServerCore(settings)
         if settings.implicit_tls:  # TLS from the first byte (RFC 8314 §3)
@@ -309,6 +311,7 @@ class InboundProtocol(asyncio.Protocol):
                 break
             self._on_event(ev)
         self._flush()
+        self._after_reply()
         if core.state is core_.State.CLOSED:
             self._close_transport()
         elif core.eof and self._task is None and self._auth_waiter is None:
@@ -509,15 +512,31 @@ class InboundProtocol(asyncio.Protocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._task = None
-        if task.cancelled() or self.transport is None:
+        try:
+            if task.cancelled() or self.transport is None:
+                return
+            exc = task.exception()
+            if exc is not None:  # never expected: the decisions catch their own
+                log.error("inbound session error: %s: %s", type(exc).__name__, exc)
+                self._close_transport()
+                return
+            self._resume_reading()
+            self._pump()
+        finally:
+            self._after_reply()  # a connection gone meanwhile: its queued mail all the same
+
+    def _after_reply(self) -> None:
+        """Run what the decisions left for after their replies (Session.after_reply): the
+        replies are written by now (uvloop sends at once)."""
+        session = self.session
+        if session is None or not session.after_reply:
             return
-        exc = task.exception()
-        if exc is not None:  # never expected: the decisions catch their own
-            log.error("inbound session error: %s: %s", type(exc).__name__, exc)
-            self._close_transport()
-            return
-        self._resume_reading()
-        self._pump()
+        todo, session.after_reply = session.after_reply, []
+        for fn in todo:
+            try:
+                fn()
+            except Exception:  # a log line or a wake-up must never take the session down
+                log.exception("after-reply step failed")
 
     def _hook_failed(self, error: Exception) -> None:
         """aiosmtpd's rule, kept: a hook's exception is the handler's reply (451 4.3.0)."""

@@ -142,6 +142,36 @@ async def test_the_250_is_written_before_the_accepted_line_is_made(
     assert accepted[0][-1].startswith("250 2.0.0 Ok: queued as "), accepted[0][-3:]
 
 
+async def test_a_queued_message_is_logged_and_announced_when_its_client_is_gone_first(
+    make: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The accepted line and the main process's wake-up are work left for after the reply
+    (Session.after_reply); a connection lost between the end of the accept step and the
+    transport's turn to write still gets them: the message is queued all the same."""
+    p, t = await make()
+    woke: list[int] = []
+    p.handler.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    p.data_received(MSG + b".\r\n")
+    task = p._task
+    assert task is not None
+    task.remove_done_callback(p._task_done)
+    gone = asyncio.Event()
+
+    def lost_first(task: asyncio.Task[None]) -> None:
+        p.connection_lost(None)  # the client hung up while the commit was on its way back
+        p._task_done(task)
+        gone.set()
+
+    task.add_done_callback(lost_first)
+    with caplog.at_level("INFO", logger="relay.inbound"):
+        await asyncio.wait_for(gone.wait(), 10)
+    assert not t.lines()[-1].startswith("250 2.0.0 Ok: queued"), "no write after the loss"
+    assert [r for r in caplog.records if getattr(r, "event", None) == "accepted"], caplog.text
+    assert woke == [1]
+
+
 async def test_the_session_timeout_closes_without_a_reply(make: Make) -> None:
     p, t = await make({"limits": {"session_timeout": "0.2s", "command_timeout": "10s"}})
     p.data_received(b"NOOP\r\n")
