@@ -222,6 +222,25 @@ def problem(msg: str, key: str | None = None, full: bool = False) -> PydanticCus
     return PydanticCustomError(ERROR_TYPE, "{msg}", ctx)
 
 
+def url_host_problem(url: str) -> str | None:
+    """Why `url` (http:// or https://, already checked) cannot be sent to, or None: a host
+    that does not parse (`https://[h.example/x`: an unclosed IPv6 bracket) or is missing,
+    a port that is not a number in 1-65535. Found here, not by the HTTP client at the
+    first alert."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"is not a valid URL ({e})"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    return None
+
+
 def _checked(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         try:

@@ -109,6 +109,24 @@ def test_the_defaults_come_from_the_models() -> None:
             {"alerts": {"webhook": {"url": "ftp://u:pw@h.example/secret"}}},
             ["alerts.webhook.url: 'ftp://***@h.example/***' is not an http:// or https:// URL"],
         ),
+        (  # found by tests/config/test_fuzz.py: check-config and the daemon crashed on it
+            {"alerts": {"webhook": {"url": "https://[hooks.example.net/x"}}},
+            [
+                "alerts.webhook.url: 'https://[hooks.example.net/***' is not a valid URL"
+                " (Invalid IPv6 URL)"
+            ],
+        ),
+        (
+            {"alerts": {"webhook": {"url": "https://h.example:99999/T/B/x"}}},
+            [
+                "alerts.webhook.url: 'https://h.example:99999/***' is not a valid URL (Port"
+                " out of range 0-65535)"
+            ],
+        ),
+        (
+            {"alerts": {"webhook": {"url": "https://"}}},
+            ["alerts.webhook.url: 'https://' has no host"],
+        ),
         (
             {"destinations": {"*": {"rate": "lots"}, "b.example": {"burst": 0, "ambigous": 1}}},
             [
@@ -370,6 +388,13 @@ def test_feedback_secrets_are_read_and_never_shown(tmp_path: Path) -> None:
             [
                 "identities.a.example.unsubscribe.url: 'https://u.example/x' must end in /u"
                 " (the relay serves POST/GET /u/<token>)"
+            ],
+        ),
+        (  # a host that does not parse: refused here, not at the first unsubscribe link
+            {"identities": {"a.example": {"unsubscribe": {"url": "https://[u.example/u"}}}},
+            [
+                "identities.a.example.unsubscribe.url: 'https://[u.example/u' is not a valid"
+                " URL (Invalid IPv6 URL)"
             ],
         ),
         (
