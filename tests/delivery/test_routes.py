@@ -337,6 +337,10 @@ def test_every_upstream_and_route_field_is_read(tmp_path: Path) -> None:
             {"auth": "xoauth2", "username": "a", "oauth": {"token_url": "ftp://x"}},
             "oauth.token_url: 'ftp://x' is not an http",
         ),
+        (  # refused at load, not at the first token fetch
+            {"auth": "xoauth2", "username": "a", "oauth": {"token_url": "https://[t.test/tok"}},
+            r"oauth.token_url: 'https://\[t.test/tok' is not a valid URL \(Invalid IPv6 URL\)",
+        ),
         (
             {"auth": "xoauth2", "username": "a", "oauth": {"token_url": "https://x"}},
             "oauth.client_id: required with token_url",
