@@ -310,76 +310,24 @@ class InboundHandler(AuthMechanisms):
         nuls: int,
         long_lines: bool = False,
     ) -> str:
+        """The accept step, in its order: the body made ready (qualified headers, long
+        lines), feedback mail taken out, the Idempotency-Key checked, the message built,
+        spooled, and the reply (with the accepted line after it)."""
         cfg = self.config
         now = time.time()
         queue_id = ops.new_queue_id(now)
         peer_ip = session.ip or _peer_text(session.peer)
         try:
-            await incoming.finish()
-            head = incoming.header_block()
-            domain = cfg.local.domain
-            # `To: root` from an allow-listed app: qualified like the envelope; a header
-            # block over QUALIFY_INLINE octets (up to limits.max_header_size) is read in a
-            # thread, off the event loop; a small one here (tens of microseconds: less than
-            # the hop to a thread and back)
-            if (
-                self._peer_allowed(session)
-                and head
-                and (
-                    qualify_header_block(head, domain)
-                    if len(head) <= QUALIFY_INLINE
-                    else await asyncio.to_thread(qualify_header_block, head, domain)
-                )
-                is not None
-            ):
-                await incoming.rewrite(lambda d: qualify_header_block(d, domain))
-            if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/inbound/longlines.py)
-                before = incoming.size
-                await incoming.rewrite(longlines.conform)
-                if incoming.size != before:
-                    log_event(
-                        log,
-                        logging.INFO,
-                        "reencoded",
-                        "lines over 998 octets re-encoded",
-                        queue_id=queue_id,
-                        size=incoming.size,
-                    )
+            await self._ready_body(session, incoming, long_lines, queue_id)
         except OSError as e:
             return self.spool_failed(queue_id, e)
-        head = incoming.header_block()
-        headers = parse_headers(head)
+        headers = parse_headers(incoming.header_block())
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
         rcpts = list(envelope.rcpt_tos)
         if self.feedback is not None:
-            fb = [r for r in rcpts if self.feedback.is_feedback_rcpt(r)]
-            if fb:
-                try:
-                    # read no more than is parsed or stored (an outsider's 20 MiB mail to
-                    # the feedback address is never held in memory whole)
-                    conf = self.feedback.config().feedback
-                    data = await asyncio.to_thread(
-                        _head_of, incoming, max(bounces.MAX_PARSE, conf.mail_max_stored)
-                    )
-                    unsub = [r for r in fb if self.feedback.is_unsubscribe_rcpt(r)]
-                    if unsub:
-                        await self.feedback.unsubscribe_mail(data, peer=peer_ip, sender=sender)
-                    bounce_rcpts = [r for r in fb if r not in unsub]
-                    if bounce_rcpts:
-                        await self.feedback.mail(
-                            data,
-                            peer=peer_ip,
-                            sender=sender,
-                            rcpts=bounce_rcpts,
-                            size=incoming.size,
-                        )
-                except (SpoolError, OSError, sqlite3.Error) as e:
-                    incoming.discard()
-                    return self.spool_failed(queue_id, e)
-                rcpts = [r for r in rcpts if r not in fb]
-                if not rcpts:
-                    incoming.discard()
-                    return "250 2.0.0 Ok: feedback received"
+            rcpts, reply = await self._take_feedback(incoming, rcpts, peer_ip, sender, queue_id)
+            if reply is not None:
+                return reply
         if nuls:
             log_event(
                 log,
@@ -390,29 +338,9 @@ class InboundHandler(AuthMechanisms):
                 count=nuls,
                 peer=peer_ip,
             )
-
-        ikey = header(headers, IDEMPOTENCY_KEY)
-        chash: str | None = None
-        if ikey is not None:
-            ikey = ikey.strip()
-            if not dedup.valid_idempotency_key(ikey):
-                incoming.discard()
-                self.stats.reject("bad_idempotency_key")
-                return (
-                    "554 5.6.0 Idempotency-Key must be 1 to"
-                    f" {dedup.IDEMPOTENCY_KEY_MAX} printable ASCII characters"
-                )
-            hashed: list[str] = []
-
-            def strip_key(data: bytes) -> bytes | None:
-                hashed.append(content_hash(data))
-                return strip_header(data, IDEMPOTENCY_KEY)
-
-            try:  # the key is ours, not the recipient's: removed before relaying
-                await incoming.rewrite(strip_key)
-            except OSError as e:
-                return self.spool_failed(queue_id, e)
-            chash = hashed[0]
+        ikey, chash, reply = await self._idempotency_key(headers, incoming, queue_id)
+        if reply is not None:
+            return reply
 
         added = b""
         mid = header(headers, "Message-ID")
@@ -493,39 +421,10 @@ class InboundHandler(AuthMechanisms):
                 bodies.delete_bodies(cfg.spool_path, [body_path])
             incoming.discard()
             return self.spool_failed(queue_id, e)
-        if result.conflicts:
+        if result.conflicts or result.queue_id is None:
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
-            self.stats.reject("idempotency_conflict")
-            log_event(
-                log,
-                logging.WARNING,
-                "idempotency_conflict",
-                "Idempotency-Key reused for other content; refused",
-                idempotency_key=ikey,
-                rcpts=list(result.conflicts),
-                client=namespace,
-            )
-            return (
-                f"554 5.6.0 Idempotency-Key {_printable(ikey or '')!s:.60} was already used"
-                " for a message with other content; use a new key for a new message"
-            )
-        if result.queue_id is None:
-            if body_path:
-                bodies.delete_bodies(cfg.spool_path, [body_path])
-            self.stats.deduplicated += 1
-            if self.stats.metrics is not None:
-                self.stats.metrics.deduplicated.inc()
-            log_event(
-                log,
-                logging.INFO,
-                "deduplicated",
-                "resubmission not queued again",
-                message_id=mid,
-                rcpts=list(result.duplicates),
-                client=namespace,
-            )
-            return "250 2.0.0 Ok: already queued (duplicate suppressed)"
+            return self._not_queued(result, ikey, mid, namespace)
         if result.reused:
             await self._reused(msg, result, mid, namespace, now)
         self.stats.accepted += 1
@@ -550,6 +449,145 @@ class InboundHandler(AuthMechanisms):
         else:
             asyncio.get_running_loop().call_soon(after)
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+    async def _ready_body(
+        self, session: Session, incoming: IncomingBody, long_lines: bool, queue_id: str
+    ) -> None:
+        """The body as it is spooled: the header block qualified for an allow-listed app,
+        lines over 998 octets re-encoded. OSError: the spool's disk."""
+        await incoming.finish()
+        head = incoming.header_block()
+        domain = self.config.local.domain
+        # `To: root` from an allow-listed app: qualified like the envelope; a header
+        # block over QUALIFY_INLINE octets (up to limits.max_header_size) is read in a
+        # thread, off the event loop; a small one here (tens of microseconds: less than
+        # the hop to a thread and back)
+        if (
+            self._peer_allowed(session)
+            and head
+            and (
+                qualify_header_block(head, domain)
+                if len(head) <= QUALIFY_INLINE
+                else await asyncio.to_thread(qualify_header_block, head, domain)
+            )
+            is not None
+        ):
+            await incoming.rewrite(lambda d: qualify_header_block(d, domain))
+        if long_lines:  # RFC 5322 §2.1.1: re-encode, do not refuse (relay/inbound/longlines.py)
+            before = incoming.size
+            await incoming.rewrite(longlines.conform)
+            if incoming.size != before:
+                log_event(
+                    log,
+                    logging.INFO,
+                    "reencoded",
+                    "lines over 998 octets re-encoded",
+                    queue_id=queue_id,
+                    size=incoming.size,
+                )
+
+    async def _take_feedback(
+        self, incoming: IncomingBody, rcpts: list[str], peer_ip: str, sender: str, queue_id: str
+    ) -> tuple[list[str], str | None]:
+        """Mail to the feedback addresses (bounces, complaints, unsubscribe requests) goes to
+        the feedback service, not the queue: the other recipients, and the reply when none
+        is left (or the spool failed)."""
+        assert self.feedback is not None
+        fb = [r for r in rcpts if self.feedback.is_feedback_rcpt(r)]
+        if not fb:
+            return rcpts, None
+        try:
+            # read no more than is parsed or stored (an outsider's 20 MiB mail to
+            # the feedback address is never held in memory whole)
+            conf = self.feedback.config().feedback
+            data = await asyncio.to_thread(
+                _head_of, incoming, max(bounces.MAX_PARSE, conf.mail_max_stored)
+            )
+            unsub = [r for r in fb if self.feedback.is_unsubscribe_rcpt(r)]
+            if unsub:
+                await self.feedback.unsubscribe_mail(data, peer=peer_ip, sender=sender)
+            bounce_rcpts = [r for r in fb if r not in unsub]
+            if bounce_rcpts:
+                await self.feedback.mail(
+                    data,
+                    peer=peer_ip,
+                    sender=sender,
+                    rcpts=bounce_rcpts,
+                    size=incoming.size,
+                )
+        except (SpoolError, OSError, sqlite3.Error) as e:
+            incoming.discard()
+            return rcpts, self.spool_failed(queue_id, e)
+        rcpts = [r for r in rcpts if r not in fb]
+        if not rcpts:
+            incoming.discard()
+            return rcpts, "250 2.0.0 Ok: feedback received"
+        return rcpts, None
+
+    async def _idempotency_key(
+        self, headers: list[tuple[str, str]], incoming: IncomingBody, queue_id: str
+    ) -> tuple[str | None, str | None, str | None]:
+        """The message's Idempotency-Key (README "Dedup"), checked and removed before
+        relaying (it is ours, not the recipient's): (key, content hash, None), (None, None,
+        None) without one, or a refusal as the third."""
+        ikey = header(headers, IDEMPOTENCY_KEY)
+        if ikey is None:
+            return None, None, None
+        ikey = ikey.strip()
+        if not dedup.valid_idempotency_key(ikey):
+            incoming.discard()
+            self.stats.reject("bad_idempotency_key")
+            return (
+                None,
+                None,
+                "554 5.6.0 Idempotency-Key must be 1 to"
+                f" {dedup.IDEMPOTENCY_KEY_MAX} printable ASCII characters",
+            )
+        hashed: list[str] = []
+
+        def strip_key(data: bytes) -> bytes | None:
+            hashed.append(content_hash(data))
+            return strip_header(data, IDEMPOTENCY_KEY)
+
+        try:
+            await incoming.rewrite(strip_key)
+        except OSError as e:
+            return None, None, self.spool_failed(queue_id, e)
+        return ikey, hashed[0], None
+
+    def _not_queued(
+        self, result: ops.AcceptResult, ikey: str | None, mid: str, namespace: str
+    ) -> str:
+        """The reply to a message the spool did not queue: an Idempotency-Key reused for
+        other content (refused), or a resubmission of what is queued (250, no copy)."""
+        if result.conflicts:
+            self.stats.reject("idempotency_conflict")
+            log_event(
+                log,
+                logging.WARNING,
+                "idempotency_conflict",
+                "Idempotency-Key reused for other content; refused",
+                idempotency_key=ikey,
+                rcpts=list(result.conflicts),
+                client=namespace,
+            )
+            return (
+                f"554 5.6.0 Idempotency-Key {_printable(ikey or '')!s:.60} was already used"
+                " for a message with other content; use a new key for a new message"
+            )
+        self.stats.deduplicated += 1
+        if self.stats.metrics is not None:
+            self.stats.metrics.deduplicated.inc()
+        log_event(
+            log,
+            logging.INFO,
+            "deduplicated",
+            "resubmission not queued again",
+            message_id=mid,
+            rcpts=list(result.duplicates),
+            client=namespace,
+        )
+        return "250 2.0.0 Ok: already queued (duplicate suppressed)"
 
     def _queued_after_reply(self, **fields: object) -> None:
         log_event(log, logging.INFO, "accepted", "message queued", **fields)
