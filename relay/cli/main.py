@@ -720,114 +720,135 @@ def _dispatch(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any) ->
 
 
 def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
-    c = args.qcmd
-    if c == "list":
-        older = parse_duration(args.older_than, "--older-than") if args.older_than else None
-        if args.limit is not None and args.limit < 1:
-            print("relay: --limit takes a whole number of at least 1", file=sys.stderr)
-            return EXIT_USAGE
-        drops = _maildrop_rows(args, now, older) if args.state in (None, "maildrop") else []
-        if args.limit is not None:
-            drops = drops[: args.limit]
-        listed = (
-            ops.iter_messages(
-                conn,
-                state=args.state,
-                include_finished=args.all,
-                recipient=args.recipient,
-                domain=args.domain,
-                older_than=older,
-                now=now,
-                limit=None if args.limit is None else args.limit - len(drops),
-            )
-            if args.state != "maildrop" and (args.limit is None or args.limit > len(drops))
-            else iter(())
-        )
+    verb = _QUEUE_VERBS.get(args.qcmd, _queue_bulk)  # the rest: delete, hold, release, ...
+    return verb(args, conn, spool, now)
 
-        live = _live_destinations(conn, now)
 
-        def shown() -> Iterator[dict[str, Any]]:
-            yield from drops  # waiting for the daemon: older than anything it queued since
-            for m in listed:  # a page at a time: the first lines come at once
-                _destinations_as_delivered(args, [m])
-                _circuit_waits(args, live, m)
-                yield m
-
-        if args.json:
-            _stream_json_array(shown())
-        else:
-            _print_mailq(shown())
-        return EXIT_OK
-    if c == "find":
-        if not (args.message_id or args.upstream_id or args.recipient):
-            print(
-                "relay: queue find: give --message-id, --upstream-id or --recipient",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-        msgs = ops.list_messages(
+def _queue_list(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    """`queue list`: the maildrop's waiting files first, then the spool a page at a time."""
+    older = parse_duration(args.older_than, "--older-than") if args.older_than else None
+    if args.limit is not None and args.limit < 1:
+        print("relay: --limit takes a whole number of at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    drops = _maildrop_rows(args, now, older) if args.state in (None, "maildrop") else []
+    if args.limit is not None:
+        drops = drops[: args.limit]
+    listed = (
+        ops.iter_messages(
             conn,
-            include_finished=True,
+            state=args.state,
+            include_finished=args.all,
             recipient=args.recipient,
-            message_id=normalize_message_id(args.message_id) if args.message_id else None,
-            upstream_id=args.upstream_id.strip().strip("<>") if args.upstream_id else None,
+            domain=args.domain,
+            older_than=older,
             now=now,
+            limit=None if args.limit is None else args.limit - len(drops),
         )
-        _destinations_as_delivered(args, msgs)
-        if args.json:
-            _print_json(msgs)
-        elif msgs:
-            _print_mailq(msgs)
-        else:
-            print("relay: no message matches", file=sys.stderr)
-        return EXIT_OK if msgs else EXIT_FAIL
-    if c == "show":
-        msg = ops.show_message(conn, args.id)
-        if msg is None:
-            raise CliError(f"no such message: {args.id}")
-        _destinations_as_delivered(args, [msg])
-        _circuit_waits(args, _live_destinations(conn, now), msg)
-        raw, path = ops.message_body(conn, args.id)
-        data = bodies.load(spool, raw, path)
-        head, _sep, body = data.partition(b"\r\n\r\n")
-        if args.body and args.raw and not args.json:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(data)
-            return EXIT_OK
-        msg["headers"] = head.decode("utf-8", errors="replace")
-        if args.body:
-            msg["body"] = body.decode(
-                "utf-8", errors="surrogateescape" if not args.json else "replace"
-            )
-        if args.json:
-            _print_json(msg)
-        else:
-            _print_show(msg)
+        if args.state != "maildrop" and (args.limit is None or args.limit > len(drops))
+        else iter(())
+    )
+
+    live = _live_destinations(conn, now)
+
+    def shown() -> Iterator[dict[str, Any]]:
+        yield from drops  # waiting for the daemon: older than anything it queued since
+        for m in listed:  # a page at a time: the first lines come at once
+            _destinations_as_delivered(args, [m])
+            _circuit_waits(args, live, m)
+            yield m
+
+    if args.json:
+        _stream_json_array(shown())
+    else:
+        _print_mailq(shown())
+    return EXIT_OK
+
+
+def _queue_find(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    """`queue find`: by Message-ID, upstream id or recipient, finished messages too."""
+    if not (args.message_id or args.upstream_id or args.recipient):
+        print(
+            "relay: queue find: give --message-id, --upstream-id or --recipient",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    msgs = ops.list_messages(
+        conn,
+        include_finished=True,
+        recipient=args.recipient,
+        message_id=normalize_message_id(args.message_id) if args.message_id else None,
+        upstream_id=args.upstream_id.strip().strip("<>") if args.upstream_id else None,
+        now=now,
+    )
+    _destinations_as_delivered(args, msgs)
+    if args.json:
+        _print_json(msgs)
+    elif msgs:
+        _print_mailq(msgs)
+    else:
+        print("relay: no message matches", file=sys.stderr)
+    return EXIT_OK if msgs else EXIT_FAIL
+
+
+def _queue_show(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    """`queue show ID`: one message, its recipients, headers (and `--body`)."""
+    msg = ops.show_message(conn, args.id)
+    if msg is None:
+        raise CliError(f"no such message: {args.id}")
+    _destinations_as_delivered(args, [msg])
+    _circuit_waits(args, _live_destinations(conn, now), msg)
+    raw, path = ops.message_body(conn, args.id)
+    data = bodies.load(spool, raw, path)
+    head, _sep, body = data.partition(b"\r\n\r\n")
+    if args.body and args.raw and not args.json:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
         return EXIT_OK
-    if c == "summary":
-        return _summary(args, conn, now)
-    if c == "purge":
-        try:
-            age = parse_duration(args.older_than, "--older-than")
-        except ConfigError as e:
-            print(f"relay: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        # data minimisation: bodies hold reset links and one-time codes
-        found = ops.finished_before(conn, now - age)
-        if not args.dry_run and found:
-            paths = _act(
-                conn,
-                "purge",
-                {"older_than": args.older_than, "messages": len(found)},
-                lambda x: ops.delete_messages(x, found),
-            )
-            bodies.delete_bodies(spool, paths)
-        if args.json:
-            _print_json({"action": "purge", "dry_run": args.dry_run, "messages": len(found)})
-        else:
-            verb = "would delete" if args.dry_run else "deleted"
-            print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
-        return EXIT_OK
+    msg["headers"] = head.decode("utf-8", errors="replace")
+    if args.body:
+        msg["body"] = body.decode("utf-8", errors="surrogateescape" if not args.json else "replace")
+    if args.json:
+        _print_json(msg)
+    else:
+        _print_show(msg)
+    return EXIT_OK
+
+
+def _queue_summary(
+    args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float
+) -> int:
+    return _summary(args, conn, now)
+
+
+def _queue_purge(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    """`queue purge --older-than`: finished messages deleted (data minimisation)."""
+    try:
+        age = parse_duration(args.older_than, "--older-than")
+    except ConfigError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    # data minimisation: bodies hold reset links and one-time codes
+    found = ops.finished_before(conn, now - age)
+    if not args.dry_run and found:
+        paths = _act(
+            conn,
+            "purge",
+            {"older_than": args.older_than, "messages": len(found)},
+            lambda x: ops.delete_messages(x, found),
+        )
+        bodies.delete_bodies(spool, paths)
+    if args.json:
+        _print_json({"action": "purge", "dry_run": args.dry_run, "messages": len(found)})
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"purge: {verb} {len(found)} finished message{'' if len(found) == 1 else 's'}")
+    return EXIT_OK
+
+
+def _queue_bulk(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: float) -> int:
+    """`queue delete|hold|release|retry|flush`: by IDs, by filters with --all, or (flush,
+    retry --failed) everything that qualifies; one audited operator action."""
+    c = args.qcmd
     ids: list[str] = list(getattr(args, "ids", []) or [])
     dry = bool(getattr(args, "dry_run", False))
     filters = [f for f in ("state", "domain", "recipient", "older_than") if getattr(args, f, None)]
@@ -894,6 +915,15 @@ def _queue(args: argparse.Namespace, conn: sqlite3.Connection, spool: Any, now: 
         res = _act(conn, c, detail, run)
         bodies.delete_bodies(spool, list(res.paths))
     return _done(args, c, res, dry)
+
+
+_QUEUE_VERBS: dict[str, Callable[[argparse.Namespace, sqlite3.Connection, Any, float], int]] = {
+    "list": _queue_list,
+    "find": _queue_find,
+    "show": _queue_show,
+    "summary": _queue_summary,
+    "purge": _queue_purge,
+}
 
 
 def _maildrop_rows(

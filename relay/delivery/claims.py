@@ -142,6 +142,33 @@ class Claimer:
         if cap <= 0:
             return 0
         now = self.clock()
+        cmds, claims, envs, susp, stored, dests, grants = await self._claim(now, cap)
+        self.dests.ledger.grants = grants
+        for cid, action, name in cmds:
+            self._cmd_seen = max(self._cmd_seen or 0, cid)
+            operator.command(self.dests, self.pool.spawn_workers, action, name, now)
+        if cmds:
+            self.wake()  # a kick or reset may open what this pass skipped: claim again
+        self.dests.apply_suspensions(susp)
+        immediate = self._dispatch(self._jobs(claims, dests, envs), now, stored)
+        left: dict[str, int] | None = None
+        if self.dests.ledger.grants is not None:
+            # room taken for this pass and not used (suppressed, suspended, split) goes back,
+            # in the commit of this pass's immediate outcomes when there are any
+            left = {s: n for s, n in self.dests.ledger.grants.items() if n > 0} or None
+            self.dests.ledger.grants = None
+        if immediate:
+            await self.recorder.record(immediate, left)
+        elif left:
+            await self.writer.run(
+                functools.partial(ops.ceiling_release, node=self.membership.node, scopes=left)
+            )
+        return len(claims)
+
+    async def _claim(self, now: float, cap: int) -> _Claimed:
+        """The pass's one spool transaction: operator commands, the claims (at most `cap`)
+        with their envelopes, suspensions, stored suppressions, each claim's destination
+        and route, and the fleet's ceiling room (see the rules)."""
         skip = self.dests.full_queues()
         waiting = self.dests.waiting(now)
         expired_before = float("-inf")
@@ -219,14 +246,16 @@ class Claimer:
             self._unconfirmed = [*self._unconfirmed[-(MAX_UNCONFIRMED - 1) :], now]
             raise
         self._unconfirmed = [t for t in self._unconfirmed if t not in unconfirmed]
-        cmds, claims, envs, susp, stored, dests, grants = claimed
-        self.dests.ledger.grants = grants
-        for cid, action, name in cmds:
-            self._cmd_seen = max(self._cmd_seen or 0, cid)
-            operator.command(self.dests, self.pool.spawn_workers, action, name, now)
-        if cmds:
-            self.wake()  # a kick or reset may open what this pass skipped: claim again
-        self.dests.apply_suspensions(susp)
+        return claimed
+
+    def _jobs(
+        self,
+        claims: Sequence[ops.Claim],
+        dests: Sequence[tuple[str, Route | None]],
+        envs: dict[str, ops.Envelope],
+    ) -> list[Job]:
+        """The claims as jobs: one per message and destination (one per recipient where
+        the envelope sender or a header names the recipient)."""
         jobs: dict[tuple[str, str, int], Job] = {}
         for cl, (dname, route) in zip(claims, dests, strict=True):
             env = envs.get(cl.msg_id)
@@ -250,8 +279,18 @@ class Claimer:
                     route=route,
                 )
             job.claims.append(cl)
+        return list(jobs.values())
+
+    def _dispatch(
+        self,
+        jobs: Sequence[Job],
+        now: float,
+        stored: dict[tuple[str, str], tuple[str, float] | None],
+    ) -> list[ops.RcptUpdate]:
+        """Each job to its destination's queue (relay/delivery/dispatch.py); the outcomes
+        decided at once (suppressed, expired, no route), to be recorded by the pass."""
         immediate: list[ops.RcptUpdate] = []
-        for job in jobs.values():
+        for job in jobs:
             try:
                 immediate.extend(
                     dispatch.dispatch(
@@ -276,19 +315,7 @@ class Claimer:
                     exc=e,
                 )
                 immediate.extend(_retry_later(job, now, e))
-        left: dict[str, int] | None = None
-        if self.dests.ledger.grants is not None:
-            # room taken for this pass and not used (suppressed, suspended, split) goes back,
-            # in the commit of this pass's immediate outcomes when there are any
-            left = {s: n for s, n in self.dests.ledger.grants.items() if n > 0} or None
-            self.dests.ledger.grants = None
-        if immediate:
-            await self.recorder.record(immediate, left)
-        elif left:
-            await self.writer.run(
-                functools.partial(ops.ceiling_release, node=self.membership.node, scopes=left)
-            )
-        return len(claims)
+        return immediate
 
     def _ceiling_wants(
         self,
