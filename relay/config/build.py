@@ -403,7 +403,11 @@ def _destination(
     timeouts: Mapping[str, float],
     errors: list[str],
 ) -> Destination | None:
-    key = f"destinations.{name}" if re.fullmatch(r"[\w.-]+", name) else f'destinations."{name}"'
+    key = (
+        f"destinations.{name}"
+        if re.fullmatch(r"[\w.-]+", name)
+        else f'destinations."{shown(name)}"'  # a key from the file, escaped
+    )
     if not isinstance(data, Mapping):
         errors.append(f"{key}: expected a mapping")
         return None

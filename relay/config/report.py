@@ -70,7 +70,7 @@ def messages(e: ValidationError, model: type[BaseModel], prefix: str) -> list[st
             if any(at[:-1] == tuple(parent) and meant == name for at, meant in misspelt.items()):
                 continue  # reported as the misspelling
             if "key" in ctx:
-                key = f"{key}.{ctx['key']}"
+                key = f"{key}.{shown(str(ctx['key']))}"  # a key from the file, escaped
             out.append(ctx["msg"] if ctx.get("full") else f"{key}: {ctx['msg']}")
         elif kind == "extra_forbidden":
             name = str(loc[-1])

@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from relay.config import values as t
-from relay.config.report import validate
+from relay.config.report import shown, validate
 from relay.config.sections.base import Section, read_secret
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
@@ -163,7 +163,7 @@ def parse(
     for name, item in (upstreams or {}).items() if isinstance(upstreams, Mapping) else ():
         if not isinstance(name, str) or not NAME.fullmatch(name):
             errors.append(
-                f"upstreams.{name}: an upstream name is lowercase letters,"
+                f"upstreams.{shown(str(name))}: an upstream name is lowercase letters,"
                 " digits, '-' and '_' (it names a destination too)"
             )
             continue

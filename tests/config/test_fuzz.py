@@ -286,3 +286,35 @@ def test_an_unknown_key_with_a_control_character_is_one_escaped_line(tmp_path: P
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value).splitlines() == ["spool.x\\x1ey: unknown key 'x\\x1ey'"]
+
+
+def test_a_named_entry_with_a_control_character_is_one_escaped_line(tmp_path: Path) -> None:
+    """Found by the fuzz test above: an alias named "\\r" without an address was reported as
+    `local.aliases.<CR>: ...`, which str.splitlines cut before its colon (the key a
+    section's check names, as well as the keys pydantic names, is shown escaped)."""
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml.safe_dump({"local": {"aliases": {"\r": None}}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value).splitlines() == ["local.aliases.\\r: expected an address or a list of them"]
+
+
+@pytest.mark.parametrize(
+    ("doc", "line"),
+    [
+        (  # found by the fuzz test: a bad upstream name was printed raw
+            {"upstreams": {"\r": None}},
+            "upstreams.\\r: an upstream name is lowercase letters, digits, '-' and '_' (it"
+            " names a destination too)",
+        ),
+        ({"destinations": {"a\rb": 5}}, 'destinations."a\\rb": expected a mapping'),
+    ],
+)
+def test_a_bad_name_with_a_control_character_is_shown_escaped(
+    tmp_path: Path, doc: dict[str, Any], line: str
+) -> None:
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert line in str(e.value).splitlines(), str(e.value)
