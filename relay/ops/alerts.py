@@ -5,6 +5,8 @@ Rules:
   restart or a sink that is down loses none. Each row remembers which sinks still need it;
   a sink that took it is never given it again (a crash between a sink's success and the
   row's update can repeat it once: at-least-once, with a stable `id` receivers can dedup on).
+  An update that fails while the daemon runs (the spool away, a commit lost to a database
+  restart) is kept in memory and made again by the next pass, which does not send again.
 - Coalescing: events of one (event, key) within `alerts.coalesce` make one alert with a
   `count` and a few samples. Dead letters and delay warnings wait for their window to close
   (1,000 dead letters to one domain in a minute make one alert, not 1,000); health
@@ -339,6 +341,10 @@ class Dispatcher:
         self.rng = random.Random()
         self.unspooled: list[Unspooled] = []
         self._unspooled_n = 0
+        # alert id -> what its sinks said (`mark`'s arguments), for an alert handed to its
+        # sinks whose record of that failed (the spool away, a commit lost to a database
+        # restart): the next pass records it again instead of sending it again
+        self._unmarked: dict[int, tuple[list[str], float, str | None, float]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -483,6 +489,12 @@ class Dispatcher:
         return len(rows)
 
     async def _send(self, row: dict[str, Any]) -> None:
+        alert_id = int(row["id"])
+        owed = self._unmarked.get(alert_id)
+        if owed is not None:  # sent already: only its record is owed (see __init__)
+            await self.writer.run(lambda c: mark(c, alert_id, *owed))
+            del self._unmarked[alert_id]
+            return
         conf = self.conf()
         doc = document(row, self.hostname())
         remaining, error = await self._deliver(row, conf)
@@ -501,8 +513,9 @@ class Dispatcher:
             remaining = []
         delay = min(BACKOFF_CAP, 2.0 ** int(row["attempts"]))
         delay = delay / 2 + self.rng.uniform(0, delay / 2)
-        alert_id = int(row["id"])
-        await self.writer.run(lambda c: mark(c, alert_id, remaining, now, error, now + delay))
+        self._unmarked[alert_id] = owed = (remaining, now, error, now + delay)
+        await self.writer.run(lambda c: mark(c, alert_id, *owed))
+        del self._unmarked[alert_id]
         if error is not None:
             log_event(
                 log,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,5 +98,38 @@ def test_a_sink_that_failed_meanwhile_is_owed_it_by_the_outbox(
         assert receiver.posts[-1].doc["id"] == f"relay.test/{row['id']}"
         (row,) = await writer.run(lambda c: alerts.recent(c, 10))
         assert row["sent_at"] is not None
+
+    asyncio.run(main())
+
+
+def test_a_sent_alert_whose_record_failed_is_recorded_not_sent_again(
+    tmp_path: Path, writer: SpoolWriter, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by tests/e2e/test_pg_faults_e2e.py under load: a `resolved` alert reached the
+    webhook twice. Its sink took it, the update that records that failed (a commit lost to
+    the database's restart), and the next pass found the row still due and sent it again."""
+    now = {"t": 1_000_000.0}
+    d = _dispatcher(tmp_path, writer, receiver.url, now)
+    real_mark = alerts.mark
+    failures = [1]
+
+    def mark_fails_once(c: Any, *args: Any) -> None:
+        if failures:
+            failures.pop()
+            raise sqlite3.OperationalError("the commit was lost")
+        real_mark(c, *args)
+
+    monkeypatch.setattr(alerts, "mark", mark_fails_once)
+
+    async def main() -> None:
+        await d.add(alerts.Event("resolved", "info", "spool", "spool ok again"))
+        with pytest.raises(SpoolError):
+            await d.pass_once()  # sent; its record failed
+        assert len(receiver.posts) == 1
+        assert await d.pass_once() == 1  # due still: recorded now, not sent
+        assert len(receiver.posts) == 1
+        (row,) = await writer.run(lambda c: alerts.recent(c, 10))
+        assert row["sent_at"] is not None and row["pending_sinks"] == []
+        assert await d.pass_once() == 0
 
     asyncio.run(main())
