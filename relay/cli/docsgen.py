@@ -90,7 +90,7 @@ def load_meanings(root: Path = ROOT) -> dict[str, Any]:
 
 # --- config -----------------------------------------------------------------------------
 
-_DURATION = re.compile(r"^\d+(\.\d+)?[smhd]$")
+_DURATION = re.compile(r"^\d+(\.\d+)?(ms|[smhdw])$")
 _SIZE = re.compile(r"^\d+(KiB|MiB|GiB|B)$")
 _RATE = re.compile(r"^\d+/[smh]$")
 

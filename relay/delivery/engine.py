@@ -84,6 +84,7 @@ class Engine:
         self.dests = Destinations(config, metrics=metrics, clock=clock)
         self._wake = asyncio.Event()
         self.stopping = False
+        self._stopped = asyncio.Event()  # set with `stopping`: ends a gather at once
         self._loop_exited = asyncio.Event()
         # the fleet (spool.backend: postgresql): this node's name, its leases, and how many
         # nodes share each destination's rate (README "Running a fleet")
@@ -230,9 +231,25 @@ class Engine:
                 # operator commands and finished jobs wake it, or poll_interval does
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
+                    await self._gather()
         finally:
             beat.cancel()
             self._loop_exited.set()
+
+    async def _gather(self) -> None:
+        """After a wake (new mail, a finished job, an operator command): `delivery.gather`
+        more before the pass, so that a trickle of messages is claimed, sent and recorded
+        a few at a time. Each pass is two spool commits (its claim, its outcomes) that take
+        the spool's write lock from the SMTP side's commits and reset their page cache: one
+        session sending mail one message at a time waited 1.7-1.8 ms (p50) for each `250`
+        with a pass per message, 1.1-1.3 ms with 10 ms of gathering (bench/README.md; more
+        gathering makes bigger bursts of delivery work, and the p99 grows). A stop ends the
+        wait at once."""
+        gather = self.config.delivery.gather
+        if gather <= 0 or self.stopping:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), gather)
 
     async def _backoff(self, failures: int) -> None:
         """After the n-th failed claim pass in a row: wait poll_interval * 2**(n-1), at
@@ -249,6 +266,7 @@ class Engine:
         """Stop claiming; let the deliveries under way finish up to `timeout`; put the rest
         back (relay/delivery/workers.py)."""
         self.stopping = True
+        self._stopped.set()
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))

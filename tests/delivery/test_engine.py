@@ -27,7 +27,7 @@ from relay.spool import ops
 from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter
 from tests.dnsserver import DnsServer
-from tests.harness import deep_merge, make_message, send
+from tests.harness import deep_merge, make_message, send, smarthost_config
 
 pytestmark = pytest.mark.slow
 
@@ -321,3 +321,78 @@ def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) ->
     finally:
         faults.disarm_all()
         w.close()
+
+
+@pytest.mark.parametrize(("gather", "passes"), [("300ms", [3]), ("0s", [1, 1, 1])])
+def test_new_mail_is_gathered_into_one_claim_pass(
+    upstream, tmp_path: Path, gather: str, passes: list[int]
+) -> None:
+    """delivery.gather: three messages queued 50 ms apart, each waking an idle engine, are
+    claimed by one pass when it gathers 300 ms, and by a pass each when it gathers none.
+    Every one of them is delivered either way."""
+    up = upstream()
+    cfg_path = tmp_path / "relay.yaml"
+    cfg_path.write_text(
+        yaml.safe_dump(
+            deep_merge(
+                smarthost_config(up),
+                {
+                    "spool": {"path": "spool"},
+                    "delivery": {"gather": gather, "poll_interval": "10s"},
+                },
+            )
+        )
+    )
+    cfg = load_config(str(cfg_path))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
+
+    async def main() -> list[int]:
+        e = Engine(cfg, w)
+        claimed: list[int] = []
+        real = e.claims.claim_and_dispatch
+
+        async def counted() -> int:
+            n = await real()
+            claimed.append(n)
+            return n
+
+        e.claims.claim_and_dispatch = counted  # type: ignore[method-assign]
+        task = asyncio.create_task(e.run())
+        await asyncio.sleep(0.3)  # the start-up pass: nothing due, then idle
+        before = len(claimed)
+        for i in range(3):
+            now = time.time()
+            m = ops.NewMessage(
+                f"G{i}",
+                f"g{i}@x",
+                "a@x.test",
+                1,
+                now,
+                "c",
+                "p",
+                "transactional",
+                0,
+                "x.test",
+                b"Subject: g\r\n\r\nx\r\n",
+                None,
+                (ops.NewRecipient(f"u{i}@x.test", "x.test", f"g{i}"),),
+            )
+            await w.run(lambda c, m=m: ops.accept(c, m, 3600))
+            e.wake()  # as the SMTP side does for each message it queues
+            await asyncio.sleep(0.05)
+        for _ in range(500):  # up to 10 s for the three deliveries
+            if len(up.received) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # any pass the deliveries' ends wake
+        await e.stop(2)
+        await task
+        return [n for n in claimed[before:] if n]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        w.close()
+    assert len(up.received) == 3
+    assert got == passes

@@ -50,6 +50,7 @@ class DeliverySection(Section):
     workers: t.Int(1) = 50  # type: ignore[valid-type]
     batch: t.Int(1) = 200  # type: ignore[valid-type]
     poll_interval: t.Duration = "0.25s"
+    gather: t.Duration = "10ms"  # new mail waits this long for more before a claim pass
 
 
 def _burst(value: object) -> float | None:
