@@ -40,7 +40,7 @@ _FEW = 16  # dots looked at one by one before a search for the whole pattern
 _SHORT = 4096  # octets: below this, one search costs less than a few steps of Python
 
 
-def _find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
+def find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
     """The first index >= `start` of `pattern`, a CRLF and then a dot (and maybe more): found
     from the dots (`find` of one octet is a memchr), each of the first `_FEW` checked in
     place, then one search for the pattern from the next. Most large bodies have few dots
@@ -107,7 +107,7 @@ class DataParser:
         if buf.startswith(b".\r\n"):
             end = 0
         else:
-            i = _find_dot_line(buf, max(0, old - 4), _END)
+            i = find_dot_line(buf, max(0, old - 4), _END)
             end = -1 if i < 0 else i + 2
         if end >= 0:
             with memoryview(buf) as view:  # one copy each, not a slice and then bytes()
@@ -189,7 +189,7 @@ class DataParser:
             self._over(DataState.TOO_LONG)
             return b""
         # §4.5.2 transparency: every line start is the block's start or after a CRLF
-        dots = lines.startswith(b".") or _find_dot_line(lines, 0, b"\r\n.") >= 0
+        dots = lines.startswith(b".") or find_dot_line(lines, 0, b"\r\n.") >= 0
         if dots:
             if lines.startswith(b"."):
                 lines = lines[1:]

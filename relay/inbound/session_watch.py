@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Callable
 
 from relay.config.tree import Limits
+from relay.inbound.dataflow import find_dot_line
 from relay.inbound.session_limits import SLOTS, DataRate, counts_as_error, resets_errors
 
 _END_OF_DATA = b"\r\n.\r\n"
@@ -87,7 +88,9 @@ class SessionWatch:
             self._stop_command_timer()
         if self._rate is not None:
             # only ever the end (dots at the start of a data line are doubled)
-            end = _END_OF_DATA in data or _END_OF_DATA in self._tail + data[:4]
+            # found from the dots (a memchr: relay/inbound/dataflow.py), not by a search for
+            # the pattern over CRLF-dense text, which was 4% of a 100 KiB message's loop time
+            end = find_dot_line(data, 0, _END_OF_DATA) >= 0 or _END_OF_DATA in self._tail + data[:4]
             self._tail = (self._tail + data[-4:])[-4:]
             if end:
                 self._stop_rate()  # the client is done; the reply is ours to make

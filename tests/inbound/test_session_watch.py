@@ -68,3 +68,23 @@ async def test_errors_count_and_reset(tmp_path: Path) -> None:
     assert not w.replied("503 5.5.1 need MAIL")
     assert w.replied("500 5.5.2 bad syntax")
     w.stop()
+
+
+async def test_the_end_of_data_is_seen_in_a_large_block_full_of_dots(tmp_path: Path) -> None:
+    """The end of the data in one 100 KiB read whose lines hold many dots (the search goes
+    from dot to dot, relay/inbound/dataflow.py find_dot_line): the rate meter stops there,
+    and a line that only starts with a dot is not the end."""
+    w, closed = await watch(
+        tmp_path, command_timeout=10.0, min_data_rate=10**9, min_data_rate_window=0.2
+    )
+    w.replied("354 End data with <CR><LF>.<CR><LF>")
+    body = b"a.b.c.d. e.f\r\n..stuffed\r\n" * 4000
+    w.received(body)  # no end yet, and far too slow for 1 GB/s: the meter runs
+    w.received(body + b".\r\n")  # the end, after 40,000 dots
+    await asyncio.sleep(0.4)
+    assert closed == []  # stopped at the end: the spool's answer is ours to make
+    w.replied("250 2.0.0 Ok: queued as X")
+    w.replied("354 End data with <CR><LF>.<CR><LF>")
+    w.received(body)  # only dot-stuffed lines: never the end
+    await asyncio.sleep(0.4)
+    assert closed == ["data_rate"]
