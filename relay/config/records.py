@@ -214,7 +214,7 @@ class Delivery:
     workers: int
     batch: int
     poll_interval: float
-    gather: float = 0.0  # seconds (relay/delivery/engine.py: the run loop)
+    gather: float  # seconds (relay/delivery/engine.py: the run loop)
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,9 +260,8 @@ def _token_url(value: object) -> str | None:
 
     if value is not None and not str(value).startswith(("https://", "http://")):
         raise t.problem(f"{redact_url(str(value))!r} is not an http(s) URL")
-    bad = None if value is None else t.url_host_problem(str(value))
-    if bad is not None:
-        raise t.problem(f"{redact_url(str(value))!r} {bad}")
+    if value is not None:
+        t.require_url_host(str(value), redact_url(str(value)))
     return None if value is None else str(value)
 
 

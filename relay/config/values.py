@@ -222,23 +222,22 @@ def problem(msg: str, key: str | None = None, full: bool = False) -> PydanticCus
     return PydanticCustomError(ERROR_TYPE, "{msg}", ctx)
 
 
-def url_host_problem(url: str) -> str | None:
-    """Why `url` (http:// or https://, already checked) cannot be sent to, or None: a host
-    that does not parse (`https://[h.example/x`: an unclosed IPv6 bracket) or is missing,
-    a port that is not a number in 1-65535. Found here, not by the HTTP client at the
-    first alert."""
+def require_url_host(url: str, shown: str) -> None:
+    """Refuse `url` (http:// or https://, already checked; `shown` is how an error prints it,
+    redacted) when it cannot be sent to: a host that does not parse (`https://[h.example/x`:
+    an unclosed IPv6 bracket) or is missing, a port that is not a number in 1-65535. Found
+    here, not by the HTTP client at the first alert."""
     from urllib.parse import urlsplit
 
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
-        return f"is not a valid URL ({e})"
+        raise problem(f"{shown!r} is not a valid URL ({e})") from None
     if not parts.hostname:
-        return "has no host"
+        raise problem(f"{shown!r} has no host")
     if port == 0:
-        return "has port 0"
-    return None
+        raise problem(f"{shown!r} has port 0")
 
 
 def _checked(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:

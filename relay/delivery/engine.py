@@ -83,8 +83,7 @@ class Engine:
         self.clock = clock
         self.dests = Destinations(config, metrics=metrics, clock=clock)
         self._wake = asyncio.Event()
-        self.stopping = False
-        self._stopped = asyncio.Event()  # set with `stopping`: ends a gather at once
+        self._stopped = asyncio.Event()  # stop(): `stopping`, and ends a gather at once
         self._loop_exited = asyncio.Event()
         # the fleet (spool.backend: postgresql): this node's name, its leases, and how many
         # nodes share each destination's rate (README "Running a fleet")
@@ -168,6 +167,10 @@ class Engine:
 
     # --- main loop ------------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -231,7 +234,7 @@ class Engine:
                 # operator commands and finished jobs wake it, or poll_interval does
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
-                    await self._gather()
+                    await self._gather()  # woken (a wait that timed out skips this)
         finally:
             beat.cancel()
             self._loop_exited.set()
@@ -265,7 +268,6 @@ class Engine:
     async def stop(self, timeout: float) -> None:
         """Stop claiming; let the deliveries under way finish up to `timeout`; put the rest
         back (relay/delivery/workers.py)."""
-        self.stopping = True
         self._stopped.set()
         self._wake.set()
         with contextlib.suppress(TimeoutError):

@@ -488,12 +488,17 @@ class Dispatcher:
             await self._send(row)
         return len(rows)
 
+    async def _record(self, alert_id: int) -> None:
+        """What the sinks said of a sent alert (`_unmarked`) into its row; kept until that
+        commits."""
+        owed = self._unmarked[alert_id]
+        await self.writer.run(lambda c: mark(c, alert_id, *owed))
+        del self._unmarked[alert_id]
+
     async def _send(self, row: dict[str, Any]) -> None:
         alert_id = int(row["id"])
-        owed = self._unmarked.get(alert_id)
-        if owed is not None:  # sent already: only its record is owed (see __init__)
-            await self.writer.run(lambda c: mark(c, alert_id, *owed))
-            del self._unmarked[alert_id]
+        if alert_id in self._unmarked:  # sent already: only its record is owed (see __init__)
+            await self._record(alert_id)
             return
         conf = self.conf()
         doc = document(row, self.hostname())
@@ -513,9 +518,8 @@ class Dispatcher:
             remaining = []
         delay = min(BACKOFF_CAP, 2.0 ** int(row["attempts"]))
         delay = delay / 2 + self.rng.uniform(0, delay / 2)
-        self._unmarked[alert_id] = owed = (remaining, now, error, now + delay)
-        await self.writer.run(lambda c: mark(c, alert_id, *owed))
-        del self._unmarked[alert_id]
+        self._unmarked[alert_id] = (remaining, now, error, now + delay)
+        await self._record(alert_id)
         if error is not None:
             log_event(
                 log,

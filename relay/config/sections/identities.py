@@ -52,9 +52,7 @@ def _unsubscribe_url(url: str | None) -> str | None:
     if url is not None:
         if not url.lower().startswith(("https://", "http://")):
             raise t.problem(f"{redact_url(url)!r} is not an https:// URL")
-        bad = t.url_host_problem(url)
-        if bad is not None:
-            raise t.problem(f"{redact_url(url)!r} {bad}")
+        t.require_url_host(url, redact_url(url))
         if not url.rstrip("/").endswith("/u"):
             raise t.problem(
                 f"{redact_url(url)!r} must end in /u (the relay serves POST/GET /u/<token>)"

@@ -84,9 +84,7 @@ def _http_url(url: str) -> str:
 
     if not url.startswith(("http://", "https://")):
         raise t.problem(f"{redact_webhook_url(url)!r} is not an http:// or https:// URL")
-    bad = t.url_host_problem(url)
-    if bad is not None:
-        raise t.problem(f"{redact_webhook_url(url)!r} {bad}")
+    t.require_url_host(url, redact_webhook_url(url))
     return url
 
 
