@@ -9,6 +9,11 @@ Rules:
   become `%s`, a literal `%` becomes `%%`, `INDEXED BY` (a SQLite planner hint) is dropped,
   `BEGIN IMMEDIATE` is `BEGIN`. Nothing else is rewritten: a statement this module cannot
   pass through unchanged must be made portable at its source.
+- An array parameter with its cast (`?::text[]`, the batches of the hot path: unnest) is
+  sent in binary (`%b`): psycopg dumps a list in text one element at a time with a regular
+  expression over each (a 100 KiB body in a `bytea[]` was 1.5 ms of the writer's CPU, a
+  batch of four 2 KiB messages 240 us; in binary 0.03 ms and 75 us). The cast names the
+  type, so the server reads the same values either way.
 - The schema is the same migrations as SQLite's (relay/spool/schema.py), their column types
   mapped (REAL -> double precision, BLOB -> bytea, INTEGER PRIMARY KEY -> an identity
   column, TEXT -> text in the "C" collation so that ORDER BY sorts by code point as SQLite
@@ -85,6 +90,7 @@ def _make_row(cursor: Any) -> Any:
 
 
 _INDEXED_BY = re.compile(r"\s+INDEXED\s+BY\s+\w+", re.IGNORECASE)
+_ARRAY_CAST = re.compile(r"::[A-Za-z_][A-Za-z_ ]*\[\]")  # `?::double precision[]`
 
 
 @lru_cache(maxsize=1024)
@@ -95,14 +101,14 @@ def translate(sql: str) -> str:
         return "BEGIN"
     out: list[str] = []
     quoted = False
-    for ch in sql:
+    for i, ch in enumerate(sql):
         if ch == "'":
             quoted = not quoted  # '' inside a literal toggles twice: still inside
             out.append(ch)
         elif ch == "%":
             out.append("%%")
         elif ch == "?" and not quoted:
-            out.append("%s")
+            out.append("%b" if _ARRAY_CAST.match(sql, i + 1) else "%s")
         else:
             out.append(ch)
     return "".join(out)
