@@ -688,7 +688,7 @@ def load_envelopes(conn: sqlite3.Connection, msg_ids: Iterable[str]) -> dict[str
         for row in conn.execute(
             db.CUSTOM_PLAN
             + "SELECT id, message_id, sender, size, body, body_path, delay_warned_at, client,"
-            " listener FROM messages WHERE id = ANY(?)",
+            " listener FROM messages WHERE id = ANY(?::text[])",
             (ids,),
         ):
             out[row[0]] = Envelope(*row)
@@ -1293,11 +1293,14 @@ def delete_messages(conn: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
         # three statements for any number (a prune's 5,000 were 20,000 round trips, seconds
         # during which the writer took no other job), the body paths in the order of `ids`
         ids = list(dict.fromkeys(ids))
-        conn.execute(db.CUSTOM_PLAN + "DELETE FROM attempts WHERE msg_id = ANY(?)", (ids,))
-        conn.execute(db.CUSTOM_PLAN + "DELETE FROM recipients WHERE msg_id = ANY(?)", (ids,))
+        conn.execute(db.CUSTOM_PLAN + "DELETE FROM attempts WHERE msg_id = ANY(?::text[])", (ids,))
+        conn.execute(
+            db.CUSTOM_PLAN + "DELETE FROM recipients WHERE msg_id = ANY(?::text[])", (ids,)
+        )
         gone = dict(
             conn.execute(
-                db.CUSTOM_PLAN + "DELETE FROM messages WHERE id = ANY(?) RETURNING id, body_path",
+                db.CUSTOM_PLAN
+                + "DELETE FROM messages WHERE id = ANY(?::text[]) RETURNING id, body_path",
                 (ids,),
             ).fetchall()
         )

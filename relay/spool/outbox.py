@@ -256,7 +256,7 @@ def write_back(
         return []
     else:
         rows = conn.execute(
-            db.CUSTOM_PLAN + WRITE_BACK.format(only="AND o.queue_id = ANY(?)"), (queue_ids,)
+            db.CUSTOM_PLAN + WRITE_BACK.format(only="AND o.queue_id = ANY(?::text[])"), (queue_ids,)
         ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows if r[1] != "queued"]
 
