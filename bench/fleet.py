@@ -526,6 +526,12 @@ class Relay:
         if dsn is not None:
             conf["spool"].update(backend="postgresql", dsn=dsn)
             conf["fleet"] = {"node": name}
+        # RELAY_BENCH_CONFIG (as bench/suite.py): YAML whose sections are merged over these
+        for key, value in (yaml.safe_load(os.environ.get("RELAY_BENCH_CONFIG", "")) or {}).items():
+            if isinstance(value, dict) and isinstance(conf.get(key), dict):
+                conf[key].update(value)
+            else:
+                conf[key] = value
         self.conf = self.dir / "relay.yaml"
         self.conf.write_text(yaml.safe_dump(conf, sort_keys=False))
         self.log = self.dir / "relay.log"

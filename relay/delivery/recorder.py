@@ -99,7 +99,6 @@ class Recorder:
         self._stopping = stopping
         self.on_dead_letter = on_dead_letter
         # told the queue ids of every record committed (the outbox's incremental write-back)
-        # told the queue ids of every record committed (the outbox's write-back)
         self.on_recorded = on_recorded
         self.hooks: set[asyncio.Task[None]] = set()  # dead-letter hooks still running
         self._alert_backlog: list[alerts.Event] = []  # recorded with the next outcomes

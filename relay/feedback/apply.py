@@ -257,8 +257,11 @@ def rates(conn: sqlite3.Connection, now: float) -> list[dict[str, object]]:
         " coalesce(sum(CASE WHEN hour > ? THEN bounced END), 0),"
         " coalesce(sum(CASE WHEN hour > ? THEN complained END), 0),"
         " sum(delivered), sum(bounced), sum(complained)"
-        " FROM identity_hours WHERE hour > ? GROUP BY identity ORDER BY identity",
-        (hour - 24, hour - 24, hour - 24, hour - 24 * 7),
+        " FROM (SELECT identity, hour, delivered, bounced, complained FROM identity_hours"
+        " WHERE hour > ? UNION ALL SELECT identity, hour, delivered, bounced, complained"
+        " FROM identity_hours_node WHERE hour > ?) AS h"  # a fleet node's own rows (pg.py)
+        " GROUP BY identity ORDER BY identity",
+        (hour - 24, hour - 24, hour - 24, hour - 24 * 7, hour - 24 * 7),
     ).fetchall()
     out: list[dict[str, object]] = []
     for r in rows:

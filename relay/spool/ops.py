@@ -844,7 +844,7 @@ def _record_each(
     for identity in sorted(per_identity):
         n = per_identity[identity]
         if add_counts is not None:
-            add_counts("identity_hours", (identity, int(now // 3600)), delivered=n)
+            add_counts("identity_hours", (identity, int(now // 3600)), node=owner, delivered=n)
             continue
         conn.execute(
             "INSERT INTO identity_hours (identity, hour, delivered) VALUES (?, ?, ?)"
@@ -977,10 +977,10 @@ def record_many(
     add_counts = getattr(conn, "add_counts", None)
     if add_counts is not None and ceilings is not None:
         for scope_day in [k for k in bumps if k[0] not in ceilings]:
-            add_counts("daily_counts", scope_day, count=bumps.pop(scope_day))
+            add_counts("daily_counts", scope_day, node=owner, count=bumps.pop(scope_day))
     if add_counts is not None:
         for hour_key, n in hours.items():
-            add_counts("identity_hours", hour_key, delivered=n)
+            add_counts("identity_hours", hour_key, node=owner, delivered=n)
         hours = {}
     if bumps:  # the fleet's hot rows: in one order (see record)
         order = sorted(bumps)
@@ -1139,6 +1139,11 @@ def ceiling_take(
         count = conn.execute(
             "SELECT count FROM daily_counts WHERE scope = ? AND day = ?" + lock, (scope, day)
         ).fetchone()[0]
+        # and what nodes counted in their own rows (before the scope had its ceiling)
+        count += conn.execute(
+            "SELECT coalesce(sum(count), 0) FROM daily_counts_node WHERE scope = ? AND day = ?",
+            (scope, day),
+        ).fetchone()[0]
         held = conn.execute(
             "SELECT coalesce(sum(n), 0) FROM ceiling_holds WHERE scope = ?", (scope,)
         ).fetchone()[0]
@@ -1247,6 +1252,7 @@ def prune_side_tables(
     # hourly rates 8 days, feedback mail as long as finished messages
     conn.execute("DELETE FROM feedback_events WHERE at < ?", (now - FEEDBACK_EVENT_DAYS * 86400,))
     conn.execute("DELETE FROM identity_hours WHERE hour < ?", (int(now // 3600) - 8 * 24,))
+    conn.execute("DELETE FROM identity_hours_node WHERE hour < ?", (int(now // 3600) - 8 * 24,))
     conn.execute("DELETE FROM feedback_mail WHERE at < ?", (now - max(retention, 86400),))
     conn.execute(
         "DELETE FROM alerts WHERE sent_at IS NOT NULL AND sent_at < ?",
@@ -1327,9 +1333,16 @@ def body_paths(conn: sqlite3.Connection) -> set[str]:
 
 
 def daily_counts(conn: sqlite3.Connection, day: str) -> dict[str, int]:
+    """Each scope's count on `day`: its shared row and every node's own (daily_counts_node,
+    relay/spool/pg.py COUNTER_TABLES)."""
     return {
-        r[0]: r[1]
-        for r in conn.execute("SELECT scope, count FROM daily_counts WHERE day = ?", (day,))
+        r[0]: int(r[1])
+        for r in conn.execute(
+            "SELECT scope, sum(count) FROM (SELECT scope, count FROM daily_counts WHERE day = ?"
+            " UNION ALL SELECT scope, count FROM daily_counts_node WHERE day = ?) AS c"
+            " GROUP BY scope",
+            (day, day),
+        )
     }
 
 

@@ -161,10 +161,19 @@ DEFERRED = frozenset({"BEGIN", "SAVEPOINT job", "RELEASE job", "SAVEPOINT take"}
 # order and each table's rows sorted: commit-time locks are taken in one global order, and
 # nothing else locks these rows mid-transaction but a fleet's daily-ceiling scopes, which
 # the spool's code keeps inline (ops.record_many) and never adds here.
+# Counts a node adds (`add_counts(..., node=)`: its records) go to its own rows in the
+# `_node` table: a row bumped by two nodes still made one node's COMMIT wait for the
+# other's WAL flush on its lock (a drain of two nodes: 1.50x one; with no counters at all
+# 1.61x, bench/README.md). Readers sum both tables (ops.daily_counts, feedback rates).
 COUNTER_TABLES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {
     "daily_counts": ((("scope", "text"), ("day", "text")), ("count",)),
     "identity_hours": (
         (("identity", "text"), ("hour", "bigint")),
+        ("delivered", "bounced", "complained"),
+    ),
+    "daily_counts_node": ((("scope", "text"), ("day", "text"), ("node", "text")), ("count",)),
+    "identity_hours_node": (
+        (("identity", "text"), ("hour", "bigint"), ("node", "text")),
         ("delivered", "bounced", "complained"),
     ),
 }
@@ -230,9 +239,14 @@ class PgConnection:
         conn.execute("SET lock_timeout = '5s'")
         return conn
 
-    def add_counts(self, table: str, key: tuple[Any, ...], **counts: int) -> None:
+    def add_counts(
+        self, table: str, key: tuple[Any, ...], *, node: str | None = None, **counts: int
+    ) -> None:
         """Add `counts` to the counter columns of `table`'s row `key` (made if absent) in
-        the COMMIT of the open transaction, in its round trip (see COUNTER_TABLES)."""
+        the COMMIT of the open transaction, in its round trip (see COUNTER_TABLES); with
+        `node`, to that node's own row of the table's `_node` twin."""
+        if node is not None:
+            table, key = f"{table}_node", (*key, node)
         cols = COUNTER_TABLES[table][1]
         if not self.in_transaction:  # autocommit (the CLI, tests): now
             values = [counts.get(c, 0) for c in cols]

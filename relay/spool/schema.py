@@ -261,6 +261,30 @@ MIGRATIONS: list[str] = [
         p99         REAL
     );
     """,
+    # 11 -> 12: a fleet's counters per node (relay/spool/pg.py COUNTER_TABLES): the rows every
+    # node bumped with its records (`dest:smarthost` today, an identity's hour) made two
+    # nodes' record commits wait for each other's WAL flush on the row lock. The counts a
+    # node adds at its COMMIT go to its own rows here; readers sum both tables. The fleet's
+    # daily ceilings keep their one shared row in daily_counts (ops.ceiling_take locks it).
+    # SQLite's single writer never writes these.
+    """
+    CREATE TABLE daily_counts_node (
+        scope       TEXT NOT NULL,
+        day         TEXT NOT NULL,
+        node        TEXT NOT NULL,
+        count       INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (scope, day, node)
+    ) WITHOUT ROWID;
+    CREATE TABLE identity_hours_node (
+        identity    TEXT NOT NULL,
+        hour        INTEGER NOT NULL,
+        node        TEXT NOT NULL,
+        delivered   INTEGER NOT NULL DEFAULT 0,
+        bounced     INTEGER NOT NULL DEFAULT 0,
+        complained  INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (identity, hour, node)
+    ) WITHOUT ROWID;
+    """,
 ]
 
 

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from relay.config.tree import PgSpool
+from relay.feedback import apply
 from relay.spool import ops, pg
 from relay.spool.model import RcptState
 from relay.spool.writer import Grouped, SpoolWriter, plan
@@ -357,8 +358,24 @@ def _record_state(conn: Any) -> tuple[list[Any], ...]:
             )
         ],
         [tuple(r) for r in conn.execute("SELECT * FROM suppression ORDER BY address")],
-        [tuple(r) for r in conn.execute("SELECT * FROM daily_counts ORDER BY scope, day")],
-        [tuple(r) for r in conn.execute("SELECT * FROM identity_hours ORDER BY identity, hour")],
+        # a node's counts are in its own rows (pg.COUNTER_TABLES): both tables, summed
+        [
+            tuple(r)
+            for r in conn.execute(
+                "SELECT scope, day, sum(count) FROM (SELECT scope, day, count FROM daily_counts"
+                " UNION ALL SELECT scope, day, count FROM daily_counts_node) AS c"
+                " GROUP BY scope, day ORDER BY scope, day"
+            )
+        ],
+        [
+            tuple(r)
+            for r in conn.execute(
+                "SELECT identity, hour, sum(delivered), sum(bounced), sum(complained) FROM"
+                " (SELECT identity, hour, delivered, bounced, complained FROM identity_hours"
+                " UNION ALL SELECT identity, hour, delivered, bounced, complained"
+                " FROM identity_hours_node) AS h GROUP BY identity, hour ORDER BY identity, hour"
+            )
+        ],
     )
 
 
@@ -730,21 +747,51 @@ def test_two_nodes_recording_into_one_counter_row_do_not_wait_for_each_other(
                 a.execute("SELECT 1")
         b.execute("SET lock_timeout = '1s'")
         b.execute("COMMIT")  # B's counters and commit: not behind A's open transaction
-        assert _count(pg_dsn, "daily_counts", "scope = 'dest:smarthost'") == (
+        assert _count(pg_dsn, "daily_counts_node", "scope = 'dest:smarthost'") == (
             "dest:smarthost",
             "day0",
+            "n-QB",
             1,
         )
         a.execute("COMMIT")
-        assert _count(pg_dsn, "daily_counts", "scope = 'dest:smarthost'")[2] == 2
+        assert ops.daily_counts(a, "day0") == {"dest:smarthost": 2}
         hour = int((NOW + 1) // 3600)
-        assert _count(pg_dsn, "identity_hours", f"hour = {hour}") == (
+        assert _count(pg_dsn, "identity_hours_node", f"hour = {hour} AND node = 'n-QA'") == (
             "example.com",
             hour,
-            2,
+            "n-QA",
+            1,
             0,
             0,
         )
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_nodes_committing_their_counters_at_once_share_no_row(
+    pg_dsn: str,  # noqa: F811
+) -> None:
+    """Each node counts in its own rows (pg.COUNTER_TABLES, `_node` tables): while node A's
+    counter upserts hold their row locks (sent, its COMMIT's WAL flush not done), node B
+    commits the same destination's and identity's counts without waiting. Before, both
+    bumped one row: B waited for A's commit (here: B's 1 s lock timeout fires)."""
+    a, b = pg.connect(pg_dsn), pg.connect(pg_dsn)
+    try:
+        for c, qid in ((a, "QA"), (b, "QB")):
+            c.execute("BEGIN")
+            calls = _delivered(c, qid, f"n-{qid}")
+            c.execute("COMMIT")
+            c.execute("BEGIN")
+            ops.record_many(c, calls, owner=f"n-{qid}", ceilings=set())
+        a.flush_counts()  # A's upserts are in: it holds their rows until its COMMIT
+        b.execute("SET lock_timeout = '1s'")
+        b.execute("COMMIT")
+        a.execute("COMMIT")
+        assert ops.daily_counts(a, "day0") == {"dest:smarthost": 2}
+        hour = int((NOW + 1) // 3600)
+        rates = {r["identity"]: r["7d"] for r in apply.rates(a, (hour + 1) * 3600)}
+        assert rates["example.com"]["delivered"] == 2
     finally:
         a.close()
         b.close()

@@ -318,6 +318,27 @@ def test_a_node_taking_room_waits_for_the_node_holding_the_counter(pg_dsn: str) 
         b.close()
 
 
+def test_a_ceiling_counts_what_nodes_counted_in_their_own_rows(conn: sqlite3.Connection) -> None:
+    """A scope without a ceiling is counted in each node's own rows (pg.COUNTER_TABLES); a
+    ceiling set later that day (SIGHUP) still counts them: the room is the limit less both
+    tables' counts, and every reader sums the two."""
+    day = "2026-12-04"
+    run(conn, ops.heartbeat, "A", T0, T0, 0, {})
+    with db.transaction(conn):
+        for node, n in (("A", 3), ("B", 4)):
+            conn.execute(
+                "INSERT INTO daily_counts_node (scope, day, node, count) VALUES (?, ?, ?, ?)",
+                ("dest:x.test", day, node, n),
+            )
+        conn.execute(
+            "INSERT INTO daily_counts (scope, day, count) VALUES ('dest:x.test', ?, 1)", (day,)
+        )
+    assert ops.daily_counts(conn, day) == {"dest:x.test": 8}
+    assert run(conn, ops.ceiling_take, "A", day, {"dest:x.test": (10, 5)}, T0 + 30) == {
+        "dest:x.test": 2
+    }
+
+
 def test_nodes_taking_room_at_once_never_exceed_the_ceiling(pg_dsn: str) -> None:
     """Four nodes race for room under one ceiling, a few recipients at a time, delivering
     some and releasing the rest as they go: the ceiling is met exactly, never passed."""

@@ -733,6 +733,7 @@ def prune_side_tables(conn: sqlite3.Connection, now: float, retention: float) ->
         "engine_commands": "SELECT at FROM engine_commands ORDER BY at",
         "feedback_events": "SELECT at FROM feedback_events ORDER BY at",
         "identity_hours": "SELECT hour FROM identity_hours ORDER BY hour",
+        "identity_hours_node": "SELECT hour FROM identity_hours_node ORDER BY hour",
         "feedback_mail": "SELECT at FROM feedback_mail ORDER BY at",
         "alerts": "SELECT sent_at FROM alerts ORDER BY id",
     }
@@ -751,6 +752,9 @@ def fill_side_tables(conn: sqlite3.Connection, now: float) -> int:
         )
     for h in (hour - 193, hour - 192, hour):
         conn.execute("INSERT INTO identity_hours (identity, hour) VALUES ('i', ?)", (h,))
+        conn.execute(
+            "INSERT INTO identity_hours_node (identity, hour, node) VALUES ('i', ?, 'n1')", (h,)
+        )
     for at in (now - 10 * DAY - 1, now - 10 * DAY, now - DAY - 1, now - DAY, now):
         conn.execute(
             "INSERT INTO feedback_mail (at, peer, sender, rcpt, size, body, events)"
@@ -776,6 +780,7 @@ def test_prune_trims_each_side_table_at_its_own_horizon(conn: sqlite3.Connection
         "engine_commands": [now - DAY, now - 1],
         "feedback_events": [now - 30 * DAY, now - 29 * DAY],
         "identity_hours": [hour - 192, hour],
+        "identity_hours_node": [hour - 192, hour],
         "feedback_mail": [now - DAY, now],
         "alerts": [now - DAY, None],  # an alert not sent yet is never pruned
     }
@@ -790,6 +795,7 @@ def test_prune_keeps_feedback_mail_and_sent_alerts_as_long_as_messages(
         "engine_commands": [now - DAY, now - 1],
         "feedback_events": [now - 30 * DAY, now - 29 * DAY],
         "identity_hours": [hour - 192, hour],
+        "identity_hours_node": [hour - 192, hour],
         "feedback_mail": [now - 10 * DAY, now - DAY - 1, now - DAY, now],
         "alerts": [now - 10 * DAY, now - DAY - 1, now - DAY, None],
     }
