@@ -727,6 +727,19 @@ def _count(dsn: str, table: str, where: str) -> Any:
         return None if row is None else tuple(row)
 
 
+def _two_nodes_recording(dsn: str) -> tuple[pg.PgConnection, pg.PgConnection]:
+    """Nodes n-QA and n-QB, each in a batch that has recorded one delivery to the
+    smarthost (not committed yet)."""
+    a, b = pg.connect(dsn), pg.connect(dsn)
+    for c, qid in ((a, "QA"), (b, "QB")):
+        c.execute("BEGIN")
+        calls = _delivered(c, qid, f"n-{qid}")
+        c.execute("COMMIT")
+        c.execute("BEGIN")
+        ops.record_many(c, calls, owner=f"n-{qid}", ceilings=set())
+    return a, b
+
+
 def test_two_nodes_recording_into_one_counter_row_do_not_wait_for_each_other(
     pg_dsn: str,  # noqa: F811
 ) -> None:
@@ -734,17 +747,9 @@ def test_two_nodes_recording_into_one_counter_row_do_not_wait_for_each_other(
     are added in the COMMIT's round trip: a node whose batch is still open holds no lock on
     them. Before, the upsert in the middle of node A's batch locked the row until A's
     COMMIT, and node B's record waited for it (here: B's 1 s lock timeout fires)."""
-    a, b = pg.connect(pg_dsn), pg.connect(pg_dsn)
+    a, b = _two_nodes_recording(pg_dsn)
     try:
-        for c, qid in ((a, "QA"), (b, "QB")):
-            c.execute("BEGIN")
-            calls = _delivered(c, qid, f"n-{qid}")
-            c.execute("COMMIT")
-            c.execute("BEGIN")
-            ops.record_many(c, calls, owner=f"n-{qid}", ceilings=set())
-            if c is a:
-                # A's batch goes on (other jobs, round trips) and has not committed yet
-                a.execute("SELECT 1")
+        a.execute("SELECT 1")  # A's batch goes on (other jobs, round trips), not committed
         b.execute("SET lock_timeout = '1s'")
         b.execute("COMMIT")  # B's counters and commit: not behind A's open transaction
         assert _count(pg_dsn, "daily_counts_node", "scope = 'dest:smarthost'") == (
@@ -776,14 +781,8 @@ def test_two_nodes_committing_their_counters_at_once_share_no_row(
     counter upserts hold their row locks (sent, its COMMIT's WAL flush not done), node B
     commits the same destination's and identity's counts without waiting. Before, both
     bumped one row: B waited for A's commit (here: B's 1 s lock timeout fires)."""
-    a, b = pg.connect(pg_dsn), pg.connect(pg_dsn)
+    a, b = _two_nodes_recording(pg_dsn)
     try:
-        for c, qid in ((a, "QA"), (b, "QB")):
-            c.execute("BEGIN")
-            calls = _delivered(c, qid, f"n-{qid}")
-            c.execute("COMMIT")
-            c.execute("BEGIN")
-            ops.record_many(c, calls, owner=f"n-{qid}", ceilings=set())
         a.flush_counts()  # A's upserts are in: it holds their rows until its COMMIT
         b.execute("SET lock_timeout = '1s'")
         b.execute("COMMIT")
