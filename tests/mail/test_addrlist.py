@@ -222,7 +222,12 @@ def _unsure(items: tuple[Address | Group, ...]) -> bool:
     """A field with a local part holding `=?`: relay/mail/addrlist.py `_bare` takes it for
     a possible encoded word (RFC 2047 §2: `=?...?=` would be a display name, not an
     address), and a field it is unsure of is left whole as it came, its other bare local
-    parts too (found by hypothesis: `From: =?`, then `From: 0, =?`)."""
+    parts too (found by hypothesis: `From: =?`, then `From: 0, =?`). Also a field with a
+    group whose name is only spaces: the standard library writes no phrase before its ":"
+    (`Cc:  : 0;`), which is no group (RFC 5322 §3.4: a group has a display name), so the
+    field is a special where none belongs (found by hypothesis in a fresh-clone CI run)."""
+    if any(isinstance(it, Group) and not it.display_name.strip(" ") for it in items):
+        return True
     return any(
         not a.domain and "=?" in a.username
         for it in items
@@ -308,6 +313,14 @@ def _parsed(lines: list[bytes]) -> dict[str, list[tuple[str, str | None, str]]]:
         )
     ],
     cc=None,
+    reply=None,
+    sender=None,
+    frm=[Address("", "0", "")],
+    policy="SMTP",
+)
+@example(  # and: a group named " ", written with no phrase before its ":" (`_unsure`)
+    to=[Group("0", ())],
+    cc=[Group(" ", (Address("", "0", ""),))],
     reply=None,
     sender=None,
     frm=[Address("", "0", "")],
