@@ -161,9 +161,10 @@ def chart(
         ]
         if pts:
             top_of = max((v for v in vs if v is not None), default=0.0)
+            total = sum(v for v in vs if v is not None)
             out.append(
                 f'<polyline class="s{i % 5}" data-series="{h(name)}" data-max="{top_of:g}"'
-                f' points="{" ".join(pts)}"/>'
+                f' data-sum="{total:g}" points="{" ".join(pts)}"/>'
             )
     out.append("</svg>")
     legend = "".join(f'<span class="s{i % 5}">{h(n)}</span>' for i, n in enumerate(series))
