@@ -36,7 +36,7 @@ from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict
 from relay.delivery.transport import Connection, RcptResult
 from relay.delivery.upstream_ids import upstream_id
 from relay.ops import alerts
-from relay.ops.logs import log_event
+from relay.ops.logs import held_lines, log_event
 from relay.spool import bodies, ops
 from relay.spool.model import RcptState
 
@@ -240,6 +240,8 @@ class _Tally:
     throttled: bool = False
     rule_hit: shaping.ShapingRule | None = None
     delayed: tuple[ops.Claim, str] | None = None  # the message's delay warning is due
+    # recipients by (attempts' label, outcome metric, its reason): counted once per attempt
+    counts: dict[tuple[str, str, str | None], int] = dataclasses.field(default_factory=dict)
 
 
 async def apply(
@@ -265,24 +267,31 @@ async def apply(
         e.config.retry.warn_after,
     )
     t = _Tally()
-    for cl in job.claims:
-        res = results.get(cl.address)
-        d = decide.decide(
-            job,
-            cl,
-            res,
-            now=now,
-            policy=policy,
-            rng=e.rng,
-            dest=st.name,
-            host=host,
-            duration=duration,
+    # the recipients' lines in one write (a 5-recipient message: one system call, not five)
+    with held_lines():
+        try:
+            for cl in job.claims:
+                res = results.get(cl.address)
+                d = decide.decide(
+                    job,
+                    cl,
+                    res,
+                    now=now,
+                    policy=policy,
+                    rng=e.rng,
+                    dest=st.name,
+                    host=host,
+                    duration=duration,
+                )
+                _tally(e, st, job, cl, res, d, t, now=now, host=host, duration=duration)
+        finally:
+            for (logged, metric, reason), n in t.counts.items():  # a counter's labels once
+                e.metrics.attempts.labels(st.name, logged).inc(n)
+                e.metrics.count_outcome(metric, st.name, reason, n)
+        _health(
+            e, st, results, t, now, upstream_seen=upstream_seen, connection_failed=connection_failed
         )
-        _tally(e, st, job, cl, res, d, t, now=now, host=host, duration=duration)
-    _health(
-        e, st, results, t, now, upstream_seen=upstream_seen, connection_failed=connection_failed
-    )
-    e.recorder.emit_dead(t.dead, host)  # before the record: its alerts go in the same commit
+        e.recorder.emit_dead(t.dead, host)  # before the record: its alerts go in the same commit
     await finish(e, job, t.outcomes, t.delivered, t.upstream_ids)
     if t.delayed is not None:
         await delay_warning(e, st, job, *t.delayed)
@@ -309,7 +318,8 @@ def _tally(
     t.outcomes.append(d.outcome)
     if uid is not None:  # set with the day's counters, in finish (one replace, not two)
         t.upstream_ids[cl.rcpt_id] = uid
-    e.metrics.attempts.labels(st.name, d.logged).inc()
+    key = (d.logged, row.metric, row.reason)
+    t.counts[key] = t.counts.get(key, 0) + 1
     if d.logged == "ambiguous":
         log_event(
             log,
@@ -324,7 +334,6 @@ def _tally(
     if res is not None and res.verdict.throttled:
         t.throttled = True
         t.rule_hit = t.rule_hit or shaping.match_rules(e.dests.rules, reply)
-    e.metrics.count_outcome(row.metric, st.name, row.reason)
     if row.counts:
         t.delivered += 1
         e.recorder.last_delivery_at = now

@@ -538,7 +538,8 @@ class _RelayHandler(logging.StreamHandler[TextIO]):
     written once per turn of the loop (one write for all of them, scheduled with
     call_soon) instead of one write each; a line from any other thread, `flush()`
     (logging.shutdown at exit, a replaced handler) and the end of `lines_per_turn` write
-    the pending lines first, so no line is lost or out of order."""
+    the pending lines first, so no line is lost or out of order. Inside `held_lines` a
+    thread's lines are kept and written at its end, in one write."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
@@ -546,7 +547,9 @@ class _RelayHandler(logging.StreamHandler[TextIO]):
 
     def emit(self, record: logging.LogRecord) -> None:
         turn = _turn
-        if turn is None or threading.get_ident() != turn[1]:
+        me = threading.get_ident()
+        held = _held.get(me)
+        if held is None and (turn is None or me != turn[1]):
             if self._pending:
                 self._write_pending()
             super().emit(record)
@@ -556,6 +559,10 @@ class _RelayHandler(logging.StreamHandler[TextIO]):
         except Exception:
             self.handleError(record)
             return
+        if held is not None:  # written at the end of held_lines, in this thread
+            held.append((self, line))
+            return
+        assert turn is not None
         if not self._pending:
             try:
                 turn[0].call_soon(self.flush)
@@ -564,6 +571,15 @@ class _RelayHandler(logging.StreamHandler[TextIO]):
                 self._write_pending()
                 return
         self._pending.append(line)
+
+    def write_lines(self, lines: list[str]) -> None:
+        """`lines` after the pending ones (held_lines)."""
+        self.acquire()
+        try:
+            self._pending.extend(lines)
+            self._write_pending()
+        finally:
+            self.release()
 
     def _write_pending(self) -> None:
         """The pending lines, in writes of at most PIPE_BUF octets (or one longer line): on
@@ -597,6 +613,34 @@ class _RelayHandler(logging.StreamHandler[TextIO]):
 # the loop (and its thread) whose log lines are written once per turn: lines_per_turn
 _turn: tuple[asyncio.AbstractEventLoop, int] | None = None
 _PIPE_BUF: Final = 4096  # POSIX: a write of at most this many octets to a pipe is atomic
+
+
+# the threads inside held_lines, and the lines each has logged there (by thread ident),
+# with the handler that formatted each
+_held: dict[int, list[tuple[_RelayHandler, str]]] = {}
+
+
+@contextlib.contextmanager
+def held_lines() -> Iterator[None]:
+    """Within (in this thread, not across an await): the lines logged are kept, and written
+    at the end in one write (writes of at most PIPE_BUF, as `lines_per_turn`), after any
+    lines pending before. For a burst of lines one synchronous step makes (the outcome of
+    each recipient of one delivery): one system call, not one each, and no line is written
+    later than the step that made it. Nested: the outermost writes."""
+    me = threading.get_ident()
+    if me in _held:
+        yield
+        return
+    held: list[tuple[_RelayHandler, str]] = []
+    _held[me] = held
+    try:
+        yield
+    finally:
+        del _held[me]
+        while held:  # one write per handler (there is one; a replaced one keeps its lines)
+            handler = held[0][0]
+            handler.write_lines([line for h, line in held if h is handler])
+            held = [item for item in held if item[0] is not handler]
 
 
 @contextlib.contextmanager

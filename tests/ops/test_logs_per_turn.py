@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.ops.logs import lines_per_turn, log_event, setup_logging
+from relay.ops.logs import held_lines, lines_per_turn, log_event, setup_logging
 
 LOGGER = logging.getLogger("relay.test")
 
@@ -114,3 +114,50 @@ def test_a_write_stays_within_pipe_buf(stream: _Writes) -> None:
         len(w.encode()) for w in stream.writes
     ]
     assert len(stream.writes) < 20
+
+
+# --- held_lines: the lines of one synchronous step in one write (an attempt's recipients) ---
+
+
+def test_held_lines_are_one_write_at_the_end_in_order(stream: _Writes) -> None:
+    log_event(LOGGER, logging.INFO, "before", "")
+    with held_lines():
+        for i in range(5):
+            log_event(LOGGER, logging.INFO, f"r{i}", "")
+        with held_lines():  # nested: the outermost writes
+            log_event(LOGGER, logging.INFO, "inner", "")
+        assert len(stream.writes) == 1  # only "before"
+    assert len(stream.writes) == 2
+    assert _events(stream) == ["before", "r0", "r1", "r2", "r3", "r4", "inner"]
+    log_event(LOGGER, logging.INFO, "after", "")  # one write per line again
+    assert len(stream.writes) == 3
+
+
+def test_held_lines_are_written_when_the_step_raises(stream: _Writes) -> None:
+    with pytest.raises(RuntimeError), held_lines():
+        log_event(LOGGER, logging.INFO, "kept", "")
+        raise RuntimeError("boom")
+    assert _events(stream) == ["kept"]
+
+
+def test_another_threads_line_is_not_held(stream: _Writes) -> None:
+    with held_lines():
+        log_event(LOGGER, logging.INFO, "held", "")
+        t = threading.Thread(target=lambda: log_event(LOGGER, logging.INFO, "thread", ""))
+        t.start()
+        t.join()
+        assert _events(stream) == ["thread"]
+    assert _events(stream) == ["thread", "held"]
+
+
+def test_held_lines_follow_the_lines_pending_in_a_turn(stream: _Writes) -> None:
+    async def main() -> None:
+        with lines_per_turn(asyncio.get_running_loop()):
+            log_event(LOGGER, logging.INFO, "pending", "")
+            with held_lines():
+                log_event(LOGGER, logging.INFO, "held", "")
+            assert _events(stream) == ["pending", "held"] and len(stream.writes) == 1
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert _events(stream) == ["pending", "held"]
