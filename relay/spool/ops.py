@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -341,6 +342,39 @@ def accept_many(
     return [AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ()) for m in msgs]
 
 
+# host parameters per statement in `_insert_rows`: SQLite's default limit before 3.32 (999),
+# so any build takes it; a batch's rows past it go in more statements
+_SQLITE_PARAMS = 999
+
+
+@functools.lru_cache(maxsize=256)
+def _values_sql(head: str, width: int, rows: int, tail: str) -> str:
+    row = "(" + ",".join("?" * width) + ")"
+    return head + ",".join([row] * rows) + tail
+
+
+def _insert_rows(
+    conn: sqlite3.Connection,
+    head: str,
+    width: int,
+    rows: Sequence[tuple[Any, ...]],
+    tail: str = "",
+    extra: tuple[Any, ...] = (),
+) -> None:
+    """`head` (an INSERT up to its VALUES) with every row of `rows` (each `width` values) in
+    one statement, then `tail` with its parameters `extra`: one step of SQLite for the
+    batch, where `executemany` is a step per row, and each step lets go of the GIL (the
+    inbound's event loop takes it, and the writer waits to have it back: a hand-over of the
+    GIL per row)."""
+    per = max(1, (_SQLITE_PARAMS - len(extra)) // width)
+    for i in range(0, len(rows), per):
+        chunk = rows[i : i + per]
+        conn.execute(
+            _values_sql(head, width, len(chunk), tail),
+            [v for r in chunk for v in r] + list(extra),
+        )
+
+
 def _accept_many_sqlite(
     conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]], window: float
 ) -> list[AcceptResult]:
@@ -362,7 +396,7 @@ def _accept_many_sqlite(
             (json.dumps(keys),),
         )
     }
-    takes: list[tuple[str, str, float, str | None, str | None, float]] = []
+    takes: list[tuple[str, str, float, str | None, str | None]] = []
     seen: set[str] = set()
     for msg, _w in items:
         cutoff = msg.created_at - window
@@ -373,25 +407,29 @@ def _accept_many_sqlite(
                 # content (README "Dedup") is `accept`'s to decide (nothing written yet)
                 return [accept(conn, m, w) for m, w in items]
             seen.add(r.dedup_key)
-            takes.append(
-                (r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint, cutoff)
-            )
+            takes.append((r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint))
     if not takes:
         return [AcceptResult(None, (), ()) for _item in items]
     before = conn.total_changes
-    conn.executemany(
-        "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
-        " VALUES (?,?,?,?,?) ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-        " created_at = excluded.created_at, content_hash = excluded.content_hash,"
-        " fingerprint = excluded.fingerprint WHERE dedup.created_at <= ?",
+    _insert_rows(
+        conn,
+        "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint) VALUES ",
+        5,
         takes,
+        # an expired key is taken again (its row updated): the message's own cutoff
+        " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
+        " created_at = excluded.created_at, content_hash = excluded.content_hash,"
+        " fingerprint = excluded.fingerprint WHERE dedup.created_at <= excluded.created_at - ?",
+        (window,),
     )
     if conn.total_changes - before != len(takes):
         raise RuntimeError("a dedup key was taken between the read and the take")
     queued = [m for m, _w in items if m.recipients]
-    conn.executemany(
+    _insert_rows(
+        conn,
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
-        " identity, body, body_path, listener) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        " identity, body, body_path, listener) VALUES ",
+        12,
         [
             (
                 m.queue_id,
@@ -411,9 +449,11 @@ def _accept_many_sqlite(
         ],
     )
     pending = RcptState.PENDING.value
-    conn.executemany(  # in the messages' order, each message's in its own: the ids accept gives
-        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state, attempts,"
-        " next_attempt_at, dedup_key, updated_at) VALUES (?,?,?,?,?,0,?,?,?)",
+    _insert_rows(  # in the messages' order, each message's in its own: the ids accept gives
+        conn,
+        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
+        " next_attempt_at, dedup_key, updated_at) VALUES ",
+        8,
         [
             (
                 m.queue_id,

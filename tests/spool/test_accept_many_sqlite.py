@@ -180,3 +180,46 @@ def test_one_bad_accept_of_a_sqlite_group_fails_alone(tmp_path: Path) -> None:
         assert keys == ["k1", "k2", "k4"]  # the failed job's key rolled back with it
     finally:
         w.close()
+
+
+def _big_batch(n: int, rcpts: int) -> list[ops.NewMessage]:
+    return [
+        _msg(
+            f"B{i:03d}",
+            NOW + i,
+            *((f"r{j}@x{i}.org", f"k{i}-{j}", None, f"fp{i}") for j in range(rcpts)),
+        )
+        for i in range(n)
+    ]
+
+
+def test_accept_many_on_sqlite_past_one_statements_parameters(conn: sqlite3.Connection) -> None:
+    """More rows than one statement's 999 parameters hold (90 messages x 5 recipients: 450
+    recipient rows of 8 values, 450 keys of 5, 90 messages of 12): more statements, the
+    same rows as one by one, and the keys taken over where expired."""
+    batch = _big_batch(90, 5)
+    seed = [("k7-3", "OLD", NOW - WINDOW - 1, None), ("k80-0", "OLD", NOW - WINDOW - 1, None)]
+    alone, state_alone = _run(conn, seed, batch, grouped=False)
+    together, state_together = _run(conn, seed, batch, grouped=True)
+    assert together == alone
+    assert state_together == state_alone
+    assert len(state_together[1]) == 450
+
+
+def test_accept_many_on_sqlite_is_one_step_per_table(conn: sqlite3.Connection) -> None:
+    """The batch's rows go in one statement per table, not one per row (`executemany`):
+    each statement lets go of the GIL and waits to have it back (the inbound's event loop
+    runs meanwhile), so a row each was a hand-over of the GIL each."""
+    batch = _big_batch(4, 3)
+    inserts: list[str] = []
+    conn.set_trace_callback(lambda sql: inserts.append(sql) if sql.startswith("INSERT") else None)
+    try:
+        res, _state = _run(conn, [], batch, grouped=True)
+    finally:
+        conn.set_trace_callback(None)
+    assert [r.queue_id for r in res] == [m.queue_id for m in batch]
+    assert [s.split(" (")[0] for s in inserts] == [
+        "INSERT INTO dedup",
+        "INSERT INTO messages",
+        "INSERT INTO recipients",
+    ], inserts
