@@ -379,9 +379,9 @@ def _accept_many_sqlite(
     conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]], window: float
 ) -> list[AcceptResult]:
     """`accept_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
-    accepts, relay/spool/writer.py): one SELECT of every dedup key, then one prepared
-    statement each for the keys, the messages and the recipients, run over the whole batch
-    (executemany: no SQL text per batch size, no limit on host parameters). As on
+    accepts, relay/spool/writer.py): one SELECT of every dedup key, then one statement each
+    for the keys, the messages and the recipients with all the batch's rows
+    (`_rows_statement`: one SQLite step, not one per row). As on
     PostgreSQL, a key seen within the window or twice in the batch runs the batch as
     `accept` one by one (nothing is written before that is known). SQLite's writer holds the
     database's write lock from its BEGIN IMMEDIATE on, so no other process takes a key
