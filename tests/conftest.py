@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import trustme
 
-from tests.harness import RelayProcess, Upstream, deep_merge, smarthost_config
+from tests.harness import (
+    LogWrites,
+    RelayProcess,
+    Upstream,
+    deep_merge,
+    logging_into,
+    smarthost_config,
+)
 from tests.pgcluster import pg_cluster, private_pg  # noqa: F401  (fixtures)
 from tests.pgserver import pg_dsn  # noqa: F401  (a fixture)
 
@@ -63,3 +70,11 @@ def ca_file(ca: trustme.CA, tmp_path: Path) -> Path:
     path = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(path))
     return path
+
+
+@pytest.fixture
+def log_writes() -> Iterator[LogWrites]:
+    """The relay's log lines (JSON) in memory, with each write they took."""
+    s = LogWrites()
+    with logging_into(s):
+        yield s

@@ -18,7 +18,9 @@ import collections
 import contextlib
 import copy
 import http.client
+import io
 import json
+import logging
 import os
 import random
 import re
@@ -31,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -655,3 +657,46 @@ def smtp_session(port: int, host: str = "127.0.0.1") -> Iterator[smtplib.SMTP]:
     finally:
         with contextlib.suppress(Exception):
             s.quit()
+
+
+class LogWrites(io.StringIO):
+    """A log stream that remembers each write (how many system calls the lines took)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return super().write(s)
+
+
+@contextlib.contextmanager
+def logging_into(stream: io.StringIO) -> Iterator[None]:
+    """The relay's logging (JSON, info) into `stream`; the root logger as it was after."""
+    from relay.ops.logs import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    setup_logging("info", "json", stream=stream)
+    try:
+        yield
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+
+
+@contextlib.asynccontextmanager
+async def engine_running(engine: Any) -> AsyncIterator[asyncio.Task[None]]:
+    """`engine.run()` as a task for the block; then stopped (1 s for its deliveries) and
+    the task cancelled, whatever the block raised."""
+    task = asyncio.create_task(engine.run())
+    try:
+        yield task
+    finally:
+        await engine.stop(1.0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

@@ -356,16 +356,18 @@ def _values_sql(head: str, width: int, rows: int, tail: str) -> str:
 def _insert_rows(
     conn: sqlite3.Connection,
     head: str,
-    width: int,
     rows: Sequence[tuple[Any, ...]],
     tail: str = "",
     extra: tuple[Any, ...] = (),
 ) -> None:
-    """`head` (an INSERT up to its VALUES) with every row of `rows` (each `width` values) in
-    one statement, then `tail` with its parameters `extra`: one step of SQLite for the
+    """`head` (an INSERT up to its VALUES) with every row of `rows` (tuples of one length)
+    in one statement, then `tail` with its parameters `extra`: one step of SQLite for the
     batch, where `executemany` is a step per row, and each step lets go of the GIL (the
     inbound's event loop takes it, and the writer waits to have it back: a hand-over of the
     GIL per row)."""
+    if not rows:
+        return
+    width = len(rows[0])
     per = max(1, (_SQLITE_PARAMS - len(extra)) // width)
     for i in range(0, len(rows), per):
         chunk = rows[i : i + per]
@@ -381,7 +383,7 @@ def _accept_many_sqlite(
     """`accept_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
     accepts, relay/spool/writer.py): one SELECT of every dedup key, then one statement each
     for the keys, the messages and the recipients with all the batch's rows
-    (`_rows_statement`: one SQLite step, not one per row). As on
+    (`_insert_rows`: one SQLite step, not one per row). As on
     PostgreSQL, a key seen within the window or twice in the batch runs the batch as
     `accept` one by one (nothing is written before that is known). SQLite's writer holds the
     database's write lock from its BEGIN IMMEDIATE on, so no other process takes a key
@@ -414,7 +416,6 @@ def _accept_many_sqlite(
     _insert_rows(
         conn,
         "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint) VALUES ",
-        5,
         takes,
         # an expired key is taken again (its row updated): the message's own cutoff
         " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
@@ -429,7 +430,6 @@ def _accept_many_sqlite(
         conn,
         "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
         " identity, body, body_path, listener) VALUES ",
-        12,
         [
             (
                 m.queue_id,
@@ -453,7 +453,6 @@ def _accept_many_sqlite(
         conn,
         "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
         " next_attempt_at, dedup_key, updated_at) VALUES ",
-        8,
         [
             (
                 m.queue_id,

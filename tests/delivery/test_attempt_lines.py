@@ -5,10 +5,7 @@ A real engine over a real SQLite spool delivers to a real aiosmtpd upstream on l
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
-import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,35 +16,16 @@ import yaml
 
 from relay.config.tree import load_config
 from relay.delivery.engine import Engine
-from relay.ops.logs import setup_logging
 from relay.spool import ops
 from relay.spool.writer import SpoolWriter
-from tests.harness import Upstream, deep_merge, fast_config, smarthost_config
-
-
-class _Writes(io.StringIO):
-    """A stream that remembers each write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[str] = []
-
-    def write(self, s: str) -> int:
-        self.writes.append(s)
-        return super().write(s)
-
-
-@pytest.fixture
-def stream() -> Iterator[_Writes]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    s = _Writes()
-    setup_logging("info", "json", stream=s)
-    yield s
-    for h in list(root.handlers):
-        if h not in handlers:
-            root.removeHandler(h)
-    root.setLevel(level)
+from tests.harness import (
+    LogWrites,
+    Upstream,
+    deep_merge,
+    engine_running,
+    fast_config,
+    smarthost_config,
+)
 
 
 @pytest.fixture
@@ -62,7 +40,7 @@ REPLIES = {"no1@x.test": "550 5.1.1 no such user", "later@x.test": "451 4.3.0 tr
 
 
 def test_a_delivery_logs_its_recipients_in_one_write_and_counts_each(
-    smarthost: Upstream, tmp_path: Path, stream: _Writes
+    smarthost: Upstream, tmp_path: Path, log_writes: LogWrites
 ) -> None:
     smarthost.rcpt_reply = lambda a: REPLIES.get(a)
     p = tmp_path / "relay.yaml"
@@ -82,8 +60,7 @@ def test_a_delivery_logs_its_recipients_in_one_write_and_counts_each(
 
     async def main() -> tuple[dict[str, str], Engine]:
         e = Engine(cfg, w)
-        task = asyncio.create_task(e.run())
-        try:
+        async with engine_running(e):
             await w.run(lambda c: ops.accept(c, msg, 3600))
             e.wake()
             deadline = time.monotonic() + 20
@@ -95,11 +72,6 @@ def test_a_delivery_logs_its_recipients_in_one_write_and_counts_each(
                     return got, e
                 assert time.monotonic() < deadline, got
                 await asyncio.sleep(0.05)
-        finally:
-            await e.stop(1.0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
     try:
         got, e = asyncio.run(main())
@@ -113,8 +85,8 @@ def test_a_delivery_logs_its_recipients_in_one_write_and_counts_each(
         "later@x.test": "deferred",
     }
     # the attempt's lines (each recipient's, the dead letter's, the destination's): one write
-    mine = [w for w in stream.writes if '"queue_id":"M1"' in w]
-    assert len(mine) == 1, stream.writes
+    mine = [w for w in log_writes.writes if '"queue_id":"M1"' in w]
+    assert len(mine) == 1, log_writes.writes
     lines = [json.loads(line) for line in mine[0].splitlines()]
     assert [(x.get("rcpt"), x["event"]) for x in lines] == [
         ("a***@x.test", "delivered"),

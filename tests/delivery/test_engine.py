@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from relay.spool import ops
 from relay.spool.model import RcptState
 from relay.spool.writer import SpoolWriter
 from tests.dnsserver import DnsServer
-from tests.harness import deep_merge, make_message, send, smarthost_config
+from tests.harness import deep_merge, engine_running, make_message, send, smarthost_config
 
 pytestmark = pytest.mark.slow
 
@@ -290,8 +289,7 @@ def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) ->
     async def main() -> None:
         e = Engine(cfg, w)
         faults.arm("spool.commit", "eio", times=2)  # recover() fails twice, then works
-        task = asyncio.create_task(e.run())
-        try:
+        async with engine_running(e) as task:
             m = ops.NewMessage(
                 "M1", "1@x", "a@x.test", 1, 0.0, "c", "p", "transactional", 0, "x.test",
                 b"x", None, (ops.NewRecipient("u@x.test", "x.test", "k1"),),
@@ -310,11 +308,6 @@ def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) ->
                     break
                 await asyncio.sleep(0.05)
             assert n, "the engine never claimed the recipient"
-        finally:
-            await e.stop(1.0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
     try:
         asyncio.run(main())

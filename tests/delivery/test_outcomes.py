@@ -9,7 +9,6 @@ Adding an outcome is its row and a stimulus here (`STIMULI`): the walk then chec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from relay.ops.metrics import OUTCOME_COUNTERS, Metrics
 from relay.spool import ops
 from relay.spool.model import DEAD, FINAL, RcptState, can_move
 from relay.spool.writer import SpoolWriter
-from tests.harness import Upstream, deep_merge, fast_config, smarthost_config
+from tests.harness import Upstream, deep_merge, engine_running, fast_config, smarthost_config
 
 # --- the table is complete -----------------------------------------------------------------
 
@@ -169,8 +168,7 @@ def test_each_row_end_to_end(
         str, list[tuple[str, str]], list[dict[str, Any]], float | None, object
     ]:
         e = Engine(cfg, w, on_dead_letter=hook, is_suppressed=suppressed)
-        task = asyncio.create_task(e.run())
-        try:
+        async with engine_running(e):
             await w.run(lambda c: ops.accept(c, msg, 3600))
             if how.suppressed:  # the spool's entry has the last word (dispatch's rules)
                 await w.run(lambda c: ops.suppression_add(c, "u@x.test", "by the test", now))
@@ -186,11 +184,6 @@ def test_each_row_end_to_end(
                 return len(hooked) >= want_hooks
 
             await _until(hooks_ran, "the DSN hook")
-        finally:
-            await e.stop(1.0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
         labels = {"destination": "smarthost"} | ({"reason": row.reason} if row.reason else {})
         counted = e.attempt.metrics.registry.get_sample_value(f"{row.metric}_total", labels)
         tried = await w.run(lambda c: c.execute("SELECT outcome, reply FROM attempts").fetchall())
