@@ -404,6 +404,10 @@ def test_a_deadlock_victim_job_runs_again_in_the_same_batch(pg_dsn: str, tmp_pat
     w.start()
     other = psycopg.connect(pg_dsn, autocommit=False)
     try:
+        # the backend whose deadlock_timeout runs out first checks for the cycle and aborts
+        # itself: `other` waits 30 s, so the victim is the job's even on a starved machine
+        # (with both at 1 s, a CI run's loaded backend let `other` check first)
+        other.execute("SET deadlock_timeout = '30s'")
         other.execute("UPDATE runtime SET updated_at = 2 WHERE name = 'y'")  # holds y
         waiting = threading.Event()
         tries: list[int] = []
