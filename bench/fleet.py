@@ -461,6 +461,17 @@ def cpu_of_backends(dsn: str) -> float:
     return sum(cpu_seconds(p) for p in pids)
 
 
+def commits(dsn: str) -> int:
+    """Transactions committed in the DSN's database so far (pg_stat_database; the server
+    publishes a backend's counts within a second of its commit, so read it after a quiet
+    second: the bench's sink waits for one)."""
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as c:
+        row = c.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 @contextmanager
 def pg_schema() -> Iterator[str]:
     """A fresh schema of this run's own, dropped afterwards; yields its DSN."""
@@ -655,6 +666,7 @@ def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[st
             )
             try:
                 cpu0 = cpu_of_tree(relay.proc.pid), (cpu_of_backends(dsn) if dsn else 0.0)
+                main0, xact0 = cpu_seconds(relay.proc.pid), (commits(dsn) if dsn else 0)
                 t0 = time.monotonic()
                 took, ok, errors = load(a.tools, relay.port, n, a.sessions, a.size)
                 t_end = sink.wait(ok, max(120.0, n / 10))
@@ -663,6 +675,8 @@ def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[st
                 # processes), and on PostgreSQL its server processes
                 cpu_relay = cpu_of_tree(relay.proc.pid) - cpu0[0]
                 cpu_pg = (cpu_of_backends(dsn) if dsn is not None else 0.0) - cpu0[1]
+                cpu_main = cpu_seconds(relay.proc.pid) - main0
+                xacts = (commits(dsn) if dsn is not None else 0) - xact0
             finally:
                 logs[relay.name] = relay.stop()
     finally:
@@ -680,6 +694,10 @@ def single(work: Path, a: argparse.Namespace, backend: str, rnd: int) -> dict[st
         "e2e_per_s": round(ok / (t_end - t0), 1),
         "cpu_ms_relay": round(cpu_relay / max(ok, 1) * 1000, 3),
         "cpu_ms_pg": round(cpu_pg / max(ok, 1) * 1000, 3),
+        # the daemon's own process alone (delivery, claims, records); the rest of
+        # cpu_ms_relay is its inbound processes
+        "cpu_ms_main": round(cpu_main / max(ok, 1) * 1000, 3),
+        "commits_per_message": round(xacts / max(ok, 1), 3),
         "load_errors": errors[:20],
         "logs": logs,
     }
@@ -926,7 +944,9 @@ def main() -> int:
                         f" {r['accept_s']:.2f} s = {r['accept_per_s']:.0f}/s; sink has"
                         f" {r['sink_count']} after {r['e2e_s']:.2f} s = {r['e2e_per_s']:.0f}/s;"
                         f" CPU per message: relay {r['cpu_ms_relay']:.2f} ms, its PostgreSQL"
-                        f" backends {r['cpu_ms_pg']:.2f} ms"
+                        f" backends {r['cpu_ms_pg']:.2f} ms (of the relay's, its main process"
+                        f" {r['cpu_ms_main']:.2f} ms); commits per message"
+                        f" {r['commits_per_message']:.2f}"
                     )
             med = {
                 b: {
