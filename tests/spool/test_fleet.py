@@ -522,10 +522,13 @@ def test_a_stored_body_is_compressed_with_lz4_and_reads_back_byte_for_byte(pg_ds
             "SELECT pg_column_compression(body), octet_length(body) FROM messages"
         ).fetchone()
         assert method == (want[0], len(body))
-        assert raw.execute(
-            "SELECT attcompression FROM pg_attribute WHERE attrelid = 'messages'::regclass"
-            " AND attname = 'body'"
-        ).fetchone()[0] == want[1]
+        assert (
+            raw.execute(
+                "SELECT attcompression FROM pg_attribute WHERE attrelid = 'messages'::regclass"
+                " AND attname = 'body'"
+            ).fetchone()[0]
+            == want[1]
+        )
     assert pg.migrate(c) == len(db.MIGRATIONS)
     assert c.execute("SELECT body FROM messages WHERE id = 'M1'").fetchone()[0] == body
     c.close()
