@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import quote
 
 import pytest
@@ -47,9 +48,9 @@ def with_search_path(base: str, schema: str) -> str:
     return f"{base}{sep}options={quote(f'-c search_path={schema}')}"
 
 
-@pytest.fixture
-def pg_dsn() -> Iterator[str]:
-    """A DSN whose search_path is a fresh, empty schema of this test's own."""
+@contextmanager
+def own_schema() -> Iterator[str]:
+    """A DSN whose search_path is a fresh, empty schema, dropped at the end."""
     require_server()
     import psycopg
 
@@ -71,6 +72,13 @@ def pg_dsn() -> Iterator[str]:
                 if attempt == 9:
                     raise
                 time.sleep(0.2)
+
+
+@pytest.fixture
+def pg_dsn() -> Iterator[str]:
+    """A DSN whose search_path is a fresh, empty schema of this test's own."""
+    with own_schema() as dsn:
+        yield dsn
 
 
 BACKENDS = ["sqlite", "postgresql"]
