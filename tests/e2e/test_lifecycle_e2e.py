@@ -215,6 +215,16 @@ def test_sigterm_returns_slow_deliveries_at_shutdown_timeout(upstream, relay) ->
             == {}
         )
     r.wait_until(lambda: "DATA" in up.commands, timeout=15, what="a delivery to start")
+    # all three claimed (the two behind the stuck one wait for its connection): a message
+    # no claim pass had reached yet would rightly stay `pending` (a loaded CI machine)
+    r.wait_until(
+        lambda: (
+            sorted(rc["state"] for m in r.cli_json("queue", "list") for rc in m["recipients"])
+            == ["sending"] * 3
+        ),
+        timeout=15,
+        what="all three deliveries claimed",
+    )
     started = time.monotonic()
     r.signal(signal.SIGTERM)
     assert r.proc is not None
