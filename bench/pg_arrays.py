@@ -10,7 +10,6 @@ ticks, summed per mode over the run)."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -18,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fleet import cpu_seconds  # the CPU of a process, from /proc
 
 from relay.spool import ops, pg
 from relay.spool.model import RcptState
@@ -25,12 +27,7 @@ from tests.pgserver import own_schema
 from tests.spool.test_ops import spool_message
 
 TEXT = pg._texts_for_arrays
-MODES = {"text": TEXT, "binary": lambda _q, p: p}
-
-
-def backend_cpu(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+MODES = {"text": TEXT, "binary": lambda _slots, p: p}
 
 
 def main(n: int) -> None:
@@ -54,18 +51,18 @@ def main(n: int) -> None:
                     )
                     for i in range(5)
                 ]
-                t, s0 = time.thread_time(), backend_cpu(bpid)
+                t, s0 = time.thread_time(), cpu_seconds(bpid)
                 c.execute("BEGIN")
                 ops.accept_many(c, items)
                 c.execute("COMMIT")
                 cpu[mode]["accept"].append((time.thread_time() - t) / 5)
-                server[mode] += backend_cpu(bpid) - s0
+                server[mode] += cpu_seconds(bpid) - s0
                 msgs[mode] += 5
             now = 1_700_000_100.0
             for b in range(n // 10):
                 mode = "text" if b % 2 else "binary"
                 pg._texts_for_arrays = MODES[mode]  # type: ignore[assignment]
-                t, s0 = time.thread_time(), backend_cpu(bpid)
+                t, s0 = time.thread_time(), cpu_seconds(bpid)
                 envs: dict[str, Any] = {}
                 c.execute("BEGIN")
                 claims = ops.claim_due(c, now, 10, owner="n", lease_until=now + 60, envelopes=envs)
@@ -93,7 +90,7 @@ def main(n: int) -> None:
                 t2 = time.thread_time()
                 cpu[mode]["claim"].append((t1 - t) / len(claims))
                 cpu[mode]["record"].append((t2 - t1) / len(claims))
-                server[mode] += backend_cpu(bpid) - s0
+                server[mode] += cpu_seconds(bpid) - s0
                 msgs[mode] += len(claims)
         finally:
             pg._texts_for_arrays = TEXT

@@ -102,13 +102,21 @@ _INDEXED_BY = re.compile(r"\s+INDEXED\s+BY\s+\w+", re.IGNORECASE)
 _ARRAY_CAST = re.compile(r"::[A-Za-z_][A-Za-z_ ]*\[\]")  # `?::double precision[]`
 
 
+_INTEGER_TYPES = frozenset({"bigint", "integer", "smallint"})
+# the positions of a statement's parameters that carry an array cast (`?::text[]`), each with
+# whether its elements are integers: where _texts_for_arrays may send an array literal
+Slots = tuple[tuple[int, bool], ...]
+
+
 @lru_cache(maxsize=1024)
-def translate(sql: str) -> str:
-    """SQLite's statement text as psycopg takes it (see the module's rules)."""
+def _translated(sql: str) -> tuple[str, Slots]:
+    """translate(sql) and the statement's array slots, found in the same pass."""
     sql = _INDEXED_BY.sub("", sql)
     if sql.strip().upper() == "BEGIN IMMEDIATE":
-        return "BEGIN"
+        return "BEGIN", ()
     out: list[str] = []
+    slots: list[tuple[int, bool]] = []
+    n = 0  # parameters so far
     quoted = False
     for i, ch in enumerate(sql):
         if ch == "'":
@@ -117,10 +125,24 @@ def translate(sql: str) -> str:
         elif ch == "%":
             out.append("%%")
         elif ch == "?" and not quoted:
-            out.append("%b" if _ARRAY_CAST.match(sql, i + 1) else "%s")
+            cast = _ARRAY_CAST.match(sql, i + 1)
+            if cast:
+                slots.append((n, cast.group(0)[2:-2].strip().lower() in _INTEGER_TYPES))
+            out.append("%b" if cast else "%s")
+            n += 1
         else:
             out.append(ch)
-    return "".join(out)
+    return "".join(out), tuple(slots)
+
+
+def translate(sql: str) -> str:
+    """SQLite's statement text as psycopg takes it (see the module's rules)."""
+    return _translated(sql)[0]
+
+
+def array_slots(sql: str) -> Slots:
+    """The array slots of SQLite's statement text `sql` (see Slots)."""
+    return _translated(sql)[1]
 
 
 _TYPE_MAP = [
@@ -135,12 +157,13 @@ _TYPE_MAP = [
 ]
 
 
-def array_literal(values: list[Any]) -> str | None:
+def array_literal(values: list[Any], integer: bool = False) -> str | None:
     """`values` as PostgreSQL's text of a one-dimensional array (`{1,"a b",NULL}`), which
     `?::type[]` reads as the same values; None when an element is not an int, float, str
-    or None (bytes, bool, a nested list: psycopg dumps those). Every text is quoted, so
-    that none is read as NULL, trimmed or split: inside the quotes only `"` and `\\` are
-    special (PostgreSQL, "Array Value Input")."""
+    or None (bytes, bool, a nested list: psycopg dumps those), or is a float bound for an
+    `integer` array (psycopg's cast rounds it; its text would not parse as an integer).
+    Every text is quoted, so that none is read as NULL, trimmed or split: inside the quotes
+    only `"` and `\\` are special (PostgreSQL, "Array Value Input")."""
     try:
         raw = "".join(values)  # a TypeError unless every element is a str
     except TypeError:
@@ -155,7 +178,7 @@ def array_literal(values: list[Any]) -> str | None:
             out.append('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"')
         elif t is int:
             out.append(str(v))
-        elif t is float:
+        elif t is float and not integer:
             out.append(repr(v))  # the shortest text that reads back as the same double
         elif v is None:
             out.append("NULL")
@@ -164,36 +187,13 @@ def array_literal(values: list[Any]) -> str | None:
     return "{" + ",".join(out) + "}"
 
 
-_PLACEHOLDER = re.compile(r"%%|%[sb](?:::([A-Za-z_][A-Za-z_ ]*)\[\])?")
-_INTEGER_TYPES = frozenset({"bigint", "integer", "smallint", "int", "int2", "int4", "int8"})
-
-
-@lru_cache(maxsize=1024)
-def array_slots(query: str) -> tuple[tuple[int, bool], ...]:
-    """The parameters of a translated statement that carry an array cast (`%b::text[]`):
-    (their position, whether the element type is an integer)."""
-    slots: list[tuple[int, bool]] = []
-    n = 0
-    for m in _PLACEHOLDER.finditer(query):
-        if m.group(0) == "%%":
-            continue
-        if m.group(1) is not None:
-            slots.append((n, m.group(1).strip().lower() in _INTEGER_TYPES))
-        n += 1
-    return tuple(slots)
-
-
-def _texts_for_arrays(query: str, params: Sequence[Any]) -> Sequence[Any]:
-    """`params` with each list at an array cast that array_literal can write replaced by its
-    text. A float bound for an integer array keeps psycopg's dumper (its cast rounds; the
-    text of a float would not parse as an integer)."""
+def _texts_for_arrays(slots: Slots, params: Sequence[Any]) -> Sequence[Any]:
+    """`params` with each list at an array slot that array_literal can write replaced by
+    its text."""
     out = None
-    for i, integer in array_slots(query):
+    for i, integer in slots:
         p = params[i]
-        if type(p) is not list or (integer and any(type(v) is float for v in p)):
-            continue
-        lit = array_literal(p)
-        if lit is not None:
+        if type(p) is list and (lit := array_literal(p, integer)) is not None:
             if out is None:
                 out = list(params)
             out[i] = lit
@@ -367,14 +367,14 @@ class PgConnection:
         return []
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        query = translate(sql)
+        query, slots = _translated(sql)
         with self._lock:
             if query == "BEGIN" and self._conn.broken:
                 self._deferred.clear()
                 self._conn = self._open()
             at_commit = self._track_counts(query) if not params else []
-            if params and not isinstance(params, dict):
-                params = _texts_for_arrays(query, params)
+            if slots and not isinstance(params, dict):
+                params = _texts_for_arrays(slots, params)
             # db.CUSTOM_PLAN: unprepared (an unnamed statement: planned for its parameters)
             prepare = False if query.startswith(CUSTOM_PLAN) else None
             if query in DEFERRED and not params:
@@ -387,8 +387,8 @@ class PgConnection:
                         for q in deferred:
                             self._conn.execute(q)
                         for q, p in at_commit:
-                            tq = translate(q)
-                            self._conn.execute(tq, _texts_for_arrays(tq, p))
+                            tq, ts = _translated(q)
+                            self._conn.execute(tq, _texts_for_arrays(ts, p))
                         cur = self._conn.execute(query, params, prepare=prepare)
                 else:
                     cur = self._conn.execute(query, params, prepare=prepare)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.spool import pg
@@ -34,18 +34,14 @@ def roundtrip(c: pg.PgConnection, values: list[Any], cast_to: str) -> list[Any]:
     return list(row[0])
 
 
-@settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.none(), TEXTS, st.sampled_from(AWKWARD)), max_size=12))
 def test_texts_read_back_the_same(conn: pg.PgConnection, values: list[str | None]) -> None:
     assert pg.array_literal(values) is not None
     assert roundtrip(conn, values, "text") == values
 
 
-@settings(
-    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)), max_size=12),
     st.lists(st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)), max_size=12),
@@ -71,7 +67,7 @@ def test_what_the_literal_cannot_write_goes_to_psycopg(conn: pg.PgConnection) ->
     assert pg.array_literal([[1]]) is None
     assert roundtrip(conn, [b"\x00\xff", None], "bytea") == [b"\x00\xff", None]
     assert roundtrip(conn, [1.6, 2.0], "bigint") == [2, 2]
-    q = pg.translate("SELECT ?::bigint[], ?, ?::text[] WHERE '%' = '%'")
-    assert pg.array_slots(q) == ((0, True), (2, False))
-    sent = pg._texts_for_arrays(q, [[1, 2], [3], ["a"]])
+    slots = pg.array_slots("SELECT ?::bigint[], ?, ?::text[] WHERE '%' = '%'")
+    assert slots == ((0, True), (2, False))
+    sent = pg._texts_for_arrays(slots, [[1, 2], [3], ["a"]])
     assert sent == ["{1,2}", [3], '{"a"}']  # the uncast list is left to psycopg
