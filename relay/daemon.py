@@ -120,7 +120,12 @@ class Daemon:
         self.started_at = time.time()
         self.metrics = Metrics()
         self.commits = CommitWatch(self.metrics)
-        self.writer = SpoolWriter(config.spool_path, config.spool_pg, self.commits.observe)
+        self.writer = SpoolWriter(
+            config.spool_path,
+            config.spool_pg,
+            self.commits.observe,
+            gather=lambda: self.config.spool_gather,  # a reload's value from its next batch
+        )
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)
         self.guard = InboundGuard(config, self.metrics)

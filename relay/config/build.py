@@ -133,6 +133,7 @@ def build(
         local=local(typed, hostname, errors),
         retention=sp.retention,
         spool_reserve=sp.reserve,
+        spool_gather=sp.gather,
         health=Health(**typed.health.model_dump()),
         routing=_routing(merged, upstream, base_dir, errors),
         feedback=feedback(typed.feedback),

@@ -76,7 +76,9 @@ class InboundProcess:
         )  # SOCK_SEQPACKET: one datagram per snapshot
         self.backlog = listen_backlog
         self.metrics = Metrics()
-        self.writer = SpoolWriter(config.spool_path, config.spool_pg)
+        self.writer = SpoolWriter(
+            config.spool_path, config.spool_pg, gather=lambda: self.config.spool_gather
+        )
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)
         self.guard = InboundGuard(config, self.metrics)

@@ -286,6 +286,15 @@ def test_a_control_character_in_a_key_stays_on_its_line() -> None:
     ]
 
 
+def test_spool_gather_is_a_duration_3ms_by_default() -> None:
+    assert from_mapping({}, BASE).spool_gather == 0.003
+    assert from_mapping({"spool": {"gather": "0"}}, BASE).spool_gather == 0.0
+    assert from_mapping({"spool": {"gather": 0.01}}, BASE).spool_gather == 0.01
+    assert _error({"spool": {"gather": "soon"}}) == [
+        "spool.gather: 'soon' is not a duration (use 30s, 5m, 2h, 7d or seconds)"
+    ]
+
+
 def test_health_failing_after_is_a_duration() -> None:
     assert from_mapping({"health": {"failing_after": "2m"}}, BASE).health.failing_after == 120
     assert _error({"health": {"failing_after": "soon"}}) == [

@@ -12,6 +12,7 @@ import os
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -179,6 +180,58 @@ async def test_lazy_batches_commit_without_fsync_and_restore_it(writer: SpoolWri
     finally:
         faults.disarm_all()
     assert await writer.run(sync) == 2
+
+
+def gathering(path: Path, seconds: float) -> SpoolWriter:
+    w = SpoolWriter(path, gather=lambda: seconds)
+    w.start()
+    w.run_sync(lambda c: c.execute("CREATE TABLE t (v TEXT)"))  # a batch of one job
+    return w
+
+
+async def shared_batch(w: SpoolWriter, *values: str) -> None:
+    """A batch of the jobs inserting `values` (queued behind a gate, so they share it)."""
+    gate, held = hold(w)
+    futs = [asyncio.ensure_future(w.run(insert(v))) for v in values]
+    await queued(w, len(values))
+    gate.release.set()
+    held.result(WAIT)
+    assert await asyncio.gather(*futs) == list(values)
+
+
+async def test_after_a_shared_batch_the_writer_gathers_for_spool_gather(tmp_path: Path) -> None:
+    """After a batch of several jobs the writer waits `gather` for more before its next
+    batch: a job that comes 0.1 s after the first one still joins its batch."""
+    w = gathering(tmp_path, 0.5)
+    try:
+        await shared_batch(w, "a", "b")
+        batches = w.batches
+        t0 = time.monotonic()
+        c = asyncio.ensure_future(w.run(insert("c")))
+        await asyncio.sleep(0.1)
+        d = asyncio.ensure_future(w.run(insert("d")))
+        assert await asyncio.wait_for(asyncio.gather(c, d), WAIT) == ["c", "d"]
+        assert w.batches == batches + 1  # one batch: the writer waited for "d"
+        assert time.monotonic() - t0 >= 0.45
+    finally:
+        w.close()
+    assert rows(tmp_path) == ["a", "b", "c", "d"]
+
+
+async def test_a_lone_client_and_a_lazy_job_never_wait_for_the_gathering(tmp_path: Path) -> None:
+    """A batch of one job (a lone client: the serial case) is followed by no wait, nor is a
+    batch whose first job is lazy (the engine's claims), nor any batch with `gather` 0."""
+    w = gathering(tmp_path, 30.0)  # a wait would show: each step below is bounded by WAIT
+    try:
+        for v in ("x1", "x2", "x3"):  # one job a batch: no gathering
+            assert await asyncio.wait_for(w.run(insert(v)), WAIT) == v
+        await shared_batch(w, "a", "b")
+        assert await asyncio.wait_for(w.run(insert("lazy"), lazy=True), WAIT) == "lazy"
+        await shared_batch(w, "c", "d")
+        w.gather = lambda: 0.0  # spool.gather: 0 (a reload takes effect at the next batch)
+        assert await asyncio.wait_for(w.run(insert("e")), WAIT) == "e"
+    finally:
+        w.close()
 
 
 async def test_a_caller_that_gave_up_is_not_run_and_does_not_stop_the_others(
