@@ -35,15 +35,17 @@ Rules:
   for the batch instead of a few statements per message and a SAVEPOINT/RELEASE per job);
   the others run alone (their statements are calls in this thread, there is no round trip
   to save).
-- Gathering (SQLite, `spool.gather`, 3 ms): after a batch that held more than one job,
-  the thread waits that long for more before it starts the next one (unless the first job
-  waiting is lazy). Under concurrent SMTP sessions that makes fewer, larger batches: fewer
-  commits and fsyncs per message, and far fewer hand-overs of the GIL between the writer
-  and the event loop (the inbound's `futex` calls per message 13.6 -> 5.3). Measured on
-  smtp-source's 20 sessions: the inbound's CPU per message -21% and acceptance +8%
-  (bench/README.md, "A seventh machine"). A lone client's batches hold one job each, so
-  it never waits: the serial latency is unchanged. Not on PostgreSQL (a 2 ms gathering
-  there gave no speed, bench/README.md).
+- Gathering (SQLite, `spool.gather`, 3 ms): when the job that opens a batch is an
+  accept (`Grouped(..., gather=True)`) and the batch before held more than one job, the
+  thread waits that long for more before it starts the batch. Under concurrent SMTP
+  sessions that makes fewer, larger batches: fewer commits and fsyncs per message, and
+  far fewer hand-overs of the GIL between the writer and the event loop (the inbound's
+  `futex` calls per message 13.6 -> 5.3). Measured on smtp-source's 20 sessions: the
+  inbound's CPU per message -21% and acceptance +8% (bench/README.md, "A seventh
+  machine"). A lone client's batches hold one job each, so
+  it never waits: the serial latency is unchanged. Not for the engine's jobs (its records
+  gathered too cost a drain of 100,000 messages a fifth of its speed: a delivery waits for
+  its record), nor on PostgreSQL (a 2 ms gathering there gave no speed, bench/README.md).
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -87,11 +89,14 @@ LOCK_NAME = "write.lock"
 @dataclass(frozen=True, slots=True)
 class Grouped(Generic[T]):
     """A job the writer may run with the other jobs of its batch on the same `many` (see
-    the rules); alone it is `many(conn, [arg])[0]`. `sqlite`: grouped on SQLite too."""
+    the rules); alone it is `many(conn, [arg])[0]`. `sqlite`: grouped on SQLite too.
+    `gather`: a batch it opens after a shared batch waits `spool.gather` for more (the
+    inbound's accepts; see the rules)."""
 
     many: Callable[[Any, list[Any]], list[T]]
     arg: Any
     sqlite: bool = False
+    gather: bool = False
 
     def __call__(self, conn: Any) -> T:
         return self.many(conn, [self.arg])[0]
@@ -223,7 +228,12 @@ class SpoolWriter:
                 break
             batch = [first]
             # gather (see the rules): once, after a batch shared by several jobs
-            gathered = self._last_batch < 2 or first[3] or self._lock_fd is None
+            job = first[0]
+            gathered = (
+                self._last_batch < 2
+                or self._lock_fd is None
+                or not (isinstance(job, Grouped) and job.gather)
+            )
             while len(batch) < MAX_BATCH:
                 try:
                     item = self._q.get_nowait()

@@ -24,7 +24,7 @@ import pytest
 from relay.config.tree import PgSpool
 from relay.spool import db, pg
 from relay.spool import writer as writer_mod
-from relay.spool.writer import JOB_TRIES, SpoolError, SpoolWriter
+from relay.spool.writer import JOB_TRIES, Grouped, SpoolError, SpoolWriter
 
 WAIT = 10.0
 
@@ -189,10 +189,20 @@ def gathering(path: Path, seconds: float) -> SpoolWriter:
     return w
 
 
+def _insert_many(c: sqlite3.Connection, values: list[str]) -> list[str]:
+    c.executemany("INSERT INTO t VALUES (?)", [(v,) for v in values])
+    return values
+
+
+def accept(v: str) -> Grouped[str]:
+    """A job like the inbound's accepts: grouped, and gathered for (spool.gather)."""
+    return Grouped(_insert_many, v, sqlite=True, gather=True)
+
+
 async def shared_batch(w: SpoolWriter, *values: str) -> None:
-    """A batch of the jobs inserting `values` (queued behind a gate, so they share it)."""
+    """A batch of accepts of `values` (queued behind a gate, so they share it)."""
     gate, held = hold(w)
-    futs = [asyncio.ensure_future(w.run(insert(v))) for v in values]
+    futs = [asyncio.ensure_future(w.run(accept(v))) for v in values]
     await queued(w, len(values))
     gate.release.set()
     held.result(WAIT)
@@ -200,16 +210,16 @@ async def shared_batch(w: SpoolWriter, *values: str) -> None:
 
 
 async def test_after_a_shared_batch_the_writer_gathers_for_spool_gather(tmp_path: Path) -> None:
-    """After a batch of several jobs the writer waits `gather` for more before its next
-    batch: a job that comes 0.1 s after the first one still joins its batch."""
+    """After a batch of several jobs, a batch that an accept opens waits `gather` for more:
+    an accept that comes 0.1 s after the first one still joins its batch."""
     w = gathering(tmp_path, 0.5)
     try:
         await shared_batch(w, "a", "b")
         batches = w.batches
         t0 = time.monotonic()
-        c = asyncio.ensure_future(w.run(insert("c")))
+        c = asyncio.ensure_future(w.run(accept("c")))
         await asyncio.sleep(0.1)
-        d = asyncio.ensure_future(w.run(insert("d")))
+        d = asyncio.ensure_future(w.run(accept("d")))
         assert await asyncio.wait_for(asyncio.gather(c, d), WAIT) == ["c", "d"]
         assert w.batches == batches + 1  # one batch: the writer waited for "d"
         assert time.monotonic() - t0 >= 0.45
@@ -218,18 +228,23 @@ async def test_after_a_shared_batch_the_writer_gathers_for_spool_gather(tmp_path
     assert rows(tmp_path) == ["a", "b", "c", "d"]
 
 
-async def test_a_lone_client_and_a_lazy_job_never_wait_for_the_gathering(tmp_path: Path) -> None:
-    """A batch of one job (a lone client: the serial case) is followed by no wait, nor is a
-    batch whose first job is lazy (the engine's claims), nor any batch with `gather` 0."""
+async def test_a_lone_client_and_the_engines_jobs_never_wait_for_the_gathering(
+    tmp_path: Path,
+) -> None:
+    """A batch after a batch of one job (a lone client: the serial case) does not wait, nor
+    does a batch opened by a job that is not an accept (the engine's records and claims: a
+    delivery waits for its record), nor any batch with `gather` 0."""
     w = gathering(tmp_path, 30.0)  # a wait would show: each step below is bounded by WAIT
     try:
         for v in ("x1", "x2", "x3"):  # one job a batch: no gathering
-            assert await asyncio.wait_for(w.run(insert(v)), WAIT) == v
+            assert await asyncio.wait_for(w.run(accept(v)), WAIT) == v
         await shared_batch(w, "a", "b")
-        assert await asyncio.wait_for(w.run(insert("lazy"), lazy=True), WAIT) == "lazy"
+        assert await asyncio.wait_for(w.run(insert("record")), WAIT) == "record"
         await shared_batch(w, "c", "d")
+        assert await asyncio.wait_for(w.run(insert("claim"), lazy=True), WAIT) == "claim"
+        await shared_batch(w, "e", "f")
         w.gather = lambda: 0.0  # spool.gather: 0 (a reload takes effect at the next batch)
-        assert await asyncio.wait_for(w.run(insert("e")), WAIT) == "e"
+        assert await asyncio.wait_for(w.run(accept("g")), WAIT) == "g"
     finally:
         w.close()
 
