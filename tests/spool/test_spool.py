@@ -27,7 +27,7 @@ from relay.inbound.session import Envelope, Session
 from relay.spool import bodies, db, dedup, ops, schema
 from relay.spool.incoming import IncomingBody
 from relay.spool.model import RcptState
-from relay.spool.writer import SpoolError, SpoolWriter
+from relay.spool.writer import Grouped, SpoolError, SpoolWriter
 from tests.bodyfiles import write_body
 from tests.harness import ROOT
 from tests.pgserver import BACKENDS, backend_writer, open_backend
@@ -642,6 +642,38 @@ def writer(request: pytest.FixtureRequest, spool: Path) -> Iterator[SpoolWriter]
     w.start()
     yield w
     w.close()
+
+
+async def test_accepts_gather_after_a_shared_batch_on_either_backend(writer: SpoolWriter) -> None:
+    """spool.gather (relay/spool/writer.py) on SQLite and on PostgreSQL: after a batch of
+    several jobs, a batch an accept opens waits for more; one that comes 0.1 s later joins."""
+    writer.gather = lambda: 0.5
+
+    def same(_c: sqlite3.Connection, args: list[str]) -> list[str]:
+        return args
+
+    def accept(v: str) -> Grouped[str]:
+        return Grouped(same, v, sqlite=True, gather=True)
+
+    started, release = threading.Event(), threading.Event()
+
+    def blocker(_c: sqlite3.Connection) -> str:
+        started.set()
+        assert release.wait(30)
+        return "gate"
+
+    gate = asyncio.ensure_future(writer.run(blocker))
+    assert await asyncio.to_thread(started.wait, 30)
+    shared = [asyncio.ensure_future(writer.run(accept(v))) for v in ("a", "b")]
+    await asyncio.sleep(0.05)
+    release.set()
+    assert await gate == "gate" and await asyncio.gather(*shared) == ["a", "b"]
+    batches = writer.batches
+    c = asyncio.ensure_future(writer.run(accept("c")))
+    await asyncio.sleep(0.1)
+    d = asyncio.ensure_future(writer.run(accept("d")))
+    assert await asyncio.wait_for(asyncio.gather(c, d), 30) == ["c", "d"]
+    assert writer.batches == batches + 1  # "d" joined the batch "c" opened
 
 
 async def test_a_failing_job_fails_alone_and_the_batch_commits(

@@ -44,7 +44,7 @@ class SpoolSection(Section):
     backend: t.Choice("sqlite", "postgresql") = "sqlite"  # type: ignore[valid-type]
     maildrop: t.OptPath = None  # None: <spool.path>/maildrop (relay/spool/maildrop.py)
     reserve: t.Size = "64MiB"
-    gather: t.Duration = "3ms"  # the writer's wait for more after a shared batch (SQLite)
+    gather: t.Duration = "3ms"  # the writer's wait for more accepts after a shared batch
     dsn: t.OptStr = Field(None, repr=False)  # may hold a password
     password_file: t.OptPath = None
 
