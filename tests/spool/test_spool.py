@@ -644,6 +644,19 @@ def writer(request: pytest.FixtureRequest, spool: Path) -> Iterator[SpoolWriter]
     w.close()
 
 
+class Blocker:
+    """A job that holds the writer thread until `release` is set: what is queued meanwhile
+    shares the next batch."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, _c: sqlite3.Connection) -> str:
+        self.started.set()
+        assert self.release.wait(30)
+        return "blocked"
+
+
 async def test_accepts_gather_after_a_shared_batch_on_either_backend(writer: SpoolWriter) -> None:
     """spool.gather (relay/spool/writer.py) on SQLite and on PostgreSQL: after a batch of
     several jobs, a batch an accept opens waits for more; one that comes 0.1 s later joins."""
@@ -655,19 +668,13 @@ async def test_accepts_gather_after_a_shared_batch_on_either_backend(writer: Spo
     def accept(v: str) -> Grouped[str]:
         return Grouped(same, v, sqlite=True, gather=True)
 
-    started, release = threading.Event(), threading.Event()
-
-    def blocker(_c: sqlite3.Connection) -> str:
-        started.set()
-        assert release.wait(30)
-        return "gate"
-
+    blocker = Blocker()
     gate = asyncio.ensure_future(writer.run(blocker))
-    assert await asyncio.to_thread(started.wait, 30)
+    assert await asyncio.to_thread(blocker.started.wait, 30)
     shared = [asyncio.ensure_future(writer.run(accept(v))) for v in ("a", "b")]
     await asyncio.sleep(0.05)
-    release.set()
-    assert await gate == "gate" and await asyncio.gather(*shared) == ["a", "b"]
+    blocker.release.set()
+    assert await gate == "blocked" and await asyncio.gather(*shared) == ["a", "b"]
     batches = writer.batches
     c = asyncio.ensure_future(writer.run(accept("c")))
     await asyncio.sleep(0.1)
@@ -679,15 +686,9 @@ async def test_accepts_gather_after_a_shared_batch_on_either_backend(writer: Spo
 async def test_a_failing_job_fails_alone_and_the_batch_commits(
     writer: SpoolWriter, spool: Path
 ) -> None:
-    started, release = threading.Event(), threading.Event()
-
-    def blocker(c: sqlite3.Connection) -> str:
-        started.set()
-        assert release.wait(30)
-        return "blocked"
-
+    blocker = Blocker()
     first = asyncio.ensure_future(writer.run(blocker))
-    assert await asyncio.to_thread(started.wait, 30)
+    assert await asyncio.to_thread(blocker.started.wait, 30)
     # queued while the thread is busy: these three share the next batch
     good1 = asyncio.ensure_future(
         writer.run(
@@ -707,7 +708,7 @@ async def test_a_failing_job_fails_alone_and_the_batch_commits(
         )
     )
     await asyncio.sleep(0.05)
-    release.set()
+    blocker.release.set()
     assert await first == "blocked"
     assert (await good1).queue_id == "G1"
     assert (await good2).queue_id == "G2"
