@@ -181,7 +181,7 @@ class DataParser:
         # Bare CR or LF: any CR or LF that is not part of a CRLF. Removing transparency dots
         # and NULs below never makes one (a NUL between a bare CR and a bare LF joins them into
         # a CRLF: the slow path, which gives the same bytes).
-        bare = len(lines) - len(b"".join(parts)) != 2 * len(parts)
+        bare = len(lines) - sum(map(len, parts)) != 2 * len(parts)  # the octets of the line ends
         if bare:  # the line limit counts from CRLF to CRLF
             parts = lines.split(b"\r\n")
         longest = max(map(len, parts), default=0)
