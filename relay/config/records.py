@@ -396,8 +396,8 @@ class Config:
     # spool.reserve: free octets kept on the spool's filesystem; below it new mail gets
     # 452 4.3.1, so what is queued can still be claimed and delivered (relay/spool/reserve.py)
     spool_reserve: int = 64 * 1024 * 1024
-    # spool.gather: after a batch of several jobs the SQLite writer waits this long for more
-    # before the next commit (relay/spool/writer.py)
+    # spool.gather: after a batch of several jobs, a batch an accept opens waits this long
+    # for more accepts before its commit, on either backend (relay/spool/writer.py)
     spool_gather: float = 0.003
     health: Health = field(default_factory=Health)
     routing: Routing = field(default_factory=lambda: Routing({}, ()))

@@ -35,19 +35,18 @@ Rules:
   for the batch instead of a few statements per message and a SAVEPOINT/RELEASE per job);
   the others run alone (their statements are calls in this thread, there is no round trip
   to save).
-- Gathering (`spool.gather`, 3 ms): when the job that opens a batch is an
-  accept (`Grouped(..., gather=True)`) and the batch before held more than one job, the
-  thread waits that long for more before it starts the batch. Under concurrent SMTP
-  sessions that makes fewer, larger batches: fewer commits and fsyncs per message, and
-  far fewer hand-overs of the GIL between the writer and the event loop (the inbound's
-  `futex` calls per message 13.6 -> 5.3). Measured on smtp-source's 20 sessions: the
-  inbound's CPU per message -21% and acceptance +8% (bench/README.md, "A seventh
-  machine"). A lone client's batches hold one job each, so
-  it never waits: the serial latency is unchanged. Not for the engine's jobs (its records
-  gathered too cost a drain of 100,000 messages a fifth of its speed: a delivery waits for
-  its record). On PostgreSQL too: a node's relay CPU per message -16%, its server backends'
-  -20%, acceptance +14% (bench/fleet.py, same run; the 2 ms gathering of every batch tried
-  before gave no speed).
+- Gathering (`spool.gather`, 3 ms): when the job that opens a batch is an accept
+  (`Grouped(..., gather=True)`) and the batch before held more than one job, the thread
+  waits that long for more before it starts the batch. Under concurrent SMTP sessions that
+  makes fewer, larger batches: fewer commits and fsyncs per message, and far fewer
+  hand-overs of the GIL between the writer and the event loop (the inbound's `futex` calls
+  per message 13.6 -> 5.3). Measured on smtp-source's 20 sessions: the inbound's CPU per
+  message -21% and acceptance +8% (bench/README.md, "A seventh machine"). A lone client's
+  batches hold one job each, so it never waits: the serial latency is unchanged. Not for
+  the engine's jobs (its records gathered too cost a drain of 100,000 messages a fifth of
+  its speed: a delivery waits for its record). On PostgreSQL too: a node's relay CPU per
+  message -16%, its server backends' -20%, acceptance +14% (bench/fleet.py, same run; the
+  2 ms gathering of every batch tried before gave no speed).
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
