@@ -971,6 +971,8 @@ def _done(args: argparse.Namespace, action: str, res: ops.BulkResult, dry: bool)
         }
         if action == "delete":
             doc["messages_removed"] = res.removed
+        if action in ("hold", "release"):  # recipients in their attempt: marked / unmarked
+            doc["after_attempt"] = res.after_attempt
         _print_json(doc)
         return EXIT_OK
     what = f"{n} recipient{'' if n == 1 else 's'} of {m} message{'' if m == 1 else 's'}"
@@ -982,8 +984,20 @@ def _done(args: argparse.Namespace, action: str, res: ops.BulkResult, dry: bool)
         k = res.removed
         gone = "would be" if dry else ("was" if k == 1 else "were")
         line += f" ({k} message{'' if k == 1 else 's'} left with no recipient {gone} removed)"
+    line += _after_attempt_text(action, res.after_attempt, dry)
     print(line)
     return EXIT_OK
+
+
+def _after_attempt_text(action: str, n: int, dry: bool) -> str:
+    """What a hold did to recipients in their attempt (relay/spool/model.py): they cannot
+    be taken out of it, so they are held when it ends undelivered; a release unmarks them."""
+    if not n or action not in ("hold", "release"):
+        return ""
+    who = f"{n} recipient{'' if n == 1 else 's'} in an attempt now"
+    if action == "hold":
+        return f"; {who} {'would be' if dry else 'will be'} held when it ends, unless it delivers"
+    return f"; {who} {'would' if dry else 'will'} no longer be held when it ends"
 
 
 AGE_BUCKETS = [

@@ -5,7 +5,14 @@ Rules:
   (`sending`) and an attempt ends it in `delivered`, `bounced`, `failed` (all final) or back in
   `deferred` (waiting for its next attempt).
 - `suppressed` is final: the address was on the suppression list when delivery reached it.
-- `held` is parked by an operator; `release` makes it `deferred` and due now.
+- `held` is parked by an operator; `release` makes it `deferred` and due now. A hold that
+  meets a recipient in its attempt (`sending`) marks it (`hold_after`): the attempt's end
+  makes it `held` where it would have made it `deferred` (a delivery or a permanent failure
+  stands: there is nothing left to hold), and so does a crash recovery or an expired lease
+  that finds it marked. A `release` before the attempt ends takes the mark off. The table
+  below has no `sending` -> `held`: an operator's hold never takes a recipient out of its
+  attempt (its outcome would find nothing to record); the mark is the spool's own step
+  (relay/spool/ops.py `_AFTER_ATTEMPT`).
 - An operator `retry` may bring a final failure (`bounced`, `failed`, `suppressed`) back to
   `deferred`; `delivered` never leaves its state (no duplicate sends by accident).
 - A message's state is derived from its recipients (see `message_state`); it is never stored

@@ -42,6 +42,12 @@ _DUE = sql_in(WAITING)
 _DUE_INDEXED = "('pending', 'deferred')"
 assert set(_DUE_INDEXED.strip("()").replace("'", "").split(", ")) == {s.value for s in WAITING}
 _IN_QUEUE = sql_in(WAITING | {RcptState.SENDING})
+# the state a recipient's attempt ends in when it is given back undelivered (a crash, an
+# expired lease, a claim never dispatched): `deferred`, or `held` when an operator held it
+# during the attempt (relay/spool/model.py); every such UPDATE clears the mark, and so does
+# every claim (a mark left by a node of an older version, which ignores it, never holds a
+# later attempt)
+_AFTER_ATTEMPT = f"CASE WHEN hold_after = 1 THEN '{RcptState.HELD}' ELSE '{RcptState.DEFERRED}' END"
 _UNFINISHED = sql_in(UNFINISHED)
 
 
@@ -560,7 +566,7 @@ def claim_due(
     if not rows:
         return []
     conn.executemany(
-        f"UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
+        f"UPDATE recipients SET state = '{RcptState.SENDING}', hold_after = 0, updated_at = ?,"
         " lease_owner = ?, lease_until = ? WHERE id = ?",
         [(now, owner, lease_until, r[0]) for r in rows],
     )
@@ -627,8 +633,9 @@ def _claim_pg(
     # lanes (two rows), a generic plan made while the spool was small used a hash join over a
     # Seq Scan of every recipient, for good (bench/README.md, Issue 31)
     marks = "".join(
-        f", u{k} AS (UPDATE recipients SET state = '{RcptState.SENDING}', updated_at = ?,"
-        f" lease_owner = ?, lease_until = ? FROM c{k} WHERE recipients.id = c{k}.id)"
+        f", u{k} AS (UPDATE recipients SET state = '{RcptState.SENDING}', hold_after = 0,"
+        f" updated_at = ?, lease_owner = ?, lease_until = ? FROM c{k}"
+        f" WHERE recipients.id = c{k}.id)"
         for k in range(len(lanes))
     )
     rows = conn.execute(
@@ -663,7 +670,7 @@ def release_unclaimed(
     them, so they are due again (relay/delivery/engine.py's rules)."""
     marks = ", ".join("?" * len(passes))
     return conn.execute(
-        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered: a claim whose commit was not confirmed',"
         " lease_owner = NULL, lease_until = NULL"
         f" WHERE state = '{RcptState.SENDING}' AND lease_owner = ? AND updated_at IN ({marks})",
@@ -692,7 +699,7 @@ def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str) 
             )
         conn.execute("DELETE FROM ceiling_holds WHERE node = ? AND scope = ?", (node, scope))
     return conn.execute(
-        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered: lease of ' || coalesce(lease_owner, '?')"
         " || ' expired', lease_owner = NULL, lease_until = NULL"
         f" WHERE state = '{RcptState.SENDING}' AND lease_until < ?"
@@ -782,9 +789,12 @@ def record(
 
 
 # an outcome onto its recipient, if that is still `sending` (SQLite: one by one, or the
-# writer batch's records as one group); `_HELD` added when the claim has an owner
+# writer batch's records as one group); `_HELD` added when the claim has an owner. A
+# `deferred` outcome of a recipient held during its attempt makes it `held`.
 _RECORD_UPDATE = (
-    "UPDATE recipients SET state = ?, attempts = attempts + ?, next_attempt_at = ?,"
+    f"UPDATE recipients SET state = CASE WHEN hold_after = 1 AND ? = '{RcptState.DEFERRED}'"
+    f" THEN '{RcptState.HELD}' ELSE ? END, hold_after = 0,"
+    " attempts = attempts + ?, next_attempt_at = ?,"
     " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
     " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
     f" WHERE id = ? AND state = '{RcptState.SENDING}'"
@@ -795,6 +805,7 @@ _HELD = " AND (lease_owner = ? OR lease_owner IS NULL)"
 
 def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
     return (
+        o.state.value,
         o.state.value,
         1 if o.count_attempt else 0,
         o.next_attempt_at,
@@ -893,7 +904,9 @@ def _record_each(
 # first column) for each record, whatever their number: 3.5 ms against 0.7 ms per record
 # of 20 outcomes with 400 in flight (bench/pg_writer.py, pg_stat_statements).
 _RECORD_MANY = (
-    "UPDATE recipients r SET state = u.state, attempts = r.attempts + u.inc,"
+    f"UPDATE recipients r SET state = CASE WHEN r.hold_after = 1 AND u.state ="
+    f" '{RcptState.DEFERRED}' THEN '{RcptState.HELD}' ELSE u.state END, hold_after = 0,"
+    " attempts = r.attempts + u.inc,"
     " next_attempt_at = u.next_at, last_reply = coalesce(u.reply, r.last_reply),"
     " reason = u.reason, updated_at = u.at, upstream_id = coalesce(u.upstream_id, r.upstream_id),"
     " lease_owner = NULL, lease_until = NULL"
@@ -1247,7 +1260,7 @@ def recover(conn: sqlite3.Connection, now: float, owner: str | None = None) -> i
     claims `owner` holds (a node of a fleet giving its work back as it stops)."""
     mine = "" if owner is None else " AND lease_owner = ?"
     return conn.execute(
-        f"UPDATE recipients SET state = '{RcptState.DEFERRED}', next_attempt_at = ?,"
+        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered after restart', lease_owner = NULL,"
         f" lease_until = NULL WHERE state = '{RcptState.SENDING}'" + mine,
         (now, now) if owner is None else (now, now, owner),
@@ -1683,6 +1696,9 @@ class BulkResult:
     recipients: int
     removed: int = 0
     paths: tuple[str, ...] = ()
+    # hold: recipients in their attempt now (`sending`), marked to be held when it ends
+    # undelivered; release: such marks taken off (relay/spool/model.py)
+    after_attempt: int = 0
 
 
 def _retry_sources(failed_only: bool) -> tuple[str, ...]:
@@ -1742,13 +1758,46 @@ def _bulk_where(
         params.append(now)
     elif action != "delete":  # delete: every recipient the filters select, in any state
         raise ValueError(f"not a bulk action: {action}")
+    _filters(conds, params, recipient, domain)
+    return conds, params
+
+
+def _filters(
+    conds: list[str], params: list[Any], recipient: str | None, domain: str | None
+) -> None:
+    """The recipient filters of a bulk action (every action's, and the hold mark's)."""
     if recipient:
         conds.append("lower(address) = ?")
         params.append(recipient.lower())
     if domain:  # recipients.destination is the recipient's domain, lower-case
         conds.append("destination = ?")
         params.append(domain.lower().strip().rstrip("."))
-    return conds, params
+
+
+def _mark_in_attempt(
+    conn: sqlite3.Connection,
+    action: str,
+    chunk: Sequence[str] | None,
+    recipient: str | None,
+    domain: str | None,
+    dry_run: bool,
+) -> list[Any]:
+    """hold: mark the selected recipients that are in their attempt (`sending`) to be held
+    when it ends undelivered; release: take such marks off. (msg_id, id) of each row."""
+    conds = [f"state = '{RcptState.SENDING}'", f"hold_after = {0 if action == 'hold' else 1}"]
+    params: list[Any] = []
+    _filters(conds, params, recipient, domain)
+    if chunk is not None:
+        conds.append(f"msg_id IN ({','.join('?' * len(chunk))})")
+        params.extend(chunk)
+    where = " WHERE " + " AND ".join(conds)
+    if dry_run:
+        return conn.execute(f"SELECT msg_id, id FROM recipients{where}", params).fetchall()
+    return conn.execute(
+        f"UPDATE recipients SET hold_after = {1 if action == 'hold' else 0}{where}"
+        " RETURNING msg_id, id",
+        params,
+    ).fetchall()
 
 
 def _bulk_set(action: str, now: float) -> tuple[str, list[Any]]:
@@ -1785,7 +1834,9 @@ def bulk(
     their state. A dry run runs the same WHERE as a SELECT, so its counts are the real
     run's. `delete` removes the selected recipient rows (and their attempt log); a message
     left with none is removed whole with its body, and any other recipient of a message
-    stays queued as it was."""
+    stays queued as it was. `hold` also marks the selected recipients in their attempt
+    (`sending`: the attempt cannot be taken back) to be held when it ends undelivered, and
+    `release` takes such marks off: `after_attempt` counts them, apart from `recipients`."""
     conds, params = _bulk_where(
         action, now, failed_only=failed_only, recipient=recipient, domain=domain
     )
@@ -1793,6 +1844,8 @@ def bulk(
         [None] if ids is None else [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
     )
     per_msg: dict[str, int] = {}
+    marked: set[str] = set()
+    after = 0
     for chunk in chunks:
         where, p = list(conds), list(params)
         if chunk is not None:
@@ -1818,7 +1871,11 @@ def bulk(
             ).fetchall()
         for r in rows:
             per_msg[r[0]] = per_msg.get(r[0], 0) + 1
-    touched = sorted(per_msg)
+        if action in ("hold", "release"):
+            rows = _mark_in_attempt(conn, action, chunk, recipient, domain, dry_run)
+            after += len(rows)
+            marked.update(r[0] for r in rows)
+    touched = sorted(per_msg.keys() | marked)
     removed: list[str] = []
     paths: list[str] = []
     if action == "delete" and touched:
@@ -1836,7 +1893,9 @@ def bulk(
             removed.extend(q for q in part if left.get(q, 0) == (per_msg[q] if dry_run else 0))
         if not dry_run:
             paths = delete_messages(conn, removed)
-    return BulkResult(tuple(touched), sum(per_msg.values()), len(removed), tuple(paths))
+    return BulkResult(
+        tuple(touched), sum(per_msg.values()), len(removed), tuple(paths), after_attempt=after
+    )
 
 
 def retry(

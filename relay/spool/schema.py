@@ -289,6 +289,12 @@ MIGRATIONS: list[str] = [
     # on SQLite
     """
     """,
+    # 13 -> 14: an operator's hold of a recipient in its attempt (`sending`): marked, and the
+    # attempt's end makes it `held` if it did not deliver or fail it for good (relay/spool/
+    # model.py). Before, such a hold changed nothing and the recipient was retried.
+    """
+    ALTER TABLE recipients ADD COLUMN hold_after INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 

@@ -196,3 +196,31 @@ def test_deleting_some_recipients_keeps_the_message_for_the_others(
     shown = ops.show_message(c, "M1")
     assert shown is not None
     assert [r["address"] for r in shown["recipients"]] == ["a@example.net", "c@Example.NET"]
+
+
+def test_hold_of_a_recipient_in_its_attempt_says_it_is_held_when_the_attempt_ends(
+    spool: tuple[Path, sqlite3.Connection],
+) -> None:
+    """`sending` cannot become `held` (the attempt's outcome would find nothing to record):
+    the hold marks it, and says so apart from the recipients it changed; a release before
+    the attempt ends takes the mark off (relay/spool/model.py)."""
+    config, c = spool
+    with db.transaction(c):
+        c.execute("UPDATE recipients SET state = 'sending' WHERE address = 'b@example.org'")
+    rc, text = run(config, "queue", "hold", "M1", "--dry-run", "--json")
+    assert (rc, json.loads(text)["recipients"], json.loads(text)["after_attempt"]) == (0, 1, 1)
+    rc, text = run(config, "queue", "hold", "M1")
+    assert (rc, text) == (
+        0,
+        "hold: 1 recipient of 1 message changed; 1 recipient in an attempt now will be held"
+        " when it ends, unless it delivers\n",
+    )
+    assert states(c)["b@example.org"] == "sending"
+    mark = "SELECT hold_after FROM recipients WHERE address = 'b@example.org'"
+    assert c.execute(mark).fetchone()[0] == 1
+    rc, text = run(config, "queue", "release", "M1", "--json")
+    doc = json.loads(text)
+    assert (rc, doc["messages"], doc["recipients"], doc["after_attempt"]) == (0, 1, 2, 1)
+    assert c.execute(mark).fetchone()[0] == 0
+    rc, text = run(config, "queue", "delete", "M1", "--json")
+    assert "after_attempt" not in json.loads(text)  # only hold and release mark

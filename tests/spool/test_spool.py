@@ -302,6 +302,116 @@ def test_recipient_lifecycle(conn: sqlite3.Connection) -> None:
         }
 
 
+def _outcome(c: ops.Claim, state: RcptState, qid: str) -> ops.RcptUpdate:
+    return ops.RcptUpdate(
+        rcpt_id=c.rcpt_id,
+        msg_id=qid,
+        state=state,
+        count_attempt=True,
+        next_attempt_at=T0 + 60 if state is RcptState.DEFERRED else None,
+        last_reply="451 4.3.0 later" if state is RcptState.DEFERRED else None,
+    )
+
+
+def test_a_hold_during_the_attempt_holds_the_recipient_when_it_ends_undelivered(
+    conn: sqlite3.Connection,
+) -> None:
+    """A `queue hold` that meets recipients in their attempt (`sending`) cannot take them
+    out of it: it marks them, and the attempt's end makes a deferred one `held` (on both
+    paths of a record: one call alone, and the writer's group of several), while a delivery
+    or a bounce stands. A release before the end takes the mark off. Before, such a hold
+    changed nothing and the recipient was retried."""
+    rcpts = [f"{c}@example.org" for c in "abcdef"]
+    accept(conn, new_message("H1", rcpts))
+    with db.transaction(conn):
+        by = {c.address: c for c in ops.claim_due(conn, T0, 10)}
+    with db.transaction(conn):  # the dry run counts what the hold then does
+        dry = ops.bulk(conn, "hold", ["H1"], T0, dry_run=True)
+    assert (dry.messages, dry.recipients, dry.after_attempt) == (("H1",), 0, 6)
+    with db.transaction(conn):
+        res = ops.bulk(conn, "hold", ["H1"], T0)
+    assert (res.messages, res.recipients, res.after_attempt) == (("H1",), 0, 6)
+    assert set(states(conn, "H1").values()) == {"sending"}  # the attempts go on
+    with db.transaction(conn):  # holding again marks nothing more
+        assert ops.bulk(conn, "hold", ["H1"], T0).after_attempt == 0
+    with db.transaction(conn):  # f: released before its attempt ends
+        res = ops.bulk(conn, "release", ["H1"], T0, recipient="f@example.org")
+    assert (res.recipients, res.after_attempt) == (0, 1)
+    with db.transaction(conn):  # one call alone (SQLite: one by one)
+        n = ops.record(
+            conn,
+            [
+                _outcome(by["a@example.org"], RcptState.DELIVERED, "H1"),
+                _outcome(by["b@example.org"], RcptState.DEFERRED, "H1"),
+                _outcome(by["c@example.org"], RcptState.BOUNCED, "H1"),
+            ],
+            T0 + 1,
+        )
+    assert n == 3
+    with db.transaction(conn):  # the writer's group of two calls (SQLite: one statement)
+        counts = ops.record_many(
+            conn,
+            [
+                ([_outcome(by["d@example.org"], RcptState.DEFERRED, "H1")], T0 + 2, None),
+                ([_outcome(by["f@example.org"], RcptState.DEFERRED, "H1")], T0 + 2, None),
+            ],
+        )
+    assert counts == [1, 1]
+    assert states(conn, "H1") == {
+        "a@example.org": "delivered",
+        "b@example.org": "held",
+        "c@example.org": "bounced",
+        "d@example.org": "held",
+        "e@example.org": "sending",
+        "f@example.org": "deferred",  # its mark was taken off
+    }
+    # the attempt was counted and its reply kept, as for any deferral
+    row = conn.execute(
+        "SELECT attempts, last_reply FROM recipients WHERE address = 'b@example.org'"
+    ).fetchone()
+    assert tuple(row) == (1, "451 4.3.0 later")
+    with db.transaction(conn):  # a crash during e's attempt: it comes back held
+        assert ops.recover(conn, T0 + 3) == 1
+    assert states(conn, "H1")["e@example.org"] == "held"
+    assert conn.execute("SELECT count(*) FROM recipients WHERE hold_after <> 0").fetchone()[0] == 0
+    with db.transaction(conn):  # nothing held is claimed (f is); a release brings them back
+        assert [c.address for c in ops.claim_due(conn, T0 + 100, 10)] == ["f@example.org"]
+        assert ops.bulk(conn, "release", ["H1"], T0 + 100).recipients == 3
+    with db.transaction(conn):  # a stale mark (an older node ignored it) dies with a claim
+        conn.execute("UPDATE recipients SET hold_after = 1 WHERE address = 'b@example.org'")
+        again = {c.address: c for c in ops.claim_due(conn, T0 + 100, 10)}
+    assert set(again) == {"b@example.org", "d@example.org", "e@example.org"}
+    with db.transaction(conn):
+        ops.record(conn, [_outcome(again["b@example.org"], RcptState.DEFERRED, "H1")], T0 + 101)
+    assert states(conn, "H1")["b@example.org"] == "deferred"
+
+
+def test_an_expired_lease_of_a_held_recipient_gives_it_back_held(
+    conn: sqlite3.Connection,
+) -> None:
+    """A node that dies during an attempt its operator held: the claim comes back `held`
+    when its lease runs out, not due (and so does a claim the node never dispatched)."""
+    accept(conn, new_message("H2", ["a@example.org", "b@example.org"]))
+    with db.transaction(conn):
+        claims = ops.claim_due(conn, T0, 10, owner="node-a", lease_until=T0 + 30)
+    assert len(claims) == 2
+    with db.transaction(conn):
+        ops.bulk(conn, "hold", ["H2"], T0 + 1, recipient="a@example.org")
+    with db.transaction(conn):
+        assert ops.reclaim_expired(conn, T0 + 31, "node-b", "2023-11-14") == 2
+    assert states(conn, "H2") == {"a@example.org": "held", "b@example.org": "deferred"}
+    accept(conn, new_message("H3", ["c@example.org"], message_id="<h3@app.example>"))
+    with db.transaction(conn):  # b (due again) and c, in one claim pass stamped T0 + 40
+        claims = ops.claim_due(conn, T0 + 40, 10, owner="node-a", lease_until=T0 + 70)
+    assert {c.address for c in claims} == {"b@example.org", "c@example.org"}
+    with db.transaction(conn):
+        ops.bulk(conn, "hold", ["H3"], T0 + 41)
+    with db.transaction(conn):  # the pass's commit was never confirmed: both given back
+        assert ops.release_unclaimed(conn, "node-a", [T0 + 40], T0 + 42) == 2
+    assert states(conn, "H3") == {"c@example.org": "held"}
+    assert states(conn, "H2")["b@example.org"] == "deferred"
+
+
 def test_claim_takes_transactional_before_bulk_and_respects_the_limit(
     conn: sqlite3.Connection,
 ) -> None:

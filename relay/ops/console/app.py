@@ -187,6 +187,16 @@ def _s(n: int) -> str:
     return "" if n == 1 else "s"
 
 
+def _in_attempt(action: str, n: int, dry: bool) -> str:
+    """A hold's recipients in their attempt now: held when it ends undelivered (a release
+    takes that off): relay/spool/model.py. Said apart from the recipients changed."""
+    if not n or action not in ("hold", "release"):
+        return ""
+    will = ("would be" if dry else "will be") if action == "hold" else ("would" if dry else "will")
+    end = "held when it ends, unless it delivers" if action == "hold" else "no longer be held"
+    return f'; <span id="after-attempt">{n}</span> recipient{_s(n)} in an attempt now {will} {end}'
+
+
 def _danger(action: str) -> str:
     return ' class="danger"' if action == "delete" else ""
 
@@ -776,6 +786,7 @@ class Console:
         gone = (
             f", removing {res.removed} message{_s(res.removed)} whole" if action == "delete" else ""
         )
+        gone += _in_attempt(action, res.after_attempt, dry=True)
         return (
             f'<p class="banner">{h(action.capitalize())}: <strong id="dry-run-count">{n}</strong>'
             f' message{_s(n)} (<span id="dry-run-recipients">{r}</span> recipient{_s(r)}'
@@ -809,6 +820,7 @@ class Console:
                 " recipients: the queue changed in between)"
             )
         gone = f"; {res.removed} message{_s(res.removed)} removed whole" if res.removed else ""
+        gone += _in_attempt(action, res.after_attempt, dry=False)
         return (
             f'<p class="banner">{h(action)}: <strong id="action-count">{n}</strong>'
             f' message{_s(n)}, <span id="action-recipients">{r}</span> recipient{_s(r)}'

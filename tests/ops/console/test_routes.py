@@ -404,3 +404,19 @@ def test_too_many_fields_is_a_bad_request(relay: RelayProcess) -> None:
     c.login("olga", PASSWORDS["olga"])
     status, _h, text = c.req("GET", "/console/queue?" + "&".join(f"a{i}=1" for i in range(300)))
     assert status == 400 and "more than 100 form fields" in text
+
+
+def test_a_hold_says_which_recipients_are_held_only_when_their_attempt_ends() -> None:
+    """The console's banners say what the CLI says of recipients in their attempt (the
+    spool marks them: relay/spool/model.py), apart from the recipients changed."""
+    from relay.ops.console.app import _in_attempt
+
+    assert _in_attempt("hold", 2, dry=True) == (
+        '; <span id="after-attempt">2</span> recipients in an attempt now would be held'
+        " when it ends, unless it delivers"
+    )
+    assert _in_attempt("hold", 1, dry=False).endswith(
+        "1</span> recipient in an attempt now will be held when it ends, unless it delivers"
+    )
+    assert _in_attempt("release", 1, dry=False).endswith("will no longer be held")
+    assert _in_attempt("hold", 0, dry=False) == _in_attempt("delete", 3, dry=False) == ""
