@@ -1422,6 +1422,8 @@ def _print_show(msg: dict[str, Any]) -> None:
         )
         if r["last_reply"]:
             print(f"      last reply: {printable(r['last_reply'])}")
+        if r.get("hold_after_attempt"):
+            print("      held when this attempt ends, unless it delivers (relay queue hold)")
         if r.get("upstream_id"):
             print(f"      upstream id: {printable(r['upstream_id'])}")
         if r.get("reason"):

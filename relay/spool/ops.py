@@ -2102,6 +2102,14 @@ def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | No
     if not base:
         return None
     msg = base[0]
+    # a recipient an operator held during its attempt (relay/spool/model.py): in the
+    # recipients' order (by id, as iter_messages reads them)
+    marks = conn.execute(
+        "SELECT hold_after FROM recipients WHERE msg_id = ? ORDER BY id", (queue_id,)
+    ).fetchall()
+    for r, mark in zip(msg["recipients"], marks, strict=False):
+        if r["state"] == RcptState.SENDING:
+            r["hold_after_attempt"] = bool(mark[0])
     msg["client"] = row[1]
     msg["peer"] = row[2]
     msg["identity"] = row[3]

@@ -218,6 +218,11 @@ def test_hold_of_a_recipient_in_its_attempt_says_it_is_held_when_the_attempt_end
     assert states(c)["b@example.org"] == "sending"
     mark = "SELECT hold_after FROM recipients WHERE address = 'b@example.org'"
     assert c.execute(mark).fetchone()[0] == 1
+    rc, text = run(config, "queue", "show", "M1", "--json")
+    shown = {r["address"]: r.get("hold_after_attempt") for r in json.loads(text)["recipients"]}
+    assert shown == {"a@example.net": None, "b@example.org": True, "c@Example.NET": None}
+    rc, text = run(config, "queue", "show", "M1")
+    assert "b@example.org  sending  attempts=0  next=-\n      held when this attempt ends" in text
     rc, text = run(config, "queue", "release", "M1", "--json")
     doc = json.loads(text)
     assert (rc, doc["messages"], doc["recipients"], doc["after_attempt"]) == (0, 1, 2, 1)
