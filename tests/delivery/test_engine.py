@@ -389,3 +389,87 @@ def test_new_mail_is_gathered_into_one_claim_pass(
         w.close()
     assert len(up.received) == 3
     assert got == passes
+
+
+def _queued(i: int) -> ops.NewMessage:
+    return ops.NewMessage(
+        f"R{i}",
+        f"r{i}@x",
+        "a@x.test",
+        1,
+        time.time(),
+        "c",
+        "p",
+        "transactional",
+        0,
+        "x.test",
+        b"Subject: r\r\n\r\nx\r\n",
+        None,
+        (ops.NewRecipient(f"u{i}@x.test", "x.test", f"r{i}"),),
+    )
+
+
+def test_a_connection_sends_its_next_message_while_the_record_before_commits(
+    upstream, tmp_path: Path
+) -> None:
+    """relay/delivery/attempt.py: a worker does not wait for a transaction's record before
+    its next transaction, but for that record before it records the next one: with the
+    records held back (a slow commit), one connection sends two of three messages, no
+    more; once they commit, all three are delivered and recorded. A stop waits for the
+    records in flight."""
+    up = upstream()
+    cfg_path = tmp_path / "relay.yaml"
+    cfg_path.write_text(
+        yaml.safe_dump(
+            deep_merge(
+                smarthost_config(up),
+                {"spool": {"path": "spool"}, "destinations": {"*": {"max_connections": 1}}},
+            )
+        )
+    )
+    cfg = load_config(str(cfg_path))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
+
+    async def main() -> tuple[int, int, list[str], list[str]]:
+        e = Engine(cfg, w)
+        gate = asyncio.Event()
+        waiting: list[int] = []
+        real = e.recorder.record
+
+        async def slow(outcomes, release=None) -> None:  # type: ignore[no-untyped-def]
+            waiting.append(1)
+            await gate.wait()
+            waiting.pop()
+            await real(outcomes, release)
+
+        e.recorder.record = slow  # type: ignore[method-assign]
+        for i in range(3):
+            await w.run(lambda c, i=i: ops.accept(c, _queued(i), 3600))
+        async with engine_running(e):
+            for _ in range(500):  # up to 10 s for the second message to go
+                if len(up.received) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)  # time for a third, were it not held
+            sent_held, records_held = len(up.received), len(waiting)
+            states_held = sorted(
+                await w.run(lambda c: [r[0] for r in c.execute("SELECT state FROM recipients")])
+            )
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, gate.set)
+            for _ in range(500):
+                if len(up.received) >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            await e.stop(5)  # returns once the last record committed
+        rows = await w.run(lambda c: [r[0] for r in c.execute("SELECT state FROM recipients")])
+        return sent_held, records_held, states_held, sorted(rows)
+
+    try:
+        sent, held, before, after = asyncio.run(main())
+    finally:
+        w.close()
+    assert (sent, held) == (2, 1)  # the second went; its record waits for the first's
+    assert before == ["sending"] * 3  # nothing recorded yet: both records held back
+    assert after == ["delivered"] * 3
