@@ -889,7 +889,11 @@ class Console:
             [
                 [
                     h(r["address"]),
-                    h(r["state"]),
+                    # held during its attempt: held when it ends undelivered (relay/spool/model.py)
+                    h(
+                        r["state"]
+                        + (", held after this attempt" if r.get("hold_after_attempt") else "")
+                    ),
                     str(r["attempts"]),
                     h(r["destination"]),
                     h(r["next_attempt_at"] or ""),

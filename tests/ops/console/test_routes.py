@@ -358,6 +358,12 @@ def test_rollup_and_every_page_on_both_backends(writer: SpoolWriter, tmp_path: P
                     " WHERE address = 'b@example.org'"
                 )
             )
+            await writer.run(
+                lambda c: c.execute(
+                    "UPDATE recipients SET state = 'sending', hold_after = 1"
+                    " WHERE address = 'c@example.org'"
+                )
+            )
             login = urlencode({"name": "o", "password": "pw"}).encode()
             r = await con.handle(Request("POST", "/console/login", "", {}, login, "127.0.0.1"))
             cookie = {"cookie": r.headers["Set-Cookie"].split(";")[0]}
@@ -377,6 +383,8 @@ def test_rollup_and_every_page_on_both_backends(writer: SpoolWriter, tmp_path: P
                 assert r.status == 200, (path, r.body[:300])
                 if path == "/console/message/Q1":
                     assert b"Subject: &lt;hi&gt;" in r.body
+                    # c: held during its attempt (relay/spool/model.py)
+                    assert b"sending, held after this attempt" in r.body
             r = await con.handle(Request("GET", "/console/dead", "", cookie, None, "127.0.0.1"))
             assert b"b@example.org" in r.body and b"c@example.org" not in r.body
             # the suppression search: a literal substring (_ and % are not wildcards)
