@@ -2038,7 +2038,7 @@ def iter_messages(
         ids = [m[0] for m in msgs]
         for r in conn.execute(
             f"SELECT msg_id, address, state, attempts, last_reply, next_attempt_at, reason,"
-            f" destination, upstream_id FROM recipients"
+            f" destination, upstream_id, hold_after FROM recipients"
             f" WHERE msg_id IN ({','.join('?' * len(ids))})"
             f" ORDER BY id",
             ids,
@@ -2071,20 +2071,24 @@ def _message_doc(m: sqlite3.Row, rc: list[sqlite3.Row], mstate: MsgState) -> dic
         "listener": m[7],
         "attempts": max((r[3] for r in rc), default=0),
         "next_attempt_at": _iso(min(waiting)) if waiting else None,
-        "recipients": [
-            {
-                "address": r[1],
-                "state": r[2],
-                "attempts": r[3],
-                "last_reply": r[4],
-                "destination": r[7],
-                "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
-                "reason": r[6],
-                "upstream_id": r[8],
-            }
-            for r in rc
-        ],
+        "recipients": [_recipient_doc(r) for r in rc],
     }
+
+
+def _recipient_doc(r: sqlite3.Row) -> dict[str, Any]:
+    doc = {
+        "address": r[1],
+        "state": r[2],
+        "attempts": r[3],
+        "last_reply": r[4],
+        "destination": r[7],
+        "next_attempt_at": _iso(r[5]) if r[2] in ("pending", "deferred") else None,
+        "reason": r[6],
+        "upstream_id": r[8],
+    }
+    if r[2] == RcptState.SENDING:  # held during its attempt? (relay/spool/model.py)
+        doc["hold_after_attempt"] = bool(r[9])
+    return doc
 
 
 def list_messages(conn: sqlite3.Connection, **filters: Any) -> list[dict[str, Any]]:
@@ -2102,14 +2106,6 @@ def show_message(conn: sqlite3.Connection, queue_id: str) -> dict[str, Any] | No
     if not base:
         return None
     msg = base[0]
-    # a recipient an operator held during its attempt (relay/spool/model.py): in the
-    # recipients' order (by id, as iter_messages reads them)
-    marks = conn.execute(
-        "SELECT hold_after FROM recipients WHERE msg_id = ? ORDER BY id", (queue_id,)
-    ).fetchall()
-    for r, mark in zip(msg["recipients"], marks, strict=False):
-        if r["state"] == RcptState.SENDING:
-            r["hold_after_attempt"] = bool(mark[0])
     msg["client"] = row[1]
     msg["peer"] = row[2]
     msg["identity"] = row[3]
