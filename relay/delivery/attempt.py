@@ -12,15 +12,6 @@ Rules:
 - A connection opened by failover carries this one transaction and is closed: the
   worker's reusable connection stays with its own destination.
 - Dead letters' alerts are recorded in the same commit as the outcomes that make them.
-- A worker's connection does not wait for a transaction's record to commit before its next
-  transaction: the record commits while the next message goes out (`RecordSlot`), and the
-  worker waits for it before it records the next one. So at most one delivered transaction
-  per connection is not yet recorded while another is under way (one more than before: a
-  crash there sends those again, at-least-once as ever), and a spool that takes no record
-  (its retries) holds the connection as before. Before, a connection of a draining
-  PostgreSQL node waited 6.45 ms per message for its record's commit: 61% of its time per
-  message. Drains, side by side (bench/README.md): PostgreSQL one node 2,052 -> 2,315/s,
-  two nodes 2,573 -> 3,152/s; SQLite 2,639-2,677 -> 2,845-2,867/s.
 - What one recipient's outcome does here (its counter, its log line, a delivery's count, a
   suppression, a dead letter, the delay warning) is its row of the outcome table
   (relay/delivery/outcomes.py): `apply` reads the row's data and flags, never the kind's name.
@@ -32,11 +23,10 @@ the recorder and the worker pool, each given by the engine that composes them.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
 import random
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relay.delivery import decide, outbound, rewrite, shaping
@@ -519,54 +509,10 @@ async def finish(
         outcomes = [_delivery(o, scopes if delivered else None, ids) for o in outcomes]
     # a fleet releases the room it held under the ceilings in the commit that counts
     release = {scope: n for scope in job.reserved} if e.fleet and job.reserved else None
-    slot = RECORD_SLOT.get()
-    if slot is None:  # not on a worker (a job put back at stop): recorded here and now
-        await _record(e, outcomes, release, n)
-        return
-    await slot.settle()  # the connection's record before: at most one behind (the rules)
-    slot.start(_record(e, outcomes, release, n))
-
-
-async def _record(
-    e: Attempt,
-    outcomes: Sequence[ops.RcptUpdate],
-    release: dict[str, int] | None,
-    n: int,
-) -> None:
     try:
         await e.recorder.record(outcomes, release)
     finally:
         e.pool.job_done(n)
-
-
-class RecordSlot:
-    """A worker's record in flight (the rules): set for its task by the worker pool
-    (relay/delivery/workers.py), which settles it before the worker ends. Its tasks are
-    kept in `tasks` (the pool's, so that a stop waits for every record)."""
-
-    __slots__ = ("task", "tasks")
-
-    def __init__(self, tasks: set[asyncio.Task[None]]) -> None:
-        self.task: asyncio.Task[None] | None = None
-        self.tasks = tasks
-
-    def start(self, record: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(record)
-        self.task = task
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def settle(self) -> None:
-        """Wait for the record in flight. Shielded: a worker cancelled meanwhile (a stop's
-        timeout) leaves its record to finish, as the pool's stop waits for it."""
-        task, self.task = self.task, None
-        if task is not None:
-            await asyncio.shield(task)
-
-
-RECORD_SLOT: contextvars.ContextVar[RecordSlot | None] = contextvars.ContextVar(
-    "relay_record_slot", default=None
-)
 
 
 def _delivery(

@@ -20,11 +20,9 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from relay.config.tree import Config
 from relay.delivery import decide
-from relay.delivery.attempt import RECORD_SLOT, RecordSlot
 from relay.delivery.destinations import Destinations
 from relay.delivery.jobs import DestState, Job
 from relay.delivery.recorder import Recorder
@@ -64,9 +62,6 @@ class WorkerPool:
         self._failed = failed
         self._on_done = on_done  # room in memory again: the claim loop may claim more
         self.inflight = 0  # recipients queued in memory or being sent
-        # the records the workers' transactions left to commit (relay/delivery/attempt.py
-        # RecordSlot); a stop waits for them
-        self.records: set[asyncio.Task[None]] = set()
 
     def job_queued(self, n: int) -> None:
         self.inflight += n
@@ -96,8 +91,6 @@ class WorkerPool:
 
     async def _worker(self, st: DestState) -> None:
         conn: Connection | None = None
-        slot = RecordSlot(self.records)
-        RECORD_SLOT.set(slot)  # this task's own context (create_task copied it)
         try:
             while not self._stopping():
                 job = self._next_job(st)
@@ -137,7 +130,6 @@ class WorkerPool:
                 if self._other_destination_starved(st):
                     return  # hand this connection slot to a destination that has none
         finally:
-            await slot.settle()
             if conn is not None:
                 await conn.quit()
             if not self._stopping():
@@ -167,22 +159,14 @@ class WorkerPool:
 
     async def drain(self, timeout: float) -> None:
         """At stop: each worker finishes its current transaction (up to `timeout`), then
-        the records still committing, then the DSN hooks; jobs queued but not started go
-        back to deferred, due now (then the engine gives back the claims still `sending`:
-        relay/delivery/fleet.py `leave`)."""
+        the DSN hooks; jobs queued but not started go back to deferred, due now (then the
+        engine gives back the claims still `sending`: relay/delivery/fleet.py `leave`)."""
         deadline = time.monotonic() + timeout
         for st in self.dests.values():
             st.wake.set()
         tasks = [t for st in self.dests.values() for t in st.workers]
-        steps: list[Callable[[], list[asyncio.Task[Any]]]] = [
-            lambda: tasks,
-            # the records the workers left (one cancelled at the timeout leaves its own to
-            # finish), then the DSN hooks: each read once the step before is done
-            lambda: list(self.records),
-            lambda: list(self.recorder.hooks),
-        ]
-        for i, step in enumerate(steps):
-            group = step()
+        hooks = list(self.recorder.hooks)
+        for i, group in enumerate((tasks, hooks)):
             if not group:
                 continue
             _done, pending = await asyncio.wait(
