@@ -229,3 +229,21 @@ def test_hold_of_a_recipient_in_its_attempt_says_it_is_held_when_the_attempt_end
     assert c.execute(mark).fetchone()[0] == 0
     rc, text = run(config, "queue", "delete", "M1", "--json")
     assert "after_attempt" not in json.loads(text)  # only hold and release mark
+
+
+def test_hold_all_in_state_sending_marks_those_in_their_attempt_and_holds_the_rest(
+    spool: tuple[Path, sqlite3.Connection],
+) -> None:
+    """`--state sending` selects the messages with a recipient in its attempt; the hold
+    marks that recipient and holds the message's waiting ones, as for any message."""
+    config, c = spool
+    with db.transaction(c):
+        c.execute("UPDATE recipients SET state = 'sending' WHERE address = 'b@example.org'")
+    rc, text = run(config, "queue", "hold", "--all", "--state", "sending", "--json")
+    doc = json.loads(text)
+    assert (rc, doc["ids"], doc["recipients"], doc["after_attempt"]) == (0, ["M1"], 1, 1)
+    st = states(c)
+    assert (st["a@example.net"], st["b@example.org"]) == ("held", "sending")
+    assert (st["d@example.org"], st["f@example.net"]) == ("pending", "deferred")  # not selected
+    mark = "SELECT address FROM recipients WHERE hold_after = 1"
+    assert [r[0] for r in c.execute(mark)] == ["b@example.org"]
