@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
 import logging
 import time
@@ -60,16 +59,11 @@ def is_allowed(ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Netwo
     return any(addr in net for net in allow)
 
 
-@functools.lru_cache(maxsize=4096)
 def peer_facts(
     ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 ) -> tuple[bool, str]:
     """`is_allowed(ip, allow)` and `anvil.client_key(ip)` from one parse of the address
-    (a connection's peer is read once, at connection_made), remembered per (address,
-    allow list): the apps that submit come from a few addresses again and again, and a
-    parse was ~1% of the inbound's CPU per message under smtp-source (py-spy). The allow
-    list is part of the key, so a reload that changes it is answered afresh; a scan from
-    many addresses only cycles the 4,096 entries."""
+    (a connection's peer is read once, at connection_made)."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
@@ -83,6 +77,31 @@ def peer_facts(
     else:
         key = str(addr)
     return any(addr in net for net in allow), key
+
+
+class PeerFacts:
+    """`peer_facts` of one listener, remembered per address: the apps that submit come
+    from a few addresses again and again, and a parse was ~1% of the inbound's CPU per
+    message under smtp-source (py-spy). Kept for one allow list (a reload that brings
+    another starts afresh; the tuple is compared by identity, not hashed per connection),
+    and at most `size` addresses (a scan from many addresses starts it afresh too)."""
+
+    __slots__ = ("_allow", "_facts", "size")
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._allow: object = None
+        self._facts: dict[str, tuple[bool, str]] = {}
+
+    def __call__(
+        self, ip: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    ) -> tuple[bool, str]:
+        if allow is not self._allow or len(self._facts) >= self.size:
+            self._allow, self._facts = allow, {}
+        facts = self._facts.get(ip)
+        if facts is None:
+            facts = self._facts[ip] = peer_facts(ip, allow)
+        return facts
 
 
 def _policy(config: Config) -> anvil.AuthPolicy:

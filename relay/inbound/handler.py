@@ -51,7 +51,7 @@ from relay.feedback import bounces
 from relay.feedback.service import FeedbackService
 from relay.inbound import longlines
 from relay.inbound.auth_mechanisms import AuthMechanisms
-from relay.inbound.guard import InboundGuard, is_allowed
+from relay.inbound.guard import InboundGuard, PeerFacts, is_allowed
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.stats import InboundStats
 from relay.inbound.transport import InboundProtocol
@@ -136,6 +136,7 @@ class InboundHandler(AuthMechanisms):
         # (451 4.3.0 / 452 4.3.1) at MAIL and at the end of DATA instead of a 250
         self.gate = gate
         self.listener = listener
+        self.peer_facts = PeerFacts()  # per listener: its allow list (relay/inbound/guard.py)
         self.writer = writer
         self.suppressions = suppressions
         self.on_queued = on_queued

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from relay.inbound import core as core_
 from relay.inbound import longlines
 from relay.inbound.auth_mechanisms import MISSING
-from relay.inbound.guard import peer_facts
 from relay.inbound.session import Envelope, Session, TLSSetupException
 from relay.inbound.session_watch import CommandTimeout, DataTooSlow, SessionWatch
 from relay.ops.logs import log_event
@@ -48,7 +47,7 @@ from relay.spool.incoming import IncomingBody
 if TYPE_CHECKING:
     from relay.config.tree import Config, Listener
     from relay.inbound.auth_mechanisms import AuthResult
-    from relay.inbound.guard import InboundGuard
+    from relay.inbound.guard import InboundGuard, PeerFacts
     from relay.inbound.stats import InboundStats
 
 log = logging.getLogger("relay.inbound")
@@ -68,6 +67,7 @@ class InboundHandler(Protocol):
     config: Config
     guard: InboundGuard
     listener: Listener
+    peer_facts: PeerFacts  # the listener's peers, parsed once each
     stats: InboundStats
 
     async def handle_EHLO(
@@ -222,7 +222,7 @@ class InboundProtocol(asyncio.Protocol):
         peer = t.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         lst = self.relay_listener
-        allowed, key = peer_facts(ip, lst.allow)  # the one parse of the peer's address
+        allowed, key = h.peer_facts(ip, lst.allow)  # the one parse of the peer's address
         refusal = h.guard.admit(ip, allowed, lst.name, key)
         if refusal is not None:  # RFC 5321 §3.8: 421, then close
             t.write(refusal.encode() + b"\r\n")

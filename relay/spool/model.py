@@ -12,7 +12,7 @@ Rules:
   that finds it marked. A `release` before the attempt ends takes the mark off. The table
   below has no `sending` -> `held`: an operator's hold never takes a recipient out of its
   attempt (its outcome would find nothing to record); the mark is the spool's own step
-  (relay/spool/ops.py `_AFTER_ATTEMPT`).
+  (relay/spool/ops.py `_attempt_ends`).
 - An operator `retry` may bring a final failure (`bounced`, `failed`, `suppressed`) back to
   `deferred`; `delivered` never leaves its state (no duplicate sends by accident).
 - A message's state is derived from its recipients (see `message_state`); it is never stored

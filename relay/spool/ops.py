@@ -42,12 +42,21 @@ _DUE = sql_in(WAITING)
 _DUE_INDEXED = "('pending', 'deferred')"
 assert set(_DUE_INDEXED.strip("()").replace("'", "").split(", ")) == {s.value for s in WAITING}
 _IN_QUEUE = sql_in(WAITING | {RcptState.SENDING})
-# the state a recipient's attempt ends in when it is given back undelivered (a crash, an
-# expired lease, a claim never dispatched): `deferred`, or `held` when an operator held it
-# during the attempt (relay/spool/model.py); every such UPDATE clears the mark, and so does
-# every claim (a mark left by a node of an older version, which ignores it, never holds a
-# later attempt)
-_AFTER_ATTEMPT = f"CASE WHEN hold_after = 1 THEN '{RcptState.HELD}' ELSE '{RcptState.DEFERRED}' END"
+
+
+def _attempt_ends(state: str) -> str:
+    """The SET of a recipient's attempt ending in `state` (an SQL expression: an outcome's
+    parameter or column, or `deferred` for a claim given back undelivered): `held` instead
+    of `deferred` when an operator held it during the attempt (relay/spool/model.py), and
+    the mark cleared. Every claim clears it too (a mark left by a node of an older version,
+    which ignores it, never holds a later attempt)."""
+    return (
+        f"state = CASE WHEN hold_after = 1 AND {state} = '{RcptState.DEFERRED}'"
+        f" THEN '{RcptState.HELD}' ELSE {state} END, hold_after = 0"
+    )
+
+
+_GIVEN_BACK = _attempt_ends(f"'{RcptState.DEFERRED}'")  # a crash, a lease, a lost claim
 _UNFINISHED = sql_in(UNFINISHED)
 
 
@@ -670,7 +679,7 @@ def release_unclaimed(
     them, so they are due again (relay/delivery/engine.py's rules)."""
     marks = ", ".join("?" * len(passes))
     return conn.execute(
-        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
+        f"UPDATE recipients SET {_GIVEN_BACK}, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered: a claim whose commit was not confirmed',"
         " lease_owner = NULL, lease_until = NULL"
         f" WHERE state = '{RcptState.SENDING}' AND lease_owner = ? AND updated_at IN ({marks})",
@@ -699,7 +708,7 @@ def reclaim_expired(conn: sqlite3.Connection, now: float, owner: str, day: str) 
             )
         conn.execute("DELETE FROM ceiling_holds WHERE node = ? AND scope = ?", (node, scope))
     return conn.execute(
-        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
+        f"UPDATE recipients SET {_GIVEN_BACK}, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered: lease of ' || coalesce(lease_owner, '?')"
         " || ' expired', lease_owner = NULL, lease_until = NULL"
         f" WHERE state = '{RcptState.SENDING}' AND lease_until < ?"
@@ -792,9 +801,7 @@ def record(
 # writer batch's records as one group); `_HELD` added when the claim has an owner. A
 # `deferred` outcome of a recipient held during its attempt makes it `held`.
 _RECORD_UPDATE = (
-    f"UPDATE recipients SET state = CASE WHEN hold_after = 1 AND ? = '{RcptState.DEFERRED}'"
-    f" THEN '{RcptState.HELD}' ELSE ? END, hold_after = 0,"
-    " attempts = attempts + ?, next_attempt_at = ?,"
+    f"UPDATE recipients SET {_attempt_ends('?')}, attempts = attempts + ?, next_attempt_at = ?,"
     " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
     " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
     f" WHERE id = ? AND state = '{RcptState.SENDING}'"
@@ -805,7 +812,7 @@ _HELD = " AND (lease_owner = ? OR lease_owner IS NULL)"
 
 def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
     return (
-        o.state.value,
+        o.state.value,  # _attempt_ends('?') reads it twice
         o.state.value,
         1 if o.count_attempt else 0,
         o.next_attempt_at,
@@ -904,9 +911,7 @@ def _record_each(
 # first column) for each record, whatever their number: 3.5 ms against 0.7 ms per record
 # of 20 outcomes with 400 in flight (bench/pg_writer.py, pg_stat_statements).
 _RECORD_MANY = (
-    f"UPDATE recipients r SET state = CASE WHEN r.hold_after = 1 AND u.state ="
-    f" '{RcptState.DEFERRED}' THEN '{RcptState.HELD}' ELSE u.state END, hold_after = 0,"
-    " attempts = r.attempts + u.inc,"
+    f"UPDATE recipients r SET {_attempt_ends('u.state')}, attempts = r.attempts + u.inc,"
     " next_attempt_at = u.next_at, last_reply = coalesce(u.reply, r.last_reply),"
     " reason = u.reason, updated_at = u.at, upstream_id = coalesce(u.upstream_id, r.upstream_id),"
     " lease_owner = NULL, lease_until = NULL"
@@ -1260,7 +1265,7 @@ def recover(conn: sqlite3.Connection, now: float, owner: str | None = None) -> i
     claims `owner` holds (a node of a fleet giving its work back as it stops)."""
     mine = "" if owner is None else " AND lease_owner = ?"
     return conn.execute(
-        f"UPDATE recipients SET state = {_AFTER_ATTEMPT}, hold_after = 0, next_attempt_at = ?,"
+        f"UPDATE recipients SET {_GIVEN_BACK}, next_attempt_at = ?,"
         " updated_at = ?, reason = 'recovered after restart', lease_owner = NULL,"
         f" lease_until = NULL WHERE state = '{RcptState.SENDING}'" + mine,
         (now, now) if owner is None else (now, now, owner),

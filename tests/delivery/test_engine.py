@@ -14,7 +14,6 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -317,19 +316,6 @@ def test_a_spool_failure_at_engine_start_is_retried_not_fatal(tmp_path: Path) ->
         w.close()
 
 
-def _engine_spool(up: Any, tmp_path: Path, extra: dict[str, Any]) -> tuple[Any, SpoolWriter]:
-    """An in-process engine's config (smarthost `up`, a spool in `tmp_path`, `extra`) and
-    its started spool writer."""
-    cfg_path = tmp_path / "relay.yaml"
-    cfg_path.write_text(
-        yaml.safe_dump(deep_merge(smarthost_config(up), {"spool": {"path": "spool"}, **extra}))
-    )
-    cfg = load_config(str(cfg_path))
-    w = SpoolWriter(cfg.spool_path)
-    w.start()
-    return cfg, w
-
-
 @pytest.mark.parametrize(("gather", "passes"), [("300ms", [3]), ("0s", [1, 1, 1])])
 def test_new_mail_is_gathered_into_one_claim_pass(
     upstream, tmp_path: Path, gather: str, passes: list[int]
@@ -338,7 +324,21 @@ def test_new_mail_is_gathered_into_one_claim_pass(
     claimed by one pass when it gathers 300 ms, and by a pass each when it gathers none.
     Every one of them is delivered either way."""
     up = upstream()
-    cfg, w = _engine_spool(up, tmp_path, {"delivery": {"gather": gather, "poll_interval": "10s"}})
+    cfg_path = tmp_path / "relay.yaml"
+    cfg_path.write_text(
+        yaml.safe_dump(
+            deep_merge(
+                smarthost_config(up),
+                {
+                    "spool": {"path": "spool"},
+                    "delivery": {"gather": gather, "poll_interval": "10s"},
+                },
+            )
+        )
+    )
+    cfg = load_config(str(cfg_path))
+    w = SpoolWriter(cfg.spool_path)
+    w.start()
 
     async def main() -> list[int]:
         e = Engine(cfg, w)

@@ -20,7 +20,8 @@ import yaml
 from relay.config.tree import from_mapping, load_config
 from relay.inbound import auth
 from relay.inbound import auth as auth_
-from relay.inbound.guard import AuthBusy, InboundGuard, is_allowed, peer_facts
+from relay.inbound import guard as guard_mod
+from relay.inbound.guard import AuthBusy, InboundGuard, PeerFacts, is_allowed, peer_facts
 
 
 def _guard(tmp_path: Path, **auth: Any) -> InboundGuard:
@@ -154,20 +155,29 @@ async def test_auth_pool_is_bounded_and_off_the_loop(
         guard.close()
 
 
-def test_peer_facts_are_remembered_per_address_and_allow_list() -> None:
+def test_peer_facts_are_remembered_per_address_and_allow_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The peer's facts come from one parse per (address, allow list): a second connection
     from the address asks no parse, and a reload with another allow list is answered
     afresh, not from the remembered entry."""
+    parses: list[str] = []
+
+    def counted(ip: str, allow: Any) -> tuple[bool, str]:
+        parses.append(ip)
+        return peer_facts(ip, allow)
+
+    monkeypatch.setattr(guard_mod, "peer_facts", counted)
     lo = (ipaddress.ip_network("127.0.0.0/8"),)
     other = (ipaddress.ip_network("10.0.0.0/8"),)
-    peer_facts.cache_clear()
-    assert peer_facts("127.0.0.5", lo) == (True, "127.0.0.5")
-    assert peer_facts("127.0.0.5", lo) == (True, "127.0.0.5")
-    assert peer_facts.cache_info().hits == 1
-    assert peer_facts("127.0.0.5", other) == (False, "127.0.0.5")  # the new list decides
+    facts = PeerFacts(size=3)
+    assert facts("127.0.0.5", lo) == (True, "127.0.0.5")
+    assert facts("127.0.0.5", lo) == (True, "127.0.0.5")
+    assert parses == ["127.0.0.5"]  # the second connection asked no parse
+    assert facts("127.0.0.5", other) == (False, "127.0.0.5")  # the new list decides
     assert is_allowed("127.0.0.5", other) is False
     # the facts as before: an IPv4-mapped address is its IPv4 one, IPv6 by its /64
-    assert peer_facts("::ffff:127.0.0.1", lo) == (True, "127.0.0.1")
-    assert peer_facts("2001:db8::1", lo) == (False, "2001:db8::/64")
-    assert peer_facts("not an address", lo) == (False, "not an address")
-    assert peer_facts.cache_info().maxsize == 4096  # bounded: a scan cycles it
+    assert facts("::ffff:127.0.0.1", lo) == (True, "127.0.0.1")
+    assert facts("2001:db8::1", lo) == (False, "2001:db8::/64")
+    assert facts("not an address", lo) == (False, "not an address")
+    assert len(facts._facts) <= 3  # bounded: a scan starts it afresh
