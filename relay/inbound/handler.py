@@ -415,9 +415,10 @@ class InboundHandler(AuthMechanisms):
             if refusal is not None:  # the spool went bad while the client sent its data
                 raise SpoolError(refusal)
             # grouped: the accepts of one writer batch are three statements on PostgreSQL,
-            # one SAVEPOINT and four prepared statements on SQLite; gathered (spool.gather)
+            # one INSERT on SQLite (atomic: no SAVEPOINT of the writer's); gathered
+            # (spool.gather)
             result = await self.writer.run(
-                Grouped(ops.accept_many, (msg, window), sqlite=True, gather=True)
+                Grouped(ops.accept_many, (msg, window), sqlite=True, gather=True, atomic=True)
             )
         except (SpoolError, OSError) as e:
             if body_path:

@@ -7,6 +7,8 @@ Rules:
   so that the daemon and the CLI never deadlock upgrading a read lock.
 - The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` (relay/spool/schema.py)
   brings version i to i+1. Never edit a released migration: append a new one.
+- Every connection then makes its temporary objects (`SQLITE_TEMP`: the writer's `intake`),
+  in its own `temp` schema: nothing of them is in the spool file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from relay.spool.schema import CUSTOM_PLAN as CUSTOM_PLAN  # ops.py's statements use it
-from relay.spool.schema import MIGRATIONS, statements
+from relay.spool.schema import MIGRATIONS, SQLITE_TEMP, statements
 
 if TYPE_CHECKING:
     from relay.config.tree import PgSpool
@@ -57,6 +59,8 @@ def connect(
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute(f"PRAGMA cache_size=-{cache_kib}")
     migrate(conn)
+    for stmt in statements(SQLITE_TEMP):  # the connection's own (schema.py), after the tables
+        conn.execute(stmt)
     return conn
 
 

@@ -35,6 +35,7 @@ from relay.spool.model import (
     sources_for,
     sql_in,
 )
+from relay.spool.schema import INTAKE_LIVE
 
 _DUE = sql_in(WAITING)
 # recipients_due's WHERE exactly as migration 0 spells it: SQLite uses a partial index only
@@ -300,13 +301,13 @@ def accept_many(
     content, README "Dedup"; or one another node took meanwhile) that statement is rolled
     back to its savepoint and the batch runs as `accept` one by one, so those decisions live
     in one place; so does a batch with a key twice, with windows that differ or with a
-    message without recipients. SQLite: the same rule, in its own statements
+    message without recipients. SQLite: the same rule, in one statement of its own
     (`_accept_many_sqlite`)."""
+    if db.dialect(conn) != "postgresql":
+        return _accept_many_sqlite(conn, items)
     windows = {w for _m, w in items}
     if len(windows) != 1:
         return [accept(conn, m, w) for m, w in items]
-    if db.dialect(conn) != "postgresql":
-        return _accept_many_sqlite(conn, items, windows.pop())
     window = windows.pop()
     # key -> (queue id, at, content hash, fingerprint)
     takes: dict[str, tuple[str, float, str | None, str | None]] = {}
@@ -357,138 +358,116 @@ def accept_many(
     return [AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ()) for m in msgs]
 
 
-# host parameters per statement in `_insert_rows`: SQLite's default limit before 3.32 (999),
-# so any build takes it; a batch's rows past it go in more statements
+# host parameters per statement where the SQLite library cannot say (`_intake_params`): its
+# default limit before 3.32, so any build takes it
 _SQLITE_PARAMS = 999
 
 
-@functools.lru_cache(maxsize=256)
-def _values_sql(head: str, width: int, rows: int, tail: str) -> str:
-    row = "(" + ",".join("?" * width) + ")"
-    return head + ",".join([row] * rows) + tail
-
-
-def _insert_rows(
-    conn: sqlite3.Connection,
-    head: str,
-    rows: Sequence[tuple[Any, ...]],
-    tail: str = "",
-    extra: tuple[Any, ...] = (),
-) -> None:
-    """`head` (an INSERT up to its VALUES) with every row of `rows` (tuples of one length)
-    in one statement, then `tail` with its parameters `extra`: one step of SQLite for the
-    batch, where `executemany` is a step per row, and each step lets go of the GIL (the
-    inbound's event loop takes it, and the writer waits to have it back: a hand-over of the
-    GIL per row)."""
-    if not rows:
-        return
-    width = len(rows[0])
-    per = max(1, (_SQLITE_PARAMS - len(extra)) // width)
-    for i in range(0, len(rows), per):
-        chunk = rows[i : i + per]
-        conn.execute(
-            _values_sql(head, width, len(chunk), tail),
-            [v for r in chunk for v in r] + list(extra),
-        )
-
-
 def _accept_many_sqlite(
-    conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]], window: float
+    conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]]
 ) -> list[AcceptResult]:
-    """`accept_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
-    accepts, relay/spool/writer.py): one SELECT of every dedup key, then one statement each
-    for the keys, the messages and the recipients with all the batch's rows
-    (`_insert_rows`: one SQLite step, not one per row). As on
-    PostgreSQL, a key seen within the window or twice in the batch runs the batch as
-    `accept` one by one (nothing is written before that is known). SQLite's writer holds the
-    database's write lock from its BEGIN IMMEDIATE on, so no other process takes a key
-    between the read and the take; should one be taken all the same, this raises and the
-    writer rolls the group back and runs its jobs one by one (as `accept`); so would an
-    SQLite built without its JSON functions (json_each: built in since 3.38)."""
-    keys = [r.dedup_key for m, _w in items for r in m.recipients]
-    known: dict[str, float] = {
-        row[0]: row[1]
-        for row in conn.execute(
-            "SELECT key, created_at FROM dedup WHERE key IN (SELECT value FROM json_each(?))",
-            (json.dumps(keys),),
+    """`accept_many` on SQLite: all of the batch or nothing (the writer runs it without a
+    savepoint of its own: `Grouped(atomic=True)`, relay/spool/writer.py). The common case,
+    every key new or expired and one window, is one INSERT into the connection's `intake`
+    view (relay/spool/schema.py): a row per recipient, whose trigger takes the key and queues
+    the message and the recipient. When a key is live within the window or is twice in the
+    batch, the trigger RAISEs, SQLite backs the statement out whole, and the batch runs as
+    `accept` one by one, so those decisions (a duplicate, an Idempotency-Key conflict, a
+    Message-ID reused for other content: README "Dedup") live in one place; so does a batch
+    with windows that differ. A batch past one statement's parameters (hundreds of
+    recipients) is several statements under a savepoint."""
+    windows = {w for _m, w in items}
+    if len(windows) != 1:
+        return _accept_each(conn, items)
+    window = windows.pop()
+    rows = [
+        (
+            r.dedup_key,
+            m.queue_id,
+            m.created_at,
+            r.content_hash,
+            r.fingerprint,
+            window,
+            i == 0,
+            m.message_id,
+            m.sender,
+            m.size,
+            m.client,
+            m.peer,
+            m.lane,
+            m.identity,
+            m.body if i == 0 else None,  # the message's row: bound once, not per recipient
+            m.body_path,
+            m.listener,
+            r.address,
+            r.destination,
+            m.lane_prio,
         )
-    }
-    takes: list[tuple[str, str, float, str | None, str | None]] = []
-    seen: set[str] = set()
-    for msg, _w in items:
-        cutoff = msg.created_at - window
-        for r in msg.recipients:
-            at = known.get(r.dedup_key)
-            if r.dedup_key in seen or (at is not None and at > cutoff):
-                # a duplicate, an Idempotency-Key conflict or a Message-ID reused for other
-                # content (README "Dedup") is `accept`'s to decide (nothing written yet)
-                return [accept(conn, m, w) for m, w in items]
-            seen.add(r.dedup_key)
-            takes.append((r.dedup_key, msg.queue_id, msg.created_at, r.content_hash, r.fingerprint))
-    if not takes:
-        return [AcceptResult(None, (), ()) for _item in items]
-    before = conn.total_changes
-    _insert_rows(
-        conn,
-        "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint) VALUES ",
-        takes,
-        # an expired key is taken again (its row updated): the message's own cutoff
-        " ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,"
-        " created_at = excluded.created_at, content_hash = excluded.content_hash,"
-        " fingerprint = excluded.fingerprint WHERE dedup.created_at <= excluded.created_at - ?",
-        (window,),
-    )
-    if conn.total_changes - before != len(takes):
-        raise RuntimeError("a dedup key was taken between the read and the take")
-    queued = [m for m, _w in items if m.recipients]
-    _insert_rows(
-        conn,
-        "INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,"
-        " identity, body, body_path, listener) VALUES ",
-        [
-            (
-                m.queue_id,
-                m.message_id,
-                m.sender,
-                m.size,
-                m.created_at,
-                m.client,
-                m.peer,
-                m.lane,
-                m.identity,
-                m.body,
-                m.body_path,
-                m.listener,
-            )
-            for m in queued
-        ],
-    )
-    pending = RcptState.PENDING.value
-    _insert_rows(  # in the messages' order, each message's in its own: the ids accept gives
-        conn,
-        "INSERT INTO recipients (msg_id, address, destination, lane_prio, state,"
-        " next_attempt_at, dedup_key, updated_at) VALUES ",
-        [
-            (
-                m.queue_id,
-                r.address,
-                r.destination,
-                m.lane_prio,
-                pending,
-                m.created_at,
-                r.dedup_key,
-                m.created_at,
-            )
-            for m in queued
-            for r in m.recipients
-        ],
-    )
+        for m, _w in items
+        for i, r in enumerate(m.recipients)
+    ]
+    per = max(1, _intake_params(conn) // _INTAKE_WIDTH)
+    try:
+        if len(rows) <= per:
+            _intake(conn, rows)
+        else:
+            conn.execute("SAVEPOINT intake")
+            try:
+                for i in range(0, len(rows), per):
+                    _intake(conn, rows[i : i + per])
+            except BaseException:
+                conn.execute("ROLLBACK TO intake")
+                conn.execute("RELEASE intake")
+                raise
+            conn.execute("RELEASE intake")
+    except sqlite3.IntegrityError as e:
+        if INTAKE_LIVE not in str(e):
+            raise  # a queue id taken twice (new_queue_id): the writer fails that job alone
+        return _accept_each(conn, items)
     return [
         AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ())
         if m.recipients
         else AcceptResult(None, (), ())
         for m, _w in items
     ]
+
+
+_INTAKE_WIDTH = 20  # the columns of `intake` (relay/spool/schema.py)
+
+
+@functools.lru_cache(maxsize=64)
+def _intake_sql(rows: int) -> str:
+    return "INSERT INTO intake VALUES " + ",".join(
+        ["(" + ",".join("?" * _INTAKE_WIDTH) + ")"] * rows
+    )
+
+
+def _intake(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+    conn.execute(_intake_sql(len(rows)), [v for r in rows for v in r])
+
+
+def _intake_params(conn: sqlite3.Connection) -> int:
+    """Host parameters one statement may have on this connection's SQLite (999 before
+    3.32, 32,766 since)."""
+    try:
+        return int(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    except (AttributeError, sqlite3.Error):
+        return _SQLITE_PARAMS
+
+
+def _accept_each(
+    conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]]
+) -> list[AcceptResult]:
+    """`accept` of each, in order, all or nothing (a savepoint: see `_accept_many_sqlite`)."""
+    conn.execute("SAVEPOINT accept_each")
+    try:
+        out = [accept(conn, m, w) for m, w in items]
+    except BaseException:
+        conn.execute("ROLLBACK TO accept_each")
+        conn.execute("RELEASE accept_each")
+        raise
+    conn.execute("RELEASE accept_each")
+    return out
 
 
 # --- claiming and recording -------------------------------------------------------------

@@ -298,6 +298,44 @@ MIGRATIONS: list[str] = [
 ]
 
 
+# Every SQLite connection's temporary objects (relay/spool/db.py makes them at connect; they
+# live in the connection's own `temp` schema, never in the spool file, so no migration).
+# `intake`: a writer batch's accepts as one INSERT of a row per recipient (relay/spool/
+# ops.py `_accept_many_sqlite`). Its trigger takes the recipient's dedup key (an expired one
+# again), queues the message from the row of its first recipient (`first`), then the
+# recipient: the three tables in one SQLite statement, one step of the writer for the batch.
+# A key live within the window (or twice in the statement) RAISEs: SQLite backs the whole
+# statement out (ABORT) and the transaction goes on, so the batch is decided again by
+# `accept` one by one. `INTAKE_LIVE` is the error's text.
+INTAKE_LIVE = "relay: a dedup key is live"
+SQLITE_TEMP = f"""
+    CREATE TEMP VIEW intake AS SELECT
+        NULL AS key, NULL AS msg_id, NULL AS created_at, NULL AS content_hash,
+        NULL AS fingerprint, NULL AS window, NULL AS first, NULL AS message_id,
+        NULL AS sender, NULL AS size, NULL AS client, NULL AS peer, NULL AS lane,
+        NULL AS identity, NULL AS body, NULL AS body_path, NULL AS listener,
+        NULL AS address, NULL AS destination, NULL AS lane_prio;
+    CREATE TEMP TRIGGER intake_row INSTEAD OF INSERT ON intake BEGIN
+        INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)
+            VALUES (NEW.key, NEW.msg_id, NEW.created_at, NEW.content_hash, NEW.fingerprint)
+            ON CONFLICT (key) DO UPDATE SET msg_id = excluded.msg_id,
+            created_at = excluded.created_at, content_hash = excluded.content_hash,
+            fingerprint = excluded.fingerprint
+            WHERE dedup.created_at <= excluded.created_at - NEW.window;
+        SELECT RAISE(ABORT, '{INTAKE_LIVE}') WHERE changes() = 0;
+        INSERT INTO messages (id, message_id, sender, size, created_at, client, peer, lane,
+            identity, body, body_path, listener)
+            SELECT NEW.msg_id, NEW.message_id, NEW.sender, NEW.size, NEW.created_at,
+            NEW.client, NEW.peer, NEW.lane, NEW.identity, NEW.body, NEW.body_path,
+            NEW.listener WHERE NEW.first;
+        INSERT INTO recipients (msg_id, address, destination, lane_prio, state,
+            next_attempt_at, dedup_key, updated_at)
+            VALUES (NEW.msg_id, NEW.address, NEW.destination, NEW.lane_prio, 'pending',
+            NEW.created_at, NEW.key, NEW.created_at);
+    END;
+"""
+
+
 def statements(script: str) -> Iterator[str]:
     buf = ""
     for line in script.splitlines(keepends=True):

@@ -35,6 +35,14 @@ Rules:
   for the batch instead of a few statements per message and a SAVEPOINT/RELEASE per job);
   the others run alone (their statements are calls in this thread, there is no round trip
   to save).
+- A job that writes all or nothing by itself (`Grouped(atomic=True)`: the inbound's accepts,
+  one INSERT of SQLite for the batch, relay/spool/ops.py `_accept_many_sqlite`) runs without
+  a SAVEPOINT of its own on SQLite, alone or in its group: a batch of accepts is BEGIN, one
+  INSERT, COMMIT. Each statement is a few releases of the GIL by Python's sqlite3 module
+  (five around each `execute`: its reset, step and change counts), and each release while
+  the event loop runs is a hand-over of the GIL and back (two wake-ups of a thread): the
+  inbound writer's releases per message went from 4.3 to 1.8, its process's CPU per
+  message -5 to -10% (bench/README.md, "A ninth machine").
 - Gathering (`spool.gather`, 3 ms): when the job that opens a batch is an accept
   (`Grouped(..., gather=True)`) and the batch before held more than one job, the thread
   waits that long for more before it starts the batch. Under concurrent SMTP sessions that
@@ -92,12 +100,15 @@ class Grouped(Generic[T]):
     """A job the writer may run with the other jobs of its batch on the same `many` (see
     the rules); alone it is `many(conn, [arg])[0]`. `sqlite`: grouped on SQLite too.
     `gather`: a batch it opens after a shared batch waits `spool.gather` for more (the
-    inbound's accepts; see the rules)."""
+    inbound's accepts; see the rules). `atomic`: on SQLite, `many` writes all of its group
+    or nothing (one statement, or a savepoint of its own), so the writer opens no SAVEPOINT
+    around it, alone or grouped (see the rules)."""
 
     many: Callable[[Any, list[Any]], list[T]]
     arg: Any
     sqlite: bool = False
     gather: bool = False
+    atomic: bool = False
 
     def __call__(self, conn: Any) -> T:
         return self.many(conn, [self.arg])[0]
@@ -284,10 +295,10 @@ class SpoolWriter:
         grouping = db.dialect(conn) == "postgresql"
         for unit in plan(batch, grouping):
             taken = [item for item in unit if _take(item)]  # not run: its caller gave up
-            if len(taken) > 1 and self._run_group(conn, taken, results):
+            if len(taken) > 1 and self._run_group(conn, taken, results, grouping):
                 continue
             for item in taken:
-                self._run_one(conn, item, results)
+                self._run_one(conn, item, results, grouping)
         try:
             faults.hit("spool.commit")
             conn.execute("COMMIT")
@@ -319,22 +330,28 @@ class SpoolWriter:
         conn: sqlite3.Connection,
         items: list[Item],
         results: list[tuple[Item, Any, BaseException | None]],
+        grouping: bool,
     ) -> bool:
         """Run Grouped jobs in one call; False (nothing done) when it failed."""
-        many = items[0][0].many  # type: ignore[attr-defined]
+        first = items[0][0]
+        many = first.many  # type: ignore[attr-defined]
+        saved = grouping or not first.atomic  # type: ignore[attr-defined]
         try:
-            conn.execute("SAVEPOINT job")
+            if saved:
+                conn.execute("SAVEPOINT job")
             faults.hit("spool.job")
             res = many(conn, [item[0].arg for item in items])  # type: ignore[attr-defined]
             if len(res) != len(items):
                 raise RuntimeError(f"{many!r} gave {len(res)} results for {len(items)} jobs")
-            conn.execute("RELEASE job")
-        except Exception as e:
-            try:
-                conn.execute("ROLLBACK TO job")
+            if saved:
                 conn.execute("RELEASE job")
-            except sqlite3.Error:
-                pass
+        except Exception as e:
+            if saved:
+                try:
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
+                except sqlite3.Error:
+                    pass
             log.debug("a group of %d jobs failed (%s); running them one by one", len(items), e)
             return False
         results.extend((item, r, None) for item, r in zip(items, res, strict=True))
@@ -346,21 +363,27 @@ class SpoolWriter:
         conn: sqlite3.Connection,
         item: Item,
         results: list[tuple[Item, Any, BaseException | None]],
+        grouping: bool,
     ) -> None:
+        job = item[0]
+        saved = grouping or not (isinstance(job, Grouped) and job.atomic)
         for attempt in range(JOB_TRIES):
             try:
-                conn.execute("SAVEPOINT job")
+                if saved:
+                    conn.execute("SAVEPOINT job")
                 faults.hit("spool.job")
-                res = item[0](conn)
-                conn.execute("RELEASE job")
+                res = job(conn)
+                if saved:
+                    conn.execute("RELEASE job")
                 results.append((item, res, None))
                 return
             except Exception as e:
-                try:
-                    conn.execute("ROLLBACK TO job")
-                    conn.execute("RELEASE job")
-                except sqlite3.Error:
-                    pass
+                if saved:
+                    try:
+                        conn.execute("ROLLBACK TO job")
+                        conn.execute("RELEASE job")
+                    except sqlite3.Error:
+                        pass
                 if attempt + 1 < JOB_TRIES and db.retryable(e):
                     continue  # a deadlock victim: the peer has its locks now
                 if db.refuses_writes(e):

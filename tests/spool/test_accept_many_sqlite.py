@@ -1,6 +1,7 @@
-"""The inbound's accepts of one writer batch on SQLite (issue 29): one group, one SAVEPOINT
-and a few prepared statements, with every job given the result `accept` would have given
-it one by one, and one bad job still failing alone."""
+"""The inbound's accepts of one writer batch on SQLite (issue 29): one group, one INSERT into
+the connection's `intake` view and no SAVEPOINT (`Grouped(atomic=True)`), with every job
+given the result `accept` would have given it one by one, and one bad job still failing
+alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from relay.spool import db, ops
+from relay.spool.schema import INTAKE_LIVE
 from relay.spool.writer import Grouped, SpoolWriter
 from tests.spool.test_batching import CASES, NOW, WINDOW, _batched, _dump, _msg
 
@@ -106,47 +108,93 @@ def test_accept_many_on_sqlite_falls_back_when_one_key_would_be_taken_twice(
     assert [tuple(r) for r in rows] == [("k1", "Q2")]
 
 
-class _Blind:
-    """A connection whose read of the dedup keys finds none: as if a key were taken
-    between the read and the take."""
+class _Counted:
+    """A connection that counts the statements it is given (a trigger's own are not
+    statements of the caller's)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self.sql: list[str] = []
 
     def execute(self, sql: str, args: Any = ()) -> Any:
-        if sql.startswith("SELECT key, created_at FROM dedup"):
-            return iter(())
+        self.sql.append(sql.split(" VALUES")[0])
         return self.conn.execute(sql, args)
 
-    def executemany(self, sql: str, rows: Any) -> Any:
-        return self.conn.executemany(sql, rows)
-
-    @property
-    def total_changes(self) -> int:
-        return self.conn.total_changes
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
 
 
-def test_a_key_taken_behind_the_read_fails_the_group(conn: sqlite3.Connection) -> None:
+def _rows(conn: sqlite3.Connection) -> tuple[int, int, int]:
+    return (
+        conn.execute("SELECT count(*) FROM messages").fetchone()[0],
+        conn.execute("SELECT count(*) FROM recipients").fetchone()[0],
+        conn.execute("SELECT count(*) FROM dedup").fetchone()[0],
+    )
+
+
+def test_a_live_key_backs_the_whole_intake_statement_out(conn: sqlite3.Connection) -> None:
+    """The trigger RAISEs at the second message's live key: nothing of the first stays
+    written (SQLite backs the statement out, the transaction goes on), and the batch is
+    then decided by `accept` one by one."""
     conn.execute("BEGIN")
     try:
         ops.accept(conn, _msg("B1", NOW, ("z@x.org", "k9", None)), WINDOW)
+        before = _rows(conn)
         batch = [_msg("Q1", NOW, ("y@x.org", "k8", None)), _msg("Q2", NOW, ("w@x.org", "k9", None))]
-        with pytest.raises(RuntimeError):
-            ops.accept_many(_Blind(conn), [(m, WINDOW) for m in batch])  # type: ignore[arg-type]
+        items = [(m, WINDOW) for m in batch]
+        with pytest.raises(sqlite3.IntegrityError, match=INTAKE_LIVE):
+            ops._intake(conn, [row for m, w in items for row in _intake_rows(m, w)])
+        assert _rows(conn) == before and conn.in_transaction
+        res = ops.accept_many(conn, items)
+        assert [(r.queue_id, r.queued, r.duplicates) for r in res] == [
+            ("Q1", ("y@x.org",), ()),
+            (None, (), ("w@x.org",)),
+        ]
     finally:
         conn.execute("ROLLBACK")
 
 
-def _accept(m: ops.NewMessage) -> Grouped[ops.AcceptResult]:
-    return Grouped(ops.accept_many, (m, WINDOW), sqlite=True)
+def test_a_queue_id_taken_twice_fails_the_whole_intake(conn: sqlite3.Connection) -> None:
+    """Not a live key but another constraint (the messages' primary key): the error goes to
+    the writer (which fails that job alone), and nothing of the batch stays written."""
+    conn.execute("BEGIN")
+    try:
+        ops.accept(conn, _msg("Q1", NOW, ("a@x.org", "k1", None)), WINDOW)
+        before = _rows(conn)
+        batch = [_msg("Q2", NOW, ("b@x.org", "k2", None)), _msg("Q1", NOW, ("c@x.org", "k3", None))]
+        with pytest.raises(sqlite3.IntegrityError) as e:
+            ops.accept_many(conn, [(m, WINDOW) for m in batch])
+        assert INTAKE_LIVE not in str(e.value)
+        assert _rows(conn) == before
+    finally:
+        conn.execute("ROLLBACK")
 
 
-def test_the_sqlite_writer_runs_accepts_of_a_batch_as_one_group(tmp_path: Path) -> None:
+def _intake_rows(m: ops.NewMessage, window: float) -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = []
+    for i, r in enumerate(m.recipients):
+        rows.append(
+            (r.dedup_key, m.queue_id, m.created_at, r.content_hash, r.fingerprint, window, i == 0,
+             m.message_id, m.sender, m.size, m.client, m.peer, m.lane, m.identity,
+             m.body if i == 0 else None, m.body_path, m.listener, r.address, r.destination,
+             m.lane_prio)
+        )  # fmt: skip
+    return rows
+
+
+def _accept(m: ops.NewMessage, atomic: bool = True) -> Grouped[ops.AcceptResult]:
+    return Grouped(ops.accept_many, (m, WINDOW), sqlite=True, atomic=atomic)
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "savepoint"])
+def test_the_sqlite_writer_runs_accepts_of_a_batch_as_one_group(
+    tmp_path: Path, atomic: bool
+) -> None:
     w = SpoolWriter(tmp_path / "spool")
     w.start()
     try:
         msgs = [_msg(f"Q{i:02}", NOW + i, (f"r{i}@x.org", f"k{i}", None)) for i in range(20)]
-        res = _batched(w, [_accept(m) for m in msgs])
+        res = _batched(w, [_accept(m, atomic) for m in msgs])
         assert [r.queue_id for r in res] == [m.queue_id for m in msgs]
         assert w.grouped == 20
         # a Grouped job without sqlite=True runs alone on SQLite
@@ -161,19 +209,20 @@ def test_the_sqlite_writer_runs_accepts_of_a_batch_as_one_group(tmp_path: Path) 
         w.close()
 
 
-def test_one_bad_accept_of_a_sqlite_group_fails_alone(tmp_path: Path) -> None:
-    """Q1 again (its queue id is taken): the group fails, is rolled back, and its jobs run
-    one by one; only that one fails."""
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "savepoint"])
+def test_one_bad_accept_of_a_sqlite_group_fails_alone(tmp_path: Path, atomic: bool) -> None:
+    """Q1 again (its queue id is taken): the group fails, is rolled back (atomic: SQLite
+    backs its one statement out), and its jobs run one by one; only that one fails."""
     w = SpoolWriter(tmp_path / "spool")
     w.start()
     try:
-        w.run_sync(_accept(_msg("Q1", NOW, ("a@x.org", "k1", None))))
+        w.run_sync(_accept(_msg("Q1", NOW, ("a@x.org", "k1", None)), atomic))
         batch = [
             _msg("Q2", NOW + 1, ("b@x.org", "k2", None)),
             _msg("Q1", NOW + 2, ("c@x.org", "k3", None)),
             _msg("Q3", NOW + 3, ("d@x.org", "k4", None)),
         ]
-        res = _batched(w, [_accept(m) for m in batch])
+        res = _batched(w, [_accept(m, atomic) for m in batch])
         assert [type(r).__name__ for r in res] == ["AcceptResult", "SpoolError", "AcceptResult"]
         assert w.grouped == 0
         keys = w.run_sync(lambda c: [r[0] for r in c.execute("SELECT key FROM dedup ORDER BY key")])
@@ -193,10 +242,15 @@ def _big_batch(n: int, rcpts: int) -> list[ops.NewMessage]:
     ]
 
 
-def test_accept_many_on_sqlite_past_one_statements_parameters(conn: sqlite3.Connection) -> None:
-    """More rows than one statement's 999 parameters hold (90 messages x 5 recipients: 450
-    recipient rows of 8 values, 450 keys of 5, 90 messages of 12): more statements, the
-    same rows as one by one, and the keys taken over where expired."""
+@pytest.mark.parametrize("limit", [None, 999], ids=["library", "999"])
+def test_accept_many_on_sqlite_past_one_statements_parameters(
+    conn: sqlite3.Connection, limit: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """90 messages x 5 recipients: 450 rows of 20 values, one statement under this SQLite's
+    limit, 10 under the 999 of SQLite before 3.32 (under a savepoint): the same rows as
+    one by one, and the keys taken over where expired."""
+    if limit is not None:
+        monkeypatch.setattr(ops, "_intake_params", lambda _c: limit)
     batch = _big_batch(90, 5)
     seed = [("k7-3", "OLD", NOW - WINDOW - 1, None), ("k80-0", "OLD", NOW - WINDOW - 1, None)]
     alone, state_alone = _run(conn, seed, batch, grouped=False)
@@ -206,20 +260,44 @@ def test_accept_many_on_sqlite_past_one_statements_parameters(conn: sqlite3.Conn
     assert len(state_together[1]) == 450
 
 
-def test_accept_many_on_sqlite_is_one_step_per_table(conn: sqlite3.Connection) -> None:
-    """The batch's rows go in one statement per table, not one per row (`executemany`):
-    each statement lets go of the GIL and waits to have it back (the inbound's event loop
-    runs meanwhile), so a row each was a hand-over of the GIL each."""
+def test_accept_many_on_sqlite_is_one_statement(conn: sqlite3.Connection) -> None:
+    """The batch's rows go in one statement for the three tables, not one per table or per
+    row: each statement lets go of the GIL a few times and waits to have it back (the
+    inbound's event loop runs meanwhile), so each was a few hand-overs of the GIL."""
     batch = _big_batch(4, 3)
-    inserts: list[str] = []
-    conn.set_trace_callback(lambda sql: inserts.append(sql) if sql.startswith("INSERT") else None)
+    counted = _Counted(conn)
+    conn.execute("BEGIN")
     try:
-        res, _state = _run(conn, [], batch, grouped=True)
+        res = ops.accept_many(counted, [(m, WINDOW) for m in batch])  # type: ignore[arg-type]
+        assert _rows(conn) == (4, 12, 12)
     finally:
-        conn.set_trace_callback(None)
+        conn.execute("ROLLBACK")
     assert [r.queue_id for r in res] == [m.queue_id for m in batch]
-    assert [s.split(" (")[0] for s in inserts] == [
-        "INSERT INTO dedup",
-        "INSERT INTO messages",
-        "INSERT INTO recipients",
-    ], inserts
+    assert counted.sql == ["INSERT INTO intake"]
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "savepoint"])
+def test_an_atomic_batch_of_accepts_is_three_statements(tmp_path: Path, atomic: bool) -> None:
+    """The writer opens no SAVEPOINT around an atomic group, nor around an atomic job alone:
+    a batch of accepts is BEGIN IMMEDIATE, the INSERT, COMMIT."""
+    w = SpoolWriter(tmp_path / "spool")
+    w.start()
+    seen: list[str] = []
+    try:
+        assert w._conn is not None
+        w._conn.set_trace_callback(lambda sql: seen.append(sql.split(" VALUES")[0]))
+        res = _batched(
+            w,
+            [_accept(_msg(f"Q{i}", NOW, (f"r{i}@x.org", f"k{i}", None)), atomic) for i in range(5)],
+        )
+        assert [r.queue_id for r in res] == [f"Q{i}" for i in range(5)]
+        w.run_sync(_accept(_msg("Q9", NOW, ("r9@x.org", "k9", None)), atomic))
+    finally:
+        w.close()
+    statements = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]  # a trigger's
+    # statements are traced as the INSERT that runs them
+    ours = [s for s in statements if not s.startswith("SELECT")]  # _batched's gate
+    saved = [] if atomic else ["SAVEPOINT job"]
+    released = [] if atomic else ["RELEASE job"]
+    one = ["BEGIN IMMEDIATE", *saved, "INSERT INTO intake", *released, "COMMIT"]
+    assert ours[-2 * len(one) :] == one + one, statements
