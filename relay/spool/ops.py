@@ -35,7 +35,8 @@ from relay.spool.model import (
     sources_for,
     sql_in,
 )
-from relay.spool.schema import INTAKE_LIVE
+from relay.spool.schema import INTAKE_LIVE, OUTCOME_CHANGED, outcome_set
+from relay.spool.schema import attempt_ends as _attempt_ends
 
 _DUE = sql_in(WAITING)
 # recipients_due's WHERE exactly as migration 0 spells it: SQLite uses a partial index only
@@ -43,18 +44,6 @@ _DUE = sql_in(WAITING)
 _DUE_INDEXED = "('pending', 'deferred')"
 assert set(_DUE_INDEXED.strip("()").replace("'", "").split(", ")) == {s.value for s in WAITING}
 _IN_QUEUE = sql_in(WAITING | {RcptState.SENDING})
-
-
-def _attempt_ends(state: str) -> str:
-    """The SET of a recipient's attempt ending in `state` (an SQL expression: an outcome's
-    parameter or column, or `deferred` for a claim given back undelivered): `held` instead
-    of `deferred` when an operator held it during the attempt (relay/spool/model.py), and
-    the mark cleared. Every claim clears it too (a mark left by a node of an older version,
-    which ignores it, never holds a later attempt)."""
-    return (
-        f"state = CASE WHEN hold_after = 1 AND {state} = '{RcptState.DEFERRED}'"
-        f" THEN '{RcptState.HELD}' ELSE {state} END, hold_after = 0"
-    )
 
 
 _GIVEN_BACK = _attempt_ends(f"'{RcptState.DEFERRED}'")  # a crash, a lease, a lost claim
@@ -358,7 +347,7 @@ def accept_many(
     return [AcceptResult(m.queue_id, tuple(r.address for r in m.recipients), ()) for m in msgs]
 
 
-# host parameters per statement where the SQLite library cannot say (`_intake_params`): its
+# host parameters per statement where the SQLite library cannot say (`_sqlite_params`): its
 # default limit before 3.32, so any build takes it
 _SQLITE_PARAMS = 999
 
@@ -406,7 +395,7 @@ def _accept_many_sqlite(
         for m, _w in items
         for i, r in enumerate(m.recipients)
     ]
-    per = max(1, _intake_params(conn) // _INTAKE_WIDTH)
+    per = max(1, _sqlite_params(conn) // _INTAKE_WIDTH)
     try:
         if len(rows) <= per:
             _intake(conn, rows)
@@ -446,7 +435,7 @@ def _intake(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
     conn.execute(_intake_sql(len(rows)), [v for r in rows for v in r])
 
 
-def _intake_params(conn: sqlite3.Connection) -> int:
+def _sqlite_params(conn: sqlite3.Connection) -> int:
     """Host parameters one statement may have on this connection's SQLite (999 before
     3.32, 32,766 since)."""
     try:
@@ -553,10 +542,10 @@ def claim_due(
         ).fetchall()
     if not rows:
         return []
-    conn.executemany(
+    conn.execute(  # one statement for the claim (each is a few releases of the GIL)
         f"UPDATE recipients SET state = '{RcptState.SENDING}', hold_after = 0, updated_at = ?,"
-        " lease_owner = ?, lease_until = ? WHERE id = ?",
-        [(now, owner, lease_until, r[0]) for r in rows],
+        " lease_owner = ?, lease_until = ? WHERE id IN (SELECT value FROM json_each(?))",
+        (now, owner, lease_until, json.dumps([r[0] for r in rows])),
     )
     if envelopes is not None:
         envelopes.update(load_envelopes(conn, {r[1] for r in rows}))
@@ -780,9 +769,7 @@ def record(
 # writer batch's records as one group); `_HELD` added when the claim has an owner. A
 # `deferred` outcome of a recipient held during its attempt makes it `held`.
 _RECORD_UPDATE = (
-    f"UPDATE recipients SET {_attempt_ends('?')}, attempts = attempts + ?, next_attempt_at = ?,"
-    " last_reply = coalesce(?, last_reply), reason = ?, updated_at = ?,"
-    " upstream_id = coalesce(?, upstream_id), lease_owner = NULL, lease_until = NULL"
+    f"UPDATE recipients SET {outcome_set(*'???????')}"  # the state's ? is read twice
     f" WHERE id = ? AND state = '{RcptState.SENDING}'"
 )
 # (a claim with no owner is one made before leases: nobody else holds it)
@@ -791,7 +778,7 @@ _HELD = " AND (lease_owner = ? OR lease_owner IS NULL)"
 
 def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
     return (
-        o.state.value,  # _attempt_ends('?') reads it twice
+        o.state.value,  # attempt_ends('?') reads it twice
         o.state.value,
         1 if o.count_attempt else 0,
         o.next_attempt_at,
@@ -1031,6 +1018,16 @@ def record_many(
     return counts
 
 
+_OUTCOME_WIDTH = 17  # the columns of `outcome` (relay/spool/schema.py)
+
+
+@functools.lru_cache(maxsize=64)
+def _outcome_sql(rows: int) -> str:
+    return "INSERT INTO outcome VALUES " + ",".join(
+        ["(" + ",".join("?" * _OUTCOME_WIDTH) + ")"] * rows
+    )
+
+
 def _record_many_sqlite(
     conn: sqlite3.Connection,
     calls: Sequence[tuple[Sequence[RcptUpdate], float, str | None]],
@@ -1039,9 +1036,10 @@ def _record_many_sqlite(
 ) -> list[int]:
     """`record_many` on SQLite (the writer's group of a batch: one SAVEPOINT for the batch's
     records, relay/spool/writer.py): one SELECT of the recipients still `sending` (and held
-    by `owner`) with their messages' identities, then one prepared statement each for the
-    updates, the attempt log, the suppression list, the daily counters and the hourly
-    delivered counts, run over the whole batch (executemany), instead of a few statements
+    by `owner`) with their messages' identities, then one INSERT into the connection's
+    `outcome` view (relay/spool/schema.py: its trigger updates the recipient and writes its
+    attempt-log row) for every outcome, and one prepared statement each for the suppression
+    list, the daily counters and the hourly delivered counts, instead of a few statements
     per outcome. `+r.state`: the recipients are found by their ids (the primary key), not
     by scanning every one in flight through recipients_waiting (what SQLite's planner
     chose: 41 µs per record of one outcome in groups of 5 with 3,000 in flight, against 14
@@ -1072,22 +1070,38 @@ def _record_many_sqlite(
     for _i, o, _n, _d in done:
         if found[o.rcpt_id][0] != o.msg_id:  # `record` reads the outcome's message: it decides
             raise RuntimeError(f"recipient {o.rcpt_id} is not one of {o.msg_id}")
-    before = conn.total_changes
-    conn.executemany(
-        _RECORD_UPDATE + ("" if owner is None else _HELD),
-        [_record_update_args(o, now, owner) for _i, o, now, _d in done],
-    )
-    if conn.total_changes - before != len(done):
-        raise RuntimeError("a recipient changed between the read and the update")
-    conn.executemany(
-        "INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply,"
-        " duration) VALUES (?,?,?,?,?,?,?,?)",
-        [
-            (o.msg_id, o.rcpt_id, now, lg.destination, lg.host, lg.outcome, lg.reply, lg.duration)
-            for _i, o, now, _d in done
-            if (lg := o.log) is not None
-        ],
-    )
+    rows = [
+        (
+            o.rcpt_id,
+            o.state.value,
+            1 if o.count_attempt else 0,
+            o.next_attempt_at,
+            o.last_reply,
+            o.reason,
+            now,
+            o.upstream_id,
+            owner is not None,
+            owner,
+            lg is not None,
+            o.msg_id,
+            *(
+                (None,) * 5
+                if lg is None
+                else (lg.destination, lg.host, lg.outcome, lg.reply, lg.duration)
+            ),
+        )
+        for _i, o, now, _d in done
+        for lg in (o.log,)
+    ]
+    per = max(1, _sqlite_params(conn) // _OUTCOME_WIDTH)
+    try:  # the writer's savepoint holds the group: several statements need no other
+        for k in range(0, len(rows), per):
+            chunk = rows[k : k + per]
+            conn.execute(_outcome_sql(len(chunk)), [v for r in chunk for v in r])
+    except sqlite3.IntegrityError as e:
+        if OUTCOME_CHANGED not in str(e):
+            raise
+        raise RuntimeError("a recipient changed between the read and the update") from e
     conn.executemany(
         "INSERT INTO suppression (address, scope, reason, created_at, source)"
         " VALUES (?,'',?,?,'smtp') ON CONFLICT DO NOTHING",

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 
+from relay.spool.model import RcptState
+
 MIGRATIONS: list[str] = [
     # 0 -> 1: the first schema.
     """
@@ -298,6 +300,32 @@ MIGRATIONS: list[str] = [
 ]
 
 
+def attempt_ends(state: str) -> str:
+    """The SET of a recipient's attempt ending in `state` (an SQL expression: an outcome's
+    parameter or column, or `deferred` for a claim given back undelivered): `held` instead
+    of `deferred` when an operator held it during the attempt (relay/spool/model.py), and
+    the mark cleared. Every claim clears it too (a mark left by a node of an older version,
+    which ignores it, never holds a later attempt). Used by relay/spool/ops.py's records and
+    give-backs on both backends, and by `outcome` below."""
+    return (
+        f"state = CASE WHEN hold_after = 1 AND {state} = '{RcptState.DEFERRED}'"
+        f" THEN '{RcptState.HELD}' ELSE {state} END, hold_after = 0"
+    )
+
+
+def outcome_set(
+    state: str, counted: str, next_at: str, reply: str, reason: str, now: str, upstream: str
+) -> str:
+    """The SET of an outcome recorded on SQLite (SQL expressions for its values): one
+    outcome's UPDATE (ops.py `record`) and `outcome`'s trigger below."""
+    return (
+        f"{attempt_ends(state)}, attempts = attempts + {counted}, next_attempt_at = {next_at},"
+        f" last_reply = coalesce({reply}, last_reply), reason = {reason}, updated_at = {now},"
+        f" upstream_id = coalesce({upstream}, upstream_id), lease_owner = NULL,"
+        " lease_until = NULL"
+    )
+
+
 # Every SQLite connection's temporary objects (relay/spool/db.py makes them at connect; they
 # live in the connection's own `temp` schema, never in the spool file, so no migration).
 # `intake`: a writer batch's accepts as one INSERT of a row per recipient (relay/spool/
@@ -307,7 +335,17 @@ MIGRATIONS: list[str] = [
 # A key live within the window (or twice in the statement) RAISEs: SQLite backs the whole
 # statement out (ABORT) and the transaction goes on, so the batch is decided again by
 # `accept` one by one. `INTAKE_LIVE` is the error's text.
+# `outcome`: a writer batch's records (ops.py `_record_many_sqlite`) as one INSERT of a row
+# per outcome: its trigger applies the outcome to the recipient if it is still `sending`
+# (and held by the row's `owner` when `held`), then writes its attempt-log row (`logged`).
+# A recipient that changed since the record's read RAISEs (`OUTCOME_CHANGED`): the whole
+# statement is backed out and the writer runs the records one by one.
 INTAKE_LIVE = "relay: a dedup key is live"
+_NEW_OUTCOME = outcome_set(
+    "NEW.state", "NEW.counted", "NEW.next_attempt_at", "NEW.last_reply", "NEW.reason",
+    "NEW.now", "NEW.upstream_id",
+)  # fmt: skip
+OUTCOME_CHANGED = "relay: a recipient changed between the read and the update"
 SQLITE_TEMP = f"""
     CREATE TEMP VIEW intake AS SELECT
         NULL AS key, NULL AS msg_id, NULL AS created_at, NULL AS content_hash,
@@ -332,6 +370,20 @@ SQLITE_TEMP = f"""
             next_attempt_at, dedup_key, updated_at)
             VALUES (NEW.msg_id, NEW.address, NEW.destination, NEW.lane_prio, 'pending',
             NEW.created_at, NEW.key, NEW.created_at);
+    END;
+    CREATE TEMP VIEW outcome AS SELECT
+        NULL AS id, NULL AS state, NULL AS counted, NULL AS next_attempt_at,
+        NULL AS last_reply, NULL AS reason, NULL AS now, NULL AS upstream_id, NULL AS held,
+        NULL AS owner, NULL AS logged, NULL AS msg_id, NULL AS destination, NULL AS host,
+        NULL AS outcome, NULL AS reply, NULL AS duration;
+    CREATE TEMP TRIGGER outcome_row INSTEAD OF INSERT ON outcome BEGIN
+        UPDATE recipients SET {_NEW_OUTCOME}
+            WHERE id = NEW.id AND state = '{RcptState.SENDING}'
+            AND (NOT NEW.held OR lease_owner = NEW.owner OR lease_owner IS NULL);
+        SELECT RAISE(ABORT, '{OUTCOME_CHANGED}') WHERE changes() = 0;
+        INSERT INTO attempts (msg_id, rcpt_id, at, destination, host, outcome, reply, duration)
+            SELECT NEW.msg_id, NEW.id, NEW.now, NEW.destination, NEW.host, NEW.outcome,
+            NEW.reply, NEW.duration WHERE NEW.logged;
     END;
 """
 

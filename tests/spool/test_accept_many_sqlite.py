@@ -250,7 +250,7 @@ def test_accept_many_on_sqlite_past_one_statements_parameters(
     limit, 10 under the 999 of SQLite before 3.32 (under a savepoint): the same rows as
     one by one, and the keys taken over where expired."""
     if limit is not None:
-        monkeypatch.setattr(ops, "_intake_params", lambda _c: limit)
+        monkeypatch.setattr(ops, "_sqlite_params", lambda _c: limit)
     batch = _big_batch(90, 5)
     seed = [("k7-3", "OLD", NOW - WINDOW - 1, None), ("k80-0", "OLD", NOW - WINDOW - 1, None)]
     alone, state_alone = _run(conn, seed, batch, grouped=False)

@@ -1,7 +1,8 @@
 """The engine's records of one writer batch on SQLite (issues 29 and 31): one group, one
-SAVEPOINT and a few prepared statements, leaving every row (recipients, attempt log,
-suppression list, daily and hourly counters) as `record` one call after the other would,
-and one bad record still failing alone."""
+SAVEPOINT, one INSERT into the connection's `outcome` view for every outcome and a few
+prepared statements, leaving every row (recipients, attempt log, suppression list, daily
+and hourly counters) as `record` one call after the other would, and one bad record still
+failing alone; and a claim's mark as one statement."""
 
 from __future__ import annotations
 
@@ -176,6 +177,69 @@ def test_a_recipient_changed_behind_the_read_fails_the_group(conn: sqlite3.Conne
             ops.record_many(_Stale(conn), calls, "n1")  # type: ignore[arg-type]
     finally:
         conn.execute("ROLLBACK")
+
+
+class _Counted:
+    """A connection that counts the statements it is given, and their rows for
+    `executemany` (a trigger's own statements are not the caller's)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.sql: list[str] = []
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        self.sql.append(sql.split(" VALUES")[0].split(" WHERE")[0])
+        return self.conn.execute(sql, args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        rows = list(rows)
+        self.sql += [sql.split(" VALUES")[0]] * len(rows)
+        return self.conn.executemany(sql, rows)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def test_the_outcomes_of_a_batch_are_one_statement(conn: sqlite3.Connection) -> None:
+    """Every outcome of the batch (the recipient's update and its attempt-log row) in one
+    INSERT: each statement lets go of the GIL a few times, and the engine's event loop
+    runs the SMTP connections meanwhile. Then the suppression list and the counters, a row
+    each (summed)."""
+    conn.execute("BEGIN")
+    try:
+        ids, qids = _seed(conn, 9)
+        calls = _cases(ids, qids)["counters summed over calls, days and hours"]
+        counted = _Counted(conn)
+        ops.record_many(counted, calls, "n1")  # type: ignore[arg-type]
+        attempts = conn.execute("SELECT count(*) FROM attempts").fetchone()[0]
+    finally:
+        conn.execute("ROLLBACK")
+    outcomes = [s for s in counted.sql if "outcome" in s]
+    assert outcomes == ["INSERT INTO outcome"], counted.sql
+    assert "UPDATE recipients SET" not in " ".join(counted.sql)
+    assert attempts == sum(1 for outs, _n, _d in calls for o in outs if o.log is not None) - 1
+    # (the held one, Q3 under n2's lease, is not n1's to record: nothing of it is written)
+
+
+def test_a_claim_marks_its_recipients_in_one_statement(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN")
+    try:
+        for i in range(6):
+            ops.accept(conn, _msg(f"Q{i}", NOW, (f"r{i}@x.org", f"k{i}", None)), WINDOW)
+        counted = _Counted(conn)
+        claims = ops.claim_due(counted, NOW, 10, owner="n1", lease_until=NOW + 30)  # type: ignore[arg-type]
+        marked = conn.execute(
+            "SELECT count(*) FROM recipients WHERE state = 'sending' AND lease_owner = 'n1'"
+            " AND lease_until = ? AND updated_at = ?",
+            (NOW + 30, NOW),
+        ).fetchone()[0]
+    finally:
+        conn.execute("ROLLBACK")
+    assert len(claims) == 6 and marked == 6
+    assert [s for s in counted.sql if s.startswith("UPDATE")] == [
+        "UPDATE recipients SET state = 'sending', hold_after = 0, updated_at = ?,"
+        " lease_owner = ?, lease_until = ?"
+    ], counted.sql
 
 
 def test_an_outcome_of_another_message_fails_the_group(conn: sqlite3.Connection) -> None:
