@@ -776,9 +776,9 @@ _RECORD_UPDATE = (
 _HELD = " AND (lease_owner = ? OR lease_owner IS NULL)"
 
 
-def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
+def _outcome_values(o: RcptUpdate, now: float) -> tuple[Any, ...]:
+    """An outcome's values in `outcome_set`'s order (relay/spool/schema.py)."""
     return (
-        o.state.value,  # attempt_ends('?') reads it twice
         o.state.value,
         1 if o.count_attempt else 0,
         o.next_attempt_at,
@@ -786,6 +786,13 @@ def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[A
         o.reason,
         now,
         o.upstream_id,
+    )
+
+
+def _record_update_args(o: RcptUpdate, now: float, owner: str | None) -> tuple[Any, ...]:
+    return (
+        o.state.value,  # attempt_ends('?') reads it twice
+        *_outcome_values(o, now),
         o.rcpt_id,
         *(() if owner is None else (owner,)),
     )
@@ -1070,16 +1077,10 @@ def _record_many_sqlite(
     for _i, o, _n, _d in done:
         if found[o.rcpt_id][0] != o.msg_id:  # `record` reads the outcome's message: it decides
             raise RuntimeError(f"recipient {o.rcpt_id} is not one of {o.msg_id}")
-    rows = [
+    rows = [  # `outcome`'s columns (relay/spool/schema.py)
         (
             o.rcpt_id,
-            o.state.value,
-            1 if o.count_attempt else 0,
-            o.next_attempt_at,
-            o.last_reply,
-            o.reason,
-            now,
-            o.upstream_id,
+            *_outcome_values(o, now),
             owner is not None,
             owner,
             lg is not None,

@@ -70,8 +70,9 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -335,23 +336,13 @@ class SpoolWriter:
         """Run Grouped jobs in one call; False (nothing done) when it failed."""
         first = items[0][0]
         many = first.many  # type: ignore[attr-defined]
-        saved = grouping or not first.atomic  # type: ignore[attr-defined]
         try:
-            if saved:
-                conn.execute("SAVEPOINT job")
-            faults.hit("spool.job")
-            res = many(conn, [item[0].arg for item in items])  # type: ignore[attr-defined]
-            if len(res) != len(items):
-                raise RuntimeError(f"{many!r} gave {len(res)} results for {len(items)} jobs")
-            if saved:
-                conn.execute("RELEASE job")
+            with _job_savepoint(conn, grouping or not first.atomic):  # type: ignore[attr-defined]
+                faults.hit("spool.job")
+                res = many(conn, [item[0].arg for item in items])  # type: ignore[attr-defined]
+                if len(res) != len(items):
+                    raise RuntimeError(f"{many!r} gave {len(res)} results for {len(items)} jobs")
         except Exception as e:
-            if saved:
-                try:
-                    conn.execute("ROLLBACK TO job")
-                    conn.execute("RELEASE job")
-                except sqlite3.Error:
-                    pass
             log.debug("a group of %d jobs failed (%s); running them one by one", len(items), e)
             return False
         results.extend((item, r, None) for item, r in zip(items, res, strict=True))
@@ -369,27 +360,39 @@ class SpoolWriter:
         saved = grouping or not (isinstance(job, Grouped) and job.atomic)
         for attempt in range(JOB_TRIES):
             try:
-                if saved:
-                    conn.execute("SAVEPOINT job")
-                faults.hit("spool.job")
-                res = job(conn)
-                if saved:
-                    conn.execute("RELEASE job")
+                with _job_savepoint(conn, saved):
+                    faults.hit("spool.job")
+                    res = job(conn)
                 results.append((item, res, None))
                 return
             except Exception as e:
-                if saved:
-                    try:
-                        conn.execute("ROLLBACK TO job")
-                        conn.execute("RELEASE job")
-                    except sqlite3.Error:
-                        pass
                 if attempt + 1 < JOB_TRIES and db.retryable(e):
                     continue  # a deadlock victim: the peer has its locks now
                 if db.refuses_writes(e):
                     self.refused_at, self.refused = time.monotonic(), str(e)
                 results.append((item, None, e))
                 return
+
+
+@contextmanager
+def _job_savepoint(conn: sqlite3.Connection, saved: bool) -> Iterator[None]:
+    """A job (or a group) inside `SAVEPOINT job` when `saved`: released when it ends,
+    rolled back when it fails (the error goes on to the caller). Not `saved`: the job
+    writes all or nothing by itself (`Grouped.atomic`)."""
+    try:
+        if saved:
+            conn.execute("SAVEPOINT job")
+        yield
+        if saved:
+            conn.execute("RELEASE job")
+    except Exception:
+        if saved:
+            try:
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+            except sqlite3.Error:
+                pass
+        raise
 
 
 def _take(item: Item) -> bool:
