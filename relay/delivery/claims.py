@@ -200,11 +200,13 @@ class Claimer:
             # operator commands in the same transaction: a `queue flush` makes recipients
             # due and kicks the circuit in one commit, and the kick is applied (below)
             # before those recipients are dispatched
+            # and the suspensions, in the same statement (one round trip on PostgreSQL)
             if self._cmd_seen is None:  # at start: only what comes from now on
                 self._cmd_seen = ops.last_engine_command(c)
                 cmds: list[tuple[int, str, str]] = []
+                susp = ops.suspensions(c, now)
             else:
-                cmds = ops.engine_commands(c, self._cmd_seen)
+                cmds, susp = ops.pass_reads(c, self._cmd_seen, now)
             envs: dict[str, ops.Envelope] = {}  # the claims' envelopes, read with them
             claims = ops.claim_due(
                 c,
@@ -233,7 +235,7 @@ class Claimer:
                 wants = self._ceiling_wants(conf, claims, dests, now)
                 if wants:
                     grants = ops.ceiling_take(c, self.membership.node, day, wants, until)
-            return cmds, claims, envs, ops.suspensions(c, now), stored, dests, grants
+            return cmds, claims, envs, susp, stored, dests, grants
 
         # lazy: a claim lost in a power cut leaves its recipients due (no fsync of its own)
         try:

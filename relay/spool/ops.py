@@ -1452,6 +1452,27 @@ def engine_commands(conn: sqlite3.Connection, after: int) -> list[tuple[int, str
     ]
 
 
+def pass_reads(
+    conn: sqlite3.Connection, after: int, now: float
+) -> tuple[list[tuple[int, str, str]], dict[str, tuple[float, str]]]:
+    """`engine_commands(conn, after)` and `suspensions(conn, now)` in one statement: what
+    every claim pass reads (relay/delivery/claims.py), one round trip on PostgreSQL, not
+    two."""
+    cmds: list[tuple[int, str, str]] = []
+    susp: dict[str, tuple[float, str]] = {}
+    for kind, cid, a, b, until in conn.execute(
+        "SELECT 0, id, action, name, NULL FROM engine_commands WHERE id > ?"
+        " UNION ALL SELECT 1, NULL, name, reason, suspended_until FROM destinations"
+        " WHERE suspended_until > ? ORDER BY 1, 2",
+        (after, now),
+    ):
+        if kind == 0:
+            cmds.append((cid, a, b))
+        else:
+            susp[a] = (until, b or "")
+    return cmds, susp
+
+
 def last_engine_command(conn: sqlite3.Connection) -> int:
     return int(conn.execute("SELECT coalesce(max(id), 0) FROM engine_commands").fetchone()[0])
 

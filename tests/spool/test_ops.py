@@ -330,6 +330,18 @@ def test_reset_destination_frees_what_waited_for_the_circuit(conn: sqlite3.Conne
     ]
     assert ops.engine_commands(conn, 2) == [(3, "reset", "primary")]
     assert ops.last_engine_command(conn) == 3
+    # a claim pass's reads, in one statement: the commands and the suspensions
+    run(conn, ops.suspend_destination, "dest.example", T0 + 60, "maintenance")
+    run(conn, ops.suspend_destination, "late.example", T0 + 5, "")
+    for after, now in ((0, T0), (2, T0), (3, T0 + 10), (0, T0 + 100)):
+        assert ops.pass_reads(conn, after, now) == (
+            ops.engine_commands(conn, after),
+            ops.suspensions(conn, now),
+        )
+    assert ops.pass_reads(conn, 1, T0) == (
+        [(2, "kick", "*"), (3, "reset", "primary")],
+        {"dest.example": (T0 + 60, "maintenance"), "late.example": (T0 + 5, "")},
+    )
     rows = [tuple(r) for r in conn.execute("SELECT at, action, name FROM engine_commands")]
     assert rows == [
         (T0, "reset", "dest.example"),
