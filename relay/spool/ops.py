@@ -397,7 +397,9 @@ def _accept_many_sqlite(
     ]
     per = max(1, _sqlite_params(conn) // _INTAKE_WIDTH)
     try:
-        if len(rows) <= per:
+        if not rows:  # no message of the batch has a recipient: nothing to write
+            pass
+        elif len(rows) <= per:
             _intake(conn, rows)
         else:
             conn.execute("SAVEPOINT intake")

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relay.spool import db, ops
 from relay.spool.schema import INTAKE_LIVE
@@ -301,3 +303,69 @@ def test_an_atomic_batch_of_accepts_is_three_statements(tmp_path: Path, atomic: 
     released = [] if atomic else ["RELEASE job"]
     one = ["BEGIN IMMEDIATE", *saved, "INSERT INTO intake", *released, "COMMIT"]
     assert ours[-2 * len(one) :] == one + one, statements
+
+
+# --- random batches: the one statement decides as `accept` one by one ------------------------
+
+_KEYS = ["k1", "k2", "k3", "k4"]
+_ADDRS = ["a@x.org", "b@x.org", "c@y.org"]
+_seed_rows = st.lists(
+    st.tuples(
+        st.sampled_from(_KEYS),
+        # expired, at the window's edge (for Q0, Q1), or live
+        st.sampled_from([-2 * WINDOW, -WINDOW - 1, -WINDOW, -WINDOW + 0.1, -WINDOW / 2, 0.0]),
+        st.sampled_from([None, "h1"]),
+        st.sampled_from([None, "fpA"]),
+    ),
+    max_size=4,
+    unique_by=lambda r: r[0],
+)
+_rcpt = st.one_of(
+    st.tuples(
+        st.sampled_from(_ADDRS), st.sampled_from(_KEYS), st.none(), st.sampled_from(["fpA", "fpB"])
+    ),
+    st.tuples(st.sampled_from(_ADDRS), st.sampled_from(_KEYS), st.sampled_from(["h1", "h2"])),
+)
+# a message's recipients by address (its keys are made from them: one address has one key
+# in a message, and `accept` keeps one row per address)
+_batch = st.lists(
+    st.lists(_rcpt, min_size=0, max_size=3, unique_by=lambda r: r[0]), min_size=1, max_size=5
+)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=_seed_rows, batch=_batch)
+def test_accept_many_decides_random_batches_as_accept_one_by_one(
+    conn: sqlite3.Connection,
+    seed: list[tuple[str, float, str | None, str | None]],
+    batch: list[list[tuple[Any, ...]]],
+) -> None:
+    """Keys live, expired, repeated in the batch or in one message, Idempotency-Keys with
+    their content hashes, Message-IDs reused for other content (fingerprints), messages
+    without recipients: the results, the rows and the recipients' ids of the one statement
+    (or of its fall-back) are those of `accept` one message after the other."""
+    msgs = [_msg(f"Q{i}", NOW + i * 0.1, *rcpts) for i, rcpts in enumerate(batch)]
+
+    def run(grouped: bool) -> tuple[Any, ...]:
+        conn.execute("BEGIN")
+        try:
+            for key, age, h, fp in seed:
+                conn.execute(
+                    "INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)"
+                    " VALUES (?,?,?,?,?)",
+                    (key, "OLD", NOW + age, h, fp),
+                )
+            items = [(m, WINDOW) for m in msgs]
+            res = (
+                ops.accept_many(conn, items)
+                if grouped
+                else [ops.accept(conn, m, w) for m, w in items]
+            )
+            ids = [r[0] for r in conn.execute("SELECT id FROM recipients ORDER BY msg_id, id")]
+            return res, _dump(conn), ids
+        finally:
+            conn.execute("ROLLBACK")
+
+    assert run(grouped=True) == run(grouped=False)

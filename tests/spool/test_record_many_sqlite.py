@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relay.delivery import recorder
 from relay.spool import db, ops
@@ -323,3 +325,68 @@ def test_the_group_finds_its_recipients_by_id_not_by_scanning_those_in_flight(
         conn.set_trace_callback(None)
         conn.execute("ROLLBACK")
     assert "SEARCH r USING INTEGER PRIMARY KEY" in plan, plan
+
+
+# --- random batches: the one statement records as `record` one call after the other -------
+
+_outcome = st.tuples(
+    st.integers(0, 8),  # which of the nine recipients (Q3's is n2's: not n1's to record)
+    st.sampled_from(
+        [ops.RcptState.DELIVERED, ops.RcptState.DEFERRED, ops.RcptState.BOUNCED,
+         ops.RcptState.FAILED]
+    ),
+    st.booleans(),  # counts an attempt
+    st.booleans(),  # logged
+    st.sampled_from([(), ("dest:x.org",), ("dest:y.org", "id:example.com")]),
+    st.booleans(),  # suppress
+    st.sampled_from([None, "UP"]),
+)  # fmt: skip
+_calls = st.lists(st.lists(_outcome, max_size=3, unique_by=lambda o: o[0]), min_size=2, max_size=4)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(calls=_calls, owner=st.sampled_from(["n1", None]), held=st.booleans())
+def test_record_many_records_random_batches_as_record_one_call_after_the_other(
+    conn: sqlite3.Connection, calls: list[list[tuple[Any, ...]]], owner: str | None, held: bool
+) -> None:
+    """Outcomes of every kind, logged or not, counted or not, with counters, suppressions and
+    upstream ids, in calls of several outcomes, over recipients `sending` (one under another
+    node's lease, one held by an operator during its attempt when `held`): the counts and
+    every row of `record_many` (one statement for the outcomes) are those of `record` one
+    call after the other, or of its fall-back when a recipient is in two calls."""
+    log = ops.AttemptLog("delivered", "250 ok", "x.org", "mx.x.org", 0.5)
+
+    def run(grouped: bool) -> Any:
+        conn.execute("BEGIN")
+        try:
+            ids, qids = _seed(conn, 9)
+            if held:  # an operator's hold during the attempt (relay/spool/model.py)
+                conn.execute("UPDATE recipients SET hold_after = 1 WHERE id = ?", (ids[1],))
+            made = [
+                (
+                    [
+                        ops.RcptUpdate(
+                            ids[i], qids[i], state, counted,
+                            NOW + 60 if state is ops.RcptState.DEFERRED else None,
+                            f"{state} reply", None, log if logged else None,
+                            (f"r{i}@x.org", "550 gone") if suppress else None,
+                            counters, upstream,
+                        )
+                        for i, state, counted, logged, counters, suppress, upstream in outs
+                    ],
+                    NOW + 1 + k * 1800,
+                    f"day{k // 2}",
+                )
+                for k, outs in enumerate(calls)
+            ]  # fmt: skip
+            if grouped:
+                counts = ops.record_many(conn, made, owner)
+            else:
+                counts = [ops.record(conn, o, now, day, owner) for o, now, day in made]
+            return counts, _state(conn)
+        finally:
+            conn.execute("ROLLBACK")
+
+    assert run(grouped=True) == run(grouped=False)
