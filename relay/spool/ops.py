@@ -767,9 +767,10 @@ def record(
     return _record_each(conn, outcomes, now, day, owner)
 
 
-# an outcome onto its recipient, if that is still `sending` (SQLite: one by one, or the
-# writer batch's records as one group); `_HELD` added when the claim has an owner. A
-# `deferred` outcome of a recipient held during its attempt makes it `held`.
+# an outcome onto its recipient, if that is still `sending`, one outcome at a time
+# (`_record_each`; a batch's records on SQLite go through the `outcome` view, whose trigger
+# uses the same `outcome_set`); `_HELD` added when the claim has an owner. A `deferred`
+# outcome of a recipient held during its attempt makes it `held`.
 _RECORD_UPDATE = (
     f"UPDATE recipients SET {outcome_set(*'???????')}"  # the state's ? is read twice
     f" WHERE id = ? AND state = '{RcptState.SENDING}'"
