@@ -7,7 +7,7 @@ Rules:
   so that the daemon and the CLI never deadlock upgrading a read lock.
 - The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` (relay/spool/schema.py)
   brings version i to i+1. Never edit a released migration: append a new one.
-- Every connection then makes its temporary objects (`SQLITE_TEMP`: the writer's `intake`),
+- Every connection then makes its temporary objects (schema.py `SQLITE_TEMP`: `intake`, `outcome`),
   in its own `temp` schema: nothing of them is in the spool file.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from relay.spool.schema import CUSTOM_PLAN as CUSTOM_PLAN  # ops.py's statements use it
-from relay.spool.schema import MIGRATIONS, SQLITE_TEMP, statements
+from relay.spool.schema import MIGRATIONS, SQLITE_TEMP_STATEMENTS, statements
 
 if TYPE_CHECKING:
     from relay.config.tree import PgSpool
@@ -59,7 +59,7 @@ def connect(
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute(f"PRAGMA cache_size=-{cache_kib}")
     migrate(conn)
-    for stmt in statements(SQLITE_TEMP):  # the connection's own (schema.py), after the tables
+    for stmt in SQLITE_TEMP_STATEMENTS:  # the connection's own (schema.py), after the tables
         conn.execute(stmt)
     return conn
 
@@ -131,6 +131,23 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+@contextmanager
+def savepoint(conn: sqlite3.Connection, name: str) -> Iterator[None]:
+    """The block inside `SAVEPOINT name`: released when it ends, rolled back to when it
+    raises (the error goes on; a failure of the rollback itself does not hide it)."""
+    conn.execute(f"SAVEPOINT {name}")
+    try:
+        yield
+    except BaseException:
+        try:
+            conn.execute(f"ROLLBACK TO {name}")
+            conn.execute(f"RELEASE {name}")
+        except sqlite3.Error:
+            pass
+        raise
+    conn.execute(f"RELEASE {name}")
 
 
 def fsync_dir(path: Path) -> None:

@@ -35,7 +35,13 @@ from relay.spool.model import (
     sources_for,
     sql_in,
 )
-from relay.spool.schema import INTAKE_LIVE, OUTCOME_CHANGED, outcome_set
+from relay.spool.schema import (
+    INTAKE_COLUMNS,
+    INTAKE_LIVE,
+    OUTCOME_CHANGED,
+    OUTCOME_COLUMNS,
+    outcome_set,
+)
 from relay.spool.schema import attempt_ends as _attempt_ends
 
 _DUE = sql_in(WAITING)
@@ -395,22 +401,8 @@ def _accept_many_sqlite(
         for m, _w in items
         for i, r in enumerate(m.recipients)
     ]
-    per = max(1, _sqlite_params(conn) // _INTAKE_WIDTH)
     try:
-        if not rows:  # no message of the batch has a recipient: nothing to write
-            pass
-        elif len(rows) <= per:
-            _intake(conn, rows)
-        else:
-            conn.execute("SAVEPOINT intake")
-            try:
-                for i in range(0, len(rows), per):
-                    _intake(conn, rows[i : i + per])
-            except BaseException:
-                conn.execute("ROLLBACK TO intake")
-                conn.execute("RELEASE intake")
-                raise
-            conn.execute("RELEASE intake")
+        _into_view(conn, "intake", INTAKE_COLUMNS, rows)
     except sqlite3.IntegrityError as e:
         if INTAKE_LIVE not in str(e):
             raise  # a queue id taken twice (new_queue_id): the writer fails that job alone
@@ -423,18 +415,26 @@ def _accept_many_sqlite(
     ]
 
 
-_INTAKE_WIDTH = 20  # the columns of `intake` (relay/spool/schema.py)
+@functools.lru_cache(maxsize=128)
+def _view_sql(view: str, width: int, rows: int) -> str:
+    return f"INSERT INTO {view} VALUES " + ",".join(["(" + ",".join("?" * width) + ")"] * rows)
 
 
-@functools.lru_cache(maxsize=64)
-def _intake_sql(rows: int) -> str:
-    return "INSERT INTO intake VALUES " + ",".join(
-        ["(" + ",".join("?" * _INTAKE_WIDTH) + ")"] * rows
-    )
-
-
-def _intake(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
-    conn.execute(_intake_sql(len(rows)), [v for r in rows for v in r])
+def _into_view(
+    conn: sqlite3.Connection, view: str, columns: tuple[str, ...], rows: Sequence[tuple[Any, ...]]
+) -> None:
+    """`rows` into one of the connection's TEMP views (relay/spool/schema.py), whose trigger
+    writes the tables: one statement, all or nothing; past one statement's parameters
+    (hundreds of recipients) several under a savepoint, all or nothing too."""
+    per = max(1, _sqlite_params(conn) // len(columns))
+    if len(rows) <= per:
+        if rows:
+            conn.execute(_view_sql(view, len(columns), len(rows)), [v for r in rows for v in r])
+        return
+    with db.savepoint(conn, view):
+        for i in range(0, len(rows), per):
+            chunk = rows[i : i + per]
+            conn.execute(_view_sql(view, len(columns), len(chunk)), [v for r in chunk for v in r])
 
 
 def _sqlite_params(conn: sqlite3.Connection) -> int:
@@ -450,15 +450,8 @@ def _accept_each(
     conn: sqlite3.Connection, items: Sequence[tuple[NewMessage, float]]
 ) -> list[AcceptResult]:
     """`accept` of each, in order, all or nothing (a savepoint: see `_accept_many_sqlite`)."""
-    conn.execute("SAVEPOINT accept_each")
-    try:
-        out = [accept(conn, m, w) for m, w in items]
-    except BaseException:
-        conn.execute("ROLLBACK TO accept_each")
-        conn.execute("RELEASE accept_each")
-        raise
-    conn.execute("RELEASE accept_each")
-    return out
+    with db.savepoint(conn, "accept_each"):
+        return [accept(conn, m, w) for m, w in items]
 
 
 # --- claiming and recording -------------------------------------------------------------
@@ -1028,16 +1021,6 @@ def record_many(
     return counts
 
 
-_OUTCOME_WIDTH = 17  # the columns of `outcome` (relay/spool/schema.py)
-
-
-@functools.lru_cache(maxsize=64)
-def _outcome_sql(rows: int) -> str:
-    return "INSERT INTO outcome VALUES " + ",".join(
-        ["(" + ",".join("?" * _OUTCOME_WIDTH) + ")"] * rows
-    )
-
-
 def _record_many_sqlite(
     conn: sqlite3.Connection,
     calls: Sequence[tuple[Sequence[RcptUpdate], float, str | None]],
@@ -1097,11 +1080,8 @@ def _record_many_sqlite(
         for _i, o, now, _d in done
         for lg in (o.log,)
     ]
-    per = max(1, _sqlite_params(conn) // _OUTCOME_WIDTH)
-    try:  # the writer's savepoint holds the group: several statements need no other
-        for k in range(0, len(rows), per):
-            chunk = rows[k : k + per]
-            conn.execute(_outcome_sql(len(chunk)), [v for r in chunk for v in r])
+    try:
+        _into_view(conn, "outcome", OUTCOME_COLUMNS, rows)
     except sqlite3.IntegrityError as e:
         if OUTCOME_CHANGED not in str(e):
             raise

@@ -341,18 +341,29 @@ def outcome_set(
 # A recipient that changed since the record's read RAISEs (`OUTCOME_CHANGED`): the whole
 # statement is backed out and the writer runs the records one by one.
 INTAKE_LIVE = "relay: a dedup key is live"
+# the views' columns: relay/spool/ops.py writes its rows in this order
+INTAKE_COLUMNS = (
+    "key", "msg_id", "created_at", "content_hash", "fingerprint", "window", "first",
+    "message_id", "sender", "size", "client", "peer", "lane", "identity", "body", "body_path",
+    "listener", "address", "destination", "lane_prio",
+)  # fmt: skip
+OUTCOME_COLUMNS = (
+    "id", "state", "counted", "next_attempt_at", "last_reply", "reason", "now", "upstream_id",
+    "held", "owner", "logged", "msg_id", "destination", "host", "outcome", "reply", "duration",
+)  # fmt: skip
+
+
+def _nulls(columns: tuple[str, ...]) -> str:
+    return ", ".join(f"NULL AS {c}" for c in columns)
+
+
 _NEW_OUTCOME = outcome_set(
     "NEW.state", "NEW.counted", "NEW.next_attempt_at", "NEW.last_reply", "NEW.reason",
     "NEW.now", "NEW.upstream_id",
 )  # fmt: skip
 OUTCOME_CHANGED = "relay: a recipient changed between the read and the update"
 SQLITE_TEMP = f"""
-    CREATE TEMP VIEW intake AS SELECT
-        NULL AS key, NULL AS msg_id, NULL AS created_at, NULL AS content_hash,
-        NULL AS fingerprint, NULL AS window, NULL AS first, NULL AS message_id,
-        NULL AS sender, NULL AS size, NULL AS client, NULL AS peer, NULL AS lane,
-        NULL AS identity, NULL AS body, NULL AS body_path, NULL AS listener,
-        NULL AS address, NULL AS destination, NULL AS lane_prio;
+    CREATE TEMP VIEW intake AS SELECT {_nulls(INTAKE_COLUMNS)};
     CREATE TEMP TRIGGER intake_row INSTEAD OF INSERT ON intake BEGIN
         INSERT INTO dedup (key, msg_id, created_at, content_hash, fingerprint)
             VALUES (NEW.key, NEW.msg_id, NEW.created_at, NEW.content_hash, NEW.fingerprint)
@@ -371,11 +382,7 @@ SQLITE_TEMP = f"""
             VALUES (NEW.msg_id, NEW.address, NEW.destination, NEW.lane_prio, 'pending',
             NEW.created_at, NEW.key, NEW.created_at);
     END;
-    CREATE TEMP VIEW outcome AS SELECT
-        NULL AS id, NULL AS state, NULL AS counted, NULL AS next_attempt_at,
-        NULL AS last_reply, NULL AS reason, NULL AS now, NULL AS upstream_id, NULL AS held,
-        NULL AS owner, NULL AS logged, NULL AS msg_id, NULL AS destination, NULL AS host,
-        NULL AS outcome, NULL AS reply, NULL AS duration;
+    CREATE TEMP VIEW outcome AS SELECT {_nulls(OUTCOME_COLUMNS)};
     CREATE TEMP TRIGGER outcome_row INSTEAD OF INSERT ON outcome BEGIN
         UPDATE recipients SET {_NEW_OUTCOME}
             WHERE id = NEW.id AND state = '{RcptState.SENDING}'
@@ -396,6 +403,9 @@ def statements(script: str) -> Iterator[str]:
             if buf.strip():
                 yield buf
             buf = ""
+
+
+SQLITE_TEMP_STATEMENTS = tuple(statements(SQLITE_TEMP))  # split once, run at every connect
 
 
 # PostgreSQL: a statement whose text starts with this is planned for its parameters at every

@@ -70,9 +70,9 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -337,7 +337,7 @@ class SpoolWriter:
         first = items[0][0]
         many = first.many  # type: ignore[attr-defined]
         try:
-            with _job_savepoint(conn, grouping or not first.atomic):  # type: ignore[attr-defined]
+            with _job_savepoint(conn, first, grouping):
                 faults.hit("spool.job")
                 res = many(conn, [item[0].arg for item in items])  # type: ignore[attr-defined]
                 if len(res) != len(items):
@@ -357,10 +357,9 @@ class SpoolWriter:
         grouping: bool,
     ) -> None:
         job = item[0]
-        saved = grouping or not (isinstance(job, Grouped) and job.atomic)
         for attempt in range(JOB_TRIES):
             try:
-                with _job_savepoint(conn, saved):
+                with _job_savepoint(conn, job, grouping):
                     faults.hit("spool.job")
                     res = job(conn)
                 results.append((item, res, None))
@@ -374,25 +373,14 @@ class SpoolWriter:
                 return
 
 
-@contextmanager
-def _job_savepoint(conn: sqlite3.Connection, saved: bool) -> Iterator[None]:
-    """A job (or a group) inside `SAVEPOINT job` when `saved`: released when it ends,
-    rolled back when it fails (the error goes on to the caller). Not `saved`: the job
-    writes all or nothing by itself (`Grouped.atomic`)."""
-    try:
-        if saved:
-            conn.execute("SAVEPOINT job")
-        yield
-        if saved:
-            conn.execute("RELEASE job")
-    except Exception:
-        if saved:
-            try:
-                conn.execute("ROLLBACK TO job")
-                conn.execute("RELEASE job")
-            except sqlite3.Error:
-                pass
-        raise
+def _job_savepoint(
+    conn: sqlite3.Connection, job: Any, grouping: bool
+) -> AbstractContextManager[Any]:
+    """`SAVEPOINT job` around a job or a group (released when it ends, rolled back to when it
+    fails), unless it writes all or nothing by itself on SQLite (`Grouped.atomic`)."""
+    if not grouping and isinstance(job, Grouped) and job.atomic:
+        return nullcontext()
+    return db.savepoint(conn, "job")
 
 
 def _take(item: Item) -> bool:

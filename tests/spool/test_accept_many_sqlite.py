@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relay.spool import db, ops
-from relay.spool.schema import INTAKE_LIVE
+from relay.spool.schema import INTAKE_COLUMNS, INTAKE_LIVE
 from relay.spool.writer import Grouped, SpoolWriter
 from tests.spool.test_batching import CASES, NOW, WINDOW, _batched, _dump, _msg
 
@@ -145,7 +145,8 @@ def test_a_live_key_backs_the_whole_intake_statement_out(conn: sqlite3.Connectio
         batch = [_msg("Q1", NOW, ("y@x.org", "k8", None)), _msg("Q2", NOW, ("w@x.org", "k9", None))]
         items = [(m, WINDOW) for m in batch]
         with pytest.raises(sqlite3.IntegrityError, match=INTAKE_LIVE):
-            ops._intake(conn, [row for m, w in items for row in _intake_rows(m, w)])
+            rows = [row for m, w in items for row in _intake_rows(m, w)]
+            ops._into_view(conn, "intake", INTAKE_COLUMNS, rows)
         assert _rows(conn) == before and conn.in_transaction
         res = ops.accept_many(conn, items)
         assert [(r.queue_id, r.queued, r.duplicates) for r in res] == [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +103,24 @@ CASE_NAMES = list(_cases(list(range(9)), ["q"] * 9))
 
 
 def _recorded(conn: sqlite3.Connection, case: str, owner: str | None, grouped: bool) -> Any:
+    return _record_run(conn, lambda ids, qids: _cases(ids, qids)[case], owner, grouped)
+
+
+def _record_run(
+    conn: sqlite3.Connection,
+    make: Callable[[list[int], list[str]], Calls],
+    owner: str | None,
+    grouped: bool,
+    prepare: Callable[[list[int]], None] = lambda _ids: None,
+) -> Any:
+    """The calls `make` gives for the nine seeded recipients (after `prepare`), recorded
+    by `record_many` (`grouped`) or by `record` one call after the other: the counts and
+    every row, rolled back."""
     conn.execute("BEGIN")
     try:
-        calls = _cases(*_seed(conn, 9))[case]
+        ids, qids = _seed(conn, 9)
+        prepare(ids)
+        calls = make(ids, qids)
         if grouped:
             counts = ops.record_many(conn, calls, owner)
         else:
@@ -358,35 +373,30 @@ def test_record_many_records_random_batches_as_record_one_call_after_the_other(
     call after the other, or of its fall-back when a recipient is in two calls."""
     log = ops.AttemptLog("delivered", "250 ok", "x.org", "mx.x.org", 0.5)
 
+    def make(ids: list[int], qids: list[str]) -> Calls:
+        return [
+            (
+                [
+                    ops.RcptUpdate(
+                        ids[i], qids[i], state, counted,
+                        NOW + 60 if state is ops.RcptState.DEFERRED else None,
+                        f"{state} reply", None, log if logged else None,
+                        (f"r{i}@x.org", "550 gone") if suppress else None,
+                        counters, upstream,
+                    )
+                    for i, state, counted, logged, counters, suppress, upstream in outs
+                ],
+                NOW + 1 + k * 1800,
+                f"day{k // 2}",
+            )
+            for k, outs in enumerate(calls)
+        ]  # fmt: skip
+
+    def prepare(ids: list[int]) -> None:
+        if held:  # an operator's hold during the attempt (relay/spool/model.py)
+            conn.execute("UPDATE recipients SET hold_after = 1 WHERE id = ?", (ids[1],))
+
     def run(grouped: bool) -> Any:
-        conn.execute("BEGIN")
-        try:
-            ids, qids = _seed(conn, 9)
-            if held:  # an operator's hold during the attempt (relay/spool/model.py)
-                conn.execute("UPDATE recipients SET hold_after = 1 WHERE id = ?", (ids[1],))
-            made = [
-                (
-                    [
-                        ops.RcptUpdate(
-                            ids[i], qids[i], state, counted,
-                            NOW + 60 if state is ops.RcptState.DEFERRED else None,
-                            f"{state} reply", None, log if logged else None,
-                            (f"r{i}@x.org", "550 gone") if suppress else None,
-                            counters, upstream,
-                        )
-                        for i, state, counted, logged, counters, suppress, upstream in outs
-                    ],
-                    NOW + 1 + k * 1800,
-                    f"day{k // 2}",
-                )
-                for k, outs in enumerate(calls)
-            ]  # fmt: skip
-            if grouped:
-                counts = ops.record_many(conn, made, owner)
-            else:
-                counts = [ops.record(conn, o, now, day, owner) for o, now, day in made]
-            return counts, _state(conn)
-        finally:
-            conn.execute("ROLLBACK")
+        return _record_run(conn, make, owner, grouped, prepare)
 
     assert run(grouped=True) == run(grouped=False)
