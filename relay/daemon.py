@@ -34,6 +34,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -394,10 +395,9 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for s in self.servers:
             s.close()
-            try:
-                await asyncio.wait_for(s.wait_closed(), 1.0)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await s.wait_closed()
         await self.maintenance.write_runtime()
         self.monitor.remove_file()
         if self.admin is not None:

@@ -488,10 +488,12 @@ class RelayProcess:
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             self.proc.kill()
             self.proc.wait()
-            raise
+            raise AssertionError(
+                f"the daemon did not exit {timeout}s after SIGTERM:\n{self.logs()[-6000:]}"
+            ) from e
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -232,8 +232,12 @@ class Engine:
                 # queues, open circuits): another pass now would find nothing and only take
                 # the spool's write lock from the inbound processes' commits; new mail,
                 # operator commands and finished jobs wake it, or poll_interval does
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.delivery.poll_interval)
+                try:
+                    async with asyncio.timeout(self.config.delivery.poll_interval):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                else:
                     await self._gather()  # woken (a wait that timed out skips this)
         finally:
             beat.cancel()
@@ -252,7 +256,8 @@ class Engine:
         if gather <= 0 or self.stopping:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopped.wait(), gather)
+            async with asyncio.timeout(gather):
+                await self._stopped.wait()
 
     async def _backoff(self, failures: int) -> None:
         """After the n-th failed claim pass in a row: wait poll_interval * 2**(n-1), at
@@ -263,7 +268,8 @@ class Engine:
         while not self.stopping and (left := deadline - time.monotonic()) > 0:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._wake.wait()
 
     async def stop(self, timeout: float) -> None:
         """Stop claiming; let the deliveries under way finish up to `timeout`; put the rest
@@ -271,7 +277,8 @@ class Engine:
         self._stopped.set()
         self._wake.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._loop_exited.wait(), max(0.1, timeout))
+            async with asyncio.timeout(max(0.1, timeout)):
+                await self._loop_exited.wait()
         await self.pool.drain(timeout)
         await self.membership.leave(self.clock())
 

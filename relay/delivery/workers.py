@@ -97,7 +97,8 @@ class WorkerPool:
                 if job is None:
                     st.wake.clear()
                     try:
-                        await asyncio.wait_for(st.wake.wait(), IDLE_CLOSE)
+                        async with asyncio.timeout(IDLE_CLOSE):
+                            await st.wake.wait()
                     except TimeoutError:
                         return
                     continue

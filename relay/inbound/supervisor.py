@@ -86,7 +86,8 @@ class Supervisor:
         for i in range(want):
             self._tasks.append(loop.create_task(self._supervise(i, wfd), name=f"inbound-{i}"))
         try:
-            await asyncio.wait_for(ready.wait(), INBOUND_START_TIMEOUT)
+            async with asyncio.timeout(INBOUND_START_TIMEOUT):
+                await ready.wait()
         except TimeoutError:
             raise OSError(
                 f"inbound processes not listening after {INBOUND_START_TIMEOUT:.0f}s"
@@ -178,7 +179,8 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         for proc in list(self.children):
             try:
-                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

@@ -132,9 +132,8 @@ class AdminServer:
     async def _spool_writable(self) -> str | None:
         assert self.spool_dir is not None
         try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(probe_writable, self.spool_dir), PROBE_TIMEOUT
-            )
+            async with asyncio.timeout(PROBE_TIMEOUT):
+                return await asyncio.to_thread(probe_writable, self.spool_dir)
         except TimeoutError:
             return f"spool folder not writable: no new file within {PROBE_TIMEOUT:g} s"
 

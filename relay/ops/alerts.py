@@ -29,6 +29,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -395,10 +396,9 @@ class Dispatcher:
                     log_event(log, logging.ERROR, "alert_failed", "alert dispatch failed", exc=e)
                 wait = 1.0 if nxt is None else min(1.0, max(0.05, nxt - self.clock()))
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), wait)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
         finally:
             if self._client is not None:
                 await self._client.aclose()

@@ -235,7 +235,8 @@ class HttpServer:
             await self._runner.cleanup()  # requests in flight get shutdown_timeout (1 s)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
 
     def _protocol(self) -> RequestHandler:
         assert self._runner is not None and self._runner.server is not None

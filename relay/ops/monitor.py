@@ -307,7 +307,8 @@ class Monitor:
         if not self.writer.healthy:
             problems.append("the last spool commit failed")
         try:
-            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+            async with asyncio.timeout(2.0):
+                await self.writer.run(lambda c: c.execute("SELECT 1").fetchone())
         except Exception as e:
             problems.append(f"spool not answering: {e}")
         if self._closing():
@@ -324,7 +325,8 @@ class Monitor:
                 return gone
         t0 = time.monotonic()
         try:  # a commit of its own: after a failed one, this is what proves it works again
-            await asyncio.wait_for(self.writer.run(lambda c: c.execute("SELECT 1").fetchone()), 2.0)
+            async with asyncio.timeout(2.0):
+                await self.writer.run(lambda c: c.execute("SELECT 1").fetchone())
         except Exception as e:
             return "critical", (
                 f"the spool cannot commit ({e or type(e).__name__}): new mail"
@@ -359,7 +361,8 @@ class Monitor:
 
     async def _spool_gone_detail(self, path: os.PathLike[str], how: str) -> str:
         try:  # the open handle still reads the old file
-            waiting, held = await asyncio.wait_for(self.writer.run(ops.unfinished_counts), 2.0)
+            async with asyncio.timeout(2.0):
+                waiting, held = await self.writer.run(ops.unfinished_counts)
         except Exception:
             waiting = held = -1
         return spool_gone_advice(path, how, waiting, held)

@@ -45,7 +45,8 @@ async def run(
         start_new_session=True,  # its own process group: a timeout kills all of it
     )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate(stdin)
     finally:
         if proc.returncode is None:  # timed out or cancelled
             await kill_group(proc)
@@ -60,4 +61,5 @@ async def kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     # a child that left the group may still hold a pipe open: do not wait on it forever
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), REAP_GRACE)
+        async with asyncio.timeout(REAP_GRACE):
+            await proc.wait()

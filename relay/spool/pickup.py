@@ -24,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -72,10 +73,9 @@ class Pickup:
                 raise
             except Exception as e:  # never lose the importer
                 log_event(log, logging.ERROR, "maildrop_error", "maildrop pass failed", exc=e)
-            try:
-                await asyncio.wait_for(self._stopping.wait(), POLL_EVERY)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_EVERY):
+                    await self._stopping.wait()
 
     def stop(self) -> None:
         """No new file after the one being submitted (shutdown: before the listeners
