@@ -39,9 +39,18 @@ def db_path(spool_dir: Path) -> Path:
 
 
 def connect(
-    spool_dir: Path, *, create: bool = True, cache_kib: int = DEFAULT_CACHE_KIB
+    spool_dir: Path,
+    *,
+    create: bool = True,
+    cache_kib: int = DEFAULT_CACHE_KIB,
+    temp_in_memory: bool = False,
 ) -> sqlite3.Connection:
-    """Open the spool with the durability pragmas, migrating it if needed."""
+    """Open the spool with the durability pragmas, migrating it if needed. `temp_in_memory`
+    (the writers): statement journals in memory. An INSERT into a TEMP view (schema.py) is
+    a statement of many rows that may RAISE, so SQLite keeps a statement journal for it;
+    with temp_store FILE that was a file made in /var/tmp, written and unlinked for every
+    batch (seven syscalls a message in the inbound). Other connections keep FILE: a big
+    sort of theirs (the CLI over a deep queue) spills to disk, not to memory."""
     if create:
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     elif not db_path(spool_dir).exists():
@@ -58,6 +67,8 @@ def connect(
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute(f"PRAGMA cache_size=-{cache_kib}")
+    if temp_in_memory:
+        conn.execute("PRAGMA temp_store=MEMORY")
     migrate(conn)
     for stmt in SQLITE_TEMP_STATEMENTS:  # the connection's own (schema.py), after the tables
         conn.execute(stmt)
@@ -70,11 +81,12 @@ def open_spool(
     *,
     create: bool = True,
     cache_kib: int = DEFAULT_CACHE_KIB,
+    temp_in_memory: bool = False,
 ) -> sqlite3.Connection:
     """The configured spool: SQLite under `spool_dir`, or PostgreSQL at `pg.dsn` (whose
     connection speaks the subset of sqlite3.Connection the spool uses: relay/spool/pg.py)."""
     if pg is None:
-        return connect(spool_dir, create=create, cache_kib=cache_kib)
+        return connect(spool_dir, create=create, cache_kib=cache_kib, temp_in_memory=temp_in_memory)
     from relay.spool import pg as pgmod
 
     return cast(sqlite3.Connection, pgmod.connect(pg.dsn, pg.password_file))

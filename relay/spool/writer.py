@@ -168,7 +168,9 @@ class SpoolWriter:
         self._reader_lock = threading.Lock()
 
     def start(self) -> None:
-        self._conn = db.open_spool(self.spool_dir, self.pg, cache_kib=db.WRITER_CACHE_KIB)
+        self._conn = db.open_spool(
+            self.spool_dir, self.pg, cache_kib=db.WRITER_CACHE_KIB, temp_in_memory=True
+        )
         if self.pg is not None:  # the local state beside the database (health, caches)
             self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         if self.pg is None:  # PostgreSQL has row locks of its own, across machines

@@ -397,6 +397,13 @@ def test_the_writer_thread_and_its_connection(writer: SpoolWriter) -> None:
     # the daemon's one writer gets the large page cache; CLI connections keep SQLite's
     cache = writer.run_sync(lambda c: c.execute("PRAGMA cache_size").fetchone()[0])
     assert cache == -db.WRITER_CACHE_KIB
+    # its statement journals in memory (no temp file per batch); a CLI connection's in files
+    assert writer.run_sync(lambda c: c.execute("PRAGMA temp_store").fetchone()[0]) == 2
+    cli = db.connect(writer.spool_dir, create=False)
+    try:
+        assert cli.execute("PRAGMA temp_store").fetchone()[0] == 0
+    finally:
+        cli.close()
     # run_sync's jobs are durable (never lazy)
     assert writer.run_sync(lambda c: c.execute("PRAGMA synchronous").fetchone()[0]) == 2
 
