@@ -14,9 +14,8 @@ Rules:
   inbound processes -> READY=1.
 - SIGTERM/SIGINT: new connections get `421 4.3.2`, SMTP transactions in flight finish, the
   engine stops claiming and lets deliveries finish up to `shutdown_timeout`, claims not
-  finished go back to `deferred` (due now); the daemon's own tasks get TASK_STOP_GRACE to
-  end once cancelled (`stop_tasks`: a lost cancel is sent again, a task that never ends is
-  logged and left); then the spool closes. Nothing stays `sending`.
+  finished go back to `deferred` (due now); the daemon's own tasks are stopped
+  (relay/ops/tasks.py); then the spool closes. Nothing stays `sending`.
 - SIGHUP: reload the config; a bad one is logged and the old one kept. Listener addresses
   and the spool path need a restart; limits, destinations, lanes, retry, log level reload,
   and so do a listener's TLS certificate and AUTH users file (for new connections, on
@@ -59,7 +58,7 @@ from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, STATS_ENV, InboundProcess, listen
 from relay.inbound.stats import InboundStats
 from relay.inbound.supervisor import Supervisor
-from relay.ops import alerts, faults
+from relay.ops import alerts, faults, tasks
 from relay.ops.admin import AdminServer
 from relay.ops.http import HttpLimits, HttpServer
 from relay.ops.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
@@ -76,44 +75,9 @@ from relay.spool.writer import SpoolWriter
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MARGIN = 15.0  # seconds past shutdown_timeout before the shutdown watchdog fires
-TASK_STOP_GRACE = 5.0  # seconds the daemon's own tasks get to end once cancelled (stop_tasks)
 # Listen backlog: during a connection flood the kernel's accept queue must not overflow, or
 # an app's SYN is dropped and retried only after a second (the default is 100).
 LISTEN_BACKLOG = 1024
-
-
-async def stop_tasks(tasks: list[asyncio.Task[Any]], grace: float) -> set[asyncio.Task[Any]]:
-    """Cancel `tasks` and wait for them to end. A task still running a second after its
-    cancel is cancelled again (a cancel can be lost: Python 3.11's `asyncio.wait_for` dropped
-    one that came as its job finished, and the health loop ran on), until `grace` seconds
-    have passed; the tasks left then are logged with where they wait, and returned, so
-    that the shutdown goes on to close the spool (the watchdog is the last resort)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
-    pending = set(tasks)
-    while pending:
-        for t in pending:
-            t.cancel()
-        done, pending = await asyncio.wait(
-            pending, timeout=max(0.0, min(1.0, deadline - loop.time()))
-        )
-        for t in done:  # their exceptions were the task's own business: retrieved, not raised
-            if not t.cancelled():
-                t.exception()
-        if loop.time() >= deadline:
-            break
-    for t in pending:
-        frames = t.get_stack(limit=1)
-        where = f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames else "?"
-        log_event(
-            log,
-            logging.ERROR,
-            "shutdown",
-            "a task did not end when cancelled: left behind",
-            task=t.get_name(),
-            at=where,
-        )
-    return pending
 
 
 def _http_limits(max_connections: int, per_ip: int, max_body: int) -> HttpLimits:
@@ -427,7 +391,7 @@ class Daemon:
         await self.engine.stop(max(0.0, deadline - time.monotonic()))
         if self.engine.mta_sts is not None:
             await self.engine.mta_sts.aclose()
-        await stop_tasks(self._tasks, TASK_STOP_GRACE)
+        await tasks.stop_tasks(self._tasks)
         for s in self.servers:
             s.close()
             with contextlib.suppress(TimeoutError):

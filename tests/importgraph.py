@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "relay.config.redact",
             "relay.ops.faults",
             "relay.ops.shell",
+            "relay.ops.tasks",
             "relay.ops.metrics",
             "relay.authenticity.dkim",
         ),

@@ -48,6 +48,7 @@ from relay.inbound.tls_listener import implicit_context
 from relay.ops import alerts, faults
 from relay.ops.logs import lines_per_turn, log_event, reconfigure
 from relay.ops.metrics import Metrics
+from relay.ops.tasks import stop_tasks
 from relay.spool.reserve import ReserveGate
 from relay.spool.writer import SpoolWriter
 
@@ -186,9 +187,7 @@ class InboundProcess:
         deadline = time.monotonic() + self.config.shutdown_timeout
         while any(h.in_flight for h in self.handlers) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks)
         for s in self.servers:
             s.close()
         await feedback.close()

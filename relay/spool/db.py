@@ -50,8 +50,8 @@ def connect(
     a statement of many rows that may RAISE, so SQLite keeps a statement journal for it;
     with temp_store FILE one past 64 KiB (a batch of accepts with their bodies) spilled to
     a file made in /var/tmp, written and unlinked for every batch (seven syscalls a message
-    in the inbound). Other connections keep FILE: a big
-    sort of theirs (the CLI over a deep queue) spills to disk, not to memory."""
+    in the inbound). Other connections keep FILE: a big sort of theirs (the CLI over a deep
+    queue) spills to disk, not to memory."""
     if create:
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     elif not db_path(spool_dir).exists():

@@ -1,5 +1,5 @@
-"""The shutdown's stop of the daemon's own tasks (relay/daemon.py `stop_tasks`): a lost cancel
-does not hold it, and a task that never ends is named, not waited for."""
+"""The shutdown's stop of a process's own tasks (relay/ops/tasks.py `stop_tasks`): a lost
+cancel does not hold it, and a task that never ends is named, not waited for."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from relay import daemon
+from relay.ops import tasks as tasks_mod
 
 
 async def _loop(ticks: list[int]) -> None:
@@ -50,7 +50,7 @@ def test_every_task_ends_and_a_lost_cancel_is_sent_again() -> None:
         ]
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
-        left = await daemon.stop_tasks(tasks, 10.0)
+        left = await tasks_mod.stop_tasks(tasks, 10.0)
         return left, time.monotonic() - t0, tasks
 
     left, took, tasks = asyncio.run(main())
@@ -69,14 +69,14 @@ def test_a_task_that_never_ends_is_named_and_left_behind(
         stuck.set_name("stubborn")
         await asyncio.sleep(0)
         t0 = time.monotonic()
-        left = await daemon.stop_tasks([stuck], 1.5)
+        left = await tasks_mod.stop_tasks([stuck], 1.5)
         took = time.monotonic() - t0
         release.set()  # the test's own clean-up
         stuck.cancel()
         await stuck
         return left, took
 
-    with caplog.at_level(logging.ERROR, logger="relay.daemon"):
+    with caplog.at_level(logging.ERROR, logger="relay.ops.tasks"):
         left, took = asyncio.run(main())
     assert [t.get_name() for t in left] == ["stubborn"]
     assert 1.4 < took < 5.0
@@ -84,4 +84,4 @@ def test_a_task_that_never_ends_is_named_and_left_behind(
     assert len(rec) == 1
     fields = rec[0].__dict__["fields"]
     assert fields["task"] == "stubborn"
-    assert "test_daemon_stop_tasks.py:" in fields["at"]  # where it waits
+    assert "test_tasks.py:" in fields["at"]  # where it waits
