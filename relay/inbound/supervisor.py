@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, STATS_ENV
 from relay.ops.logs import log_event
+from relay.ops.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from relay.config.tree import Config
@@ -185,6 +186,4 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)
