@@ -287,15 +287,17 @@ class Sink:
 
     def track(self, n: int, timeout: float) -> dict[str, float]:
         """Until the sink has n: monotonic times of the first message, of 10% and 90% of n,
-        and of all n; RuntimeError after timeout."""
+        and of all n; RuntimeError after timeout. `self.ticks`: machine_ticks() at each."""
         deadline = time.monotonic() + timeout
         marks: dict[str, float] = {}
+        self.ticks: dict[str, tuple[int, int]] = {}
         goals = (("first", 1), ("p10", max(1, n // 10)), ("p90", max(1, n * 9 // 10)))
         while True:
             c, now = self.count(), time.monotonic()
             for name, goal in goals:
                 if c >= goal and name not in marks:
                     marks[name] = now
+                    self.ticks[name] = machine_ticks()
             if c >= n:
                 marks["all"] = now
                 return marks
@@ -445,6 +447,17 @@ def cpu_of_tree(pid: int) -> float:
         total += cpu_seconds(p)
         todo += kids.get(p, [])
     return total
+
+
+def machine_ticks() -> tuple[int, int]:
+    """The whole machine's CPU time from /proc/stat, in ticks: (busy, all). Busy is every
+    core's time not idle and not waiting for I/O: the relays, PostgreSQL with its shared
+    processes (WAL writer, checkpointer), the sink, the flush CLI, the kernel's softirqs,
+    and anything else running."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]  # idle, iowait
+    total = sum(f[:8])  # user nice system idle iowait irq softirq steal
+    return total - idle, total
 
 
 def cpu_of_backends(dsn: str) -> float:
@@ -763,11 +776,14 @@ def drain(work: Path, a: argparse.Namespace, procs: int, rnd: int) -> dict[str, 
                     cpu_of_backends(dsn),
                     cpu_of_tree(sink.proc.pid) if sink.proc else 0.0,
                 )
+                m0 = machine_ticks()
                 t0 = time.monotonic()
                 nodes[0].cli("queue", "flush")
                 t_cli = time.monotonic()
                 marks = sink.track(ok, max(120.0, n / 10))
                 t_end = marks["all"]
+                m1 = machine_ticks()
+                p10, p90 = sink.ticks["p10"], sink.ticks["p90"]
                 cpu1 = (
                     sum(cpu_of_tree(r.proc.pid) for r in nodes),
                     cpu_of_backends(dsn),
@@ -809,6 +825,11 @@ def drain(work: Path, a: argparse.Namespace, procs: int, rnd: int) -> dict[str, 
         "cpu_ms": [round(x / max(ok, 1) * 1000, 3) for x in cpu],
         # cores kept busy over the drain by each of them (of os.cpu_count())
         "cores": [round(x / (t_end - t0), 2) for x in cpu],
+        # the whole machine's cores busy over the drain, as a share of all of them (from the
+        # flush to the sink's last count, read a moment later): what a second node can add
+        "machine_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 2),
+        # and over the steady part, 10% -> 90%
+        "machine_busy_steady": round((p90[0] - p10[0]) / max(1, p90[1] - p10[1]), 2),
         "delivered_in_spool": delivered,
         "delivered_per_node": per_node,
         "load_errors": errors[:20],
@@ -994,14 +1015,23 @@ def main() -> int:
                         f" {r['last_tenth_s']:.2f} s); delivered per node"
                         f" {list(r['delivered_per_node'].values())}; CPU ms/message relays"
                         f" {r['cpu_ms'][0]:.2f}, PostgreSQL {r['cpu_ms'][1]:.2f}, sink"
-                        f" {r['cpu_ms'][2]:.2f} (cores {r['cores']}); load average"
+                        f" {r['cpu_ms'][2]:.2f} (cores {r['cores']}; machine busy"
+                        f" {r['machine_busy']:.0%}, 10->90% {r['machine_busy_steady']:.0%});"
+                        " load average"
                         f" {os.getloadavg()[0]:.1f}"
                     )
             keys = ("drain_per_s", "steady_per_s", "first_delivery_s", "last_tenth_s")
             dmed = {
                 p: {
-                    k: median([r[k] or 0.0 for r in drows if r["processes"] == p])
-                    for k in (*keys, "fill_per_s")
+                    **{
+                        k: median([r[k] or 0.0 for r in drows if r["processes"] == p])
+                        for k in (*keys, "fill_per_s")
+                    },
+                    # shares of the machine: median() rounds to one decimal
+                    **{
+                        k: round(statistics.median(r[k] for r in drows if r["processes"] == p), 2)
+                        for k in ("machine_busy", "machine_busy_steady")
+                    },
                 }
                 for p in a.procs
             }
@@ -1054,7 +1084,7 @@ def summary(a: argparse.Namespace, odd: dict[str, int], started: float, stamp: s
         vs = f"vs {min(d)} proc"
         say(
             f"drain of {a.drain} on PostgreSQL  drain/s  {vs}  10->90%/s  {vs}"
-            "  1st delivery s  last 10% s  fill/s"
+            "  1st delivery s  last 10% s  fill/s  machine busy (10->90%)"
         )
         for p, m in sorted(d.items()):
             say(
@@ -1062,7 +1092,8 @@ def summary(a: argparse.Namespace, odd: dict[str, int], started: float, stamp: s
                 f"{m['drain_per_s']:8.0f}  {ratio(m['drain_per_s'], base['drain_per_s']):>9}"
                 f"  {m['steady_per_s']:9.0f}  {ratio(m['steady_per_s'], base['steady_per_s']):>9}"
                 f"  {m['first_delivery_s']:14.2f}  {m['last_tenth_s']:10.2f}"
-                f"  {m['fill_per_s']:6.0f}"
+                f"  {m['fill_per_s']:6.0f}  {m['machine_busy']:6.0%}"
+                f" ({m['machine_busy_steady']:.0%})"
             )
         DOC["drain"]["ratios"] = {
             f"{p}/{min(d)}": {
@@ -1074,7 +1105,8 @@ def summary(a: argparse.Namespace, odd: dict[str, int], started: float, stamp: s
         }
         say(
             "  (drain/s: from the start of `relay queue flush` until the sink has all; 10->90%:"
-            " the steady part; last 10%: stragglers)"
+            " the steady part; last 10%: stragglers; machine busy: all cores' time not idle over"
+            " the drain, whoever used it)"
         )
     DOC["daemon_log_warnings_errors"] = odd
     say(
