@@ -60,7 +60,6 @@ from relay.mail.message import (
     content_hash,
     date_header,
     header,
-    parse_headers,
     qualify_header_block,
     received_header,
     strip_header,
@@ -322,7 +321,7 @@ class InboundHandler(AuthMechanisms):
             await self._ready_body(session, incoming, long_lines, queue_id)
         except OSError as e:
             return self.spool_failed(queue_id, e)
-        headers = parse_headers(incoming.header_block())
+        headers = incoming.headers()  # parsed once, as the data arrived
         sender = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
         rcpts = list(envelope.rcpt_tos)
         if self.feedback is not None:
@@ -344,9 +343,11 @@ class InboundHandler(AuthMechanisms):
             return reply
 
         added = b""
-        mid = header(headers, "Message-ID")
-        if not mid or not dedup.normalize_message_id(mid):
+        mid = header(headers, "Message-ID") or ""
+        normalized = dedup.normalize_message_id(mid)
+        if not normalized:
             mid = incoming.content_message_id(cfg.hostname)
+            normalized = dedup.normalize_message_id(mid)
             added = f"Message-ID: {mid}\r\n".encode()
         if header(headers, "Date") is None:
             added += date_header(now)  # after the content id: a resubmission keeps its id
@@ -396,7 +397,7 @@ class InboundHandler(AuthMechanisms):
                 inline = incoming.inline(prefix)  # one copy of the data, after our prefix
             msg = ops.NewMessage(
                 queue_id=queue_id,
-                message_id=_storable(dedup.normalize_message_id(mid)),
+                message_id=_storable(normalized),
                 sender=sender,
                 size=size,
                 created_at=now,

@@ -54,6 +54,7 @@ class IncomingBody:
         # header block detection
         self._head = bytearray()
         self.head: bytes | None = None  # the header block once known (with its final CRLF)
+        self._fields: list[tuple[str, str]] | None = None  # `head` parsed (`headers()`)
         self._hasher: ContentHasher | None = None  # for a message without a Message-ID
         self._fingerprint = BodyFingerprint()  # of every message: the dedup check
         self._writing: asyncio.Future[None] | None = None  # a write running in a thread
@@ -127,6 +128,16 @@ class IncomingBody:
             return self.head
         return bytes(self._head)
 
+    def headers(self) -> list[tuple[str, str]]:
+        """The header block's fields (relay/mail/message.py `parse_headers`), parsed once: the
+        content id's check while the data arrives and the accept step read the same list
+        (not to be changed). The header block is what the client sent: `rewrite` keeps it."""
+        if self.head is None:  # not decided yet: nothing to keep
+            return parse_headers(self.header_block())
+        if self._fields is None:
+            self._fields = parse_headers(self.head)
+        return self._fields
+
     # --- data -----------------------------------------------------------------------------
 
     async def add(self, data: bytes) -> None:
@@ -134,7 +145,7 @@ class IncomingBody:
             return
         known = self.head is not None
         body = self._scan_head(data)
-        if not known and self.head is not None and self.needs_content_id(self.head):
+        if not known and self.head is not None and _needs_id(self.headers()):
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
@@ -177,7 +188,7 @@ class IncomingBody:
         if self.head is None:  # the message ended inside its header block (no body)
             self.head = self.header_block()
             self._head = bytearray()
-            if self.needs_content_id(self.head):
+            if _needs_id(self.headers()):
                 self._hasher = ContentHasher(self.head)
         if self._tmp is None:
             return
@@ -204,8 +215,7 @@ class IncomingBody:
 
     @staticmethod
     def needs_content_id(head: bytes) -> bool:
-        mid = header(parse_headers(head), "Message-ID")
-        return not mid or not normalize_message_id(mid)
+        return _needs_id(parse_headers(head))
 
     def fingerprint(self, subject: str | None) -> str:
         """The content fingerprint of what the client sent (relay/spool/dedup.py), after
@@ -271,3 +281,10 @@ def _rewrite_file(path: Path, fd: int, fn: Callable[[bytes], bytes | None]) -> i
     _write_all(fd, new)
     os.fsync(fd)
     return len(new)
+
+
+def _needs_id(fields: list[tuple[str, str]]) -> bool:
+    """A message whose Message-ID is missing or empty gets a content id
+    (relay/spool/dedup.py)."""
+    mid = header(fields, "Message-ID")
+    return not mid or not normalize_message_id(mid)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from relay.mail.message import split_message
+from relay.mail.message import parse_headers, split_message
 from relay.ops import faults
 from relay.spool import bodies, dedup, incoming
 from relay.spool.incoming import IncomingBody
@@ -63,6 +63,8 @@ async def test_header_block_and_content_id_do_not_depend_on_the_chunking(
         b = await fed(tmp_path, chunks)
         assert b.header_block() == head, chunks
         assert b.head == head
+        # its fields parsed once, while the data arrived: the accept step reads that list
+        assert b.headers() == parse_headers(head) and b.headers() is b.headers()
         assert b.size == len(data)
         assert b.inline() == data and not b.on_disk and b.tmp_path is None
         if IncomingBody.needs_content_id(head):
@@ -224,6 +226,7 @@ async def test_rewrite_in_memory_and_on_disk(tmp_path: Path) -> None:
     await b.rewrite(lambda d: d.upper() + b"MORE\r\n")
     assert b.inline() == data.upper() + b"MORE\r\n" and b.size == len(data) + 6
     assert b.header_block() == b"Subject: s\r\n"  # what the client sent
+    assert b.headers() == [("Subject", "s")]  # its fields too
     big = data + b"z" * 100
     f = await fed(tmp_path, [big], inline_max=10)
     await f.rewrite(lambda d: None)
