@@ -35,6 +35,12 @@ from dataclasses import dataclass
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 _ATEXT = frozenset(_ALNUM + "!#$%&'*+-/=?^_`{|}~")
 _LDH = frozenset(_ALNUM + "-")
+# The same sets as strings, for the fast paths of the usual ASCII address: `not s.strip(chars)`
+# is "every character of s is in chars", decided in one pass in C. Each fast path only ever
+# accepts what its loop (the function named `..._loop`) accepts, with the same result, and
+# hands everything else to the loop (tests/mail/test_address.py compares them).
+_ATEXT_DOT_CHARS = "".join(sorted(_ATEXT)) + "."
+_LDH_CHARS = "".join(sorted(_LDH))
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 MAX_LOCAL = 64
@@ -91,9 +97,14 @@ def check_domain(domain: str) -> None:
             raise AddressError("domain label too long")
         if label[0] == "-" or label[-1] == "-":
             raise AddressError("domain label starts or ends with '-'")
-        for ch in label:
-            if ch not in _LDH and not _non_ascii_ok(ch):
-                raise AddressError(f"character {_show(ch)} not allowed in a domain")
+        if label.strip(_LDH_CHARS):  # not letters, digits and hyphens alone
+            _check_label_loop(label)
+
+
+def _check_label_loop(label: str) -> None:
+    for ch in label:
+        if ch not in _LDH and not _non_ascii_ok(ch):
+            raise AddressError(f"character {_show(ch)} not allowed in a domain")
 
 
 def _check_literal(text: str) -> None:
@@ -124,6 +135,20 @@ def _check_literal(text: str) -> None:
 def _local_part_end(text: str) -> int:
     """Index of the "@" that ends the local part at the start of `text`; checks the local
     part on the way (Dot-string or Quoted-string, RFC 5321 §4.1.2)."""
+    at = text.find("@")
+    if at > 0:  # an ASCII Dot-string (the usual local part): decided in C
+        local = text[:at]
+        if (
+            not local.strip(_ATEXT_DOT_CHARS)
+            and local[0] != "."
+            and local[-1] != "."
+            and ".." not in local
+        ):
+            return at
+    return _local_part_end_loop(text)
+
+
+def _local_part_end_loop(text: str) -> int:
     if not text:
         raise AddressError("empty address")
     if text[0] == '"':
@@ -195,14 +220,8 @@ def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
     """`<mailbox> [params]`, `<@a,@b:mailbox> [params]`, or (with `null_ok`) `<> [params]`.
 
     Raises AddressError for anything else; never a super-linear amount of work."""
-    for ch in arg:
-        o = ord(ch)
-        if o < 32 or o == 127 or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
-            raise AddressError(f"character {_show(ch)} not allowed in a command")
-        if o >= 0xA0 and _unseen(ch):
-            raise AddressError(
-                f"invisible or reordering character {_show(ch)} not allowed in an address"
-            )
+    if not (arg.isascii() and arg.isprintable()):  # printable ASCII has nothing to refuse
+        _check_characters_loop(arg)
     s = arg.lstrip(" ")
     if not s.startswith("<"):
         raise AddressError("the address must be enclosed in <>")
@@ -232,9 +251,31 @@ def parse_path(arg: str, *, null_ok: bool, bare_ok: bool = False) -> Path:
     return Path(inner, rest.strip())
 
 
+def _check_characters_loop(arg: str) -> None:
+    for ch in arg:
+        o = ord(ch)
+        if o < 32 or o == 127 or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
+            raise AddressError(f"character {_show(ch)} not allowed in a command")
+        if o >= 0xA0 and _unseen(ch):
+            raise AddressError(
+                f"invisible or reordering character {_show(ch)} not allowed in an address"
+            )
+
+
 def _closing_bracket(s: str) -> int:
     """Index of the ">" that closes the path opened at s[0], skipping a quoted local part;
     a second "<" or a missing ">" is an error."""
+    if '"' not in s:  # no quoted local part: the first "<" or ">" after s[0] decides
+        close, opened = s.find(">", 1), s.find("<", 1)
+        if opened >= 0 and (close < 0 or opened < close):
+            raise AddressError("unbalanced '<'")
+        if close < 0:
+            raise AddressError("missing '>'")
+        return close
+    return _closing_bracket_loop(s)
+
+
+def _closing_bracket_loop(s: str) -> int:
     i, n, quoted = 1, len(s), False
     while i < n:
         ch = s[i]

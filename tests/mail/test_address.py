@@ -469,3 +469,59 @@ def test_ipv6_literal_takes_hex_digits_colons_and_dots_only() -> None:
     with pytest.raises(AddressError) as raised:
         check_domain("[IPv6:X::1]")
     assert str(raised.value) == "malformed IPv6 address literal"
+
+
+# --- the fast paths change no decision ------------------------------------------------------
+# Each fast path (the usual ASCII address decided by str methods in C) must give what its
+# loop gives, the same result or the same error, for any text: compared here, with an
+# alphabet that holds every character the loops treat apart.
+
+_TRICKY = st.text(
+    alphabet=st.one_of(
+        st.sampled_from(list('aZ09.-_+@<>"\\ ()[]:;,!#~\t\x00\x7f\x85\xa0é\u202e\u200b\udce9')),
+        st.characters(),
+    ),
+    max_size=24,
+)
+
+
+def _outcome(fn: object, arg: str) -> object:
+    try:
+        return fn(arg)  # type: ignore[operator]
+    except AddressError as e:
+        return ("AddressError", str(e))
+
+
+@given(_TRICKY)
+def test_the_local_part_fast_path_decides_as_the_loop(text: str) -> None:
+    from relay.mail import address
+
+    assert _outcome(address._local_part_end, text) == _outcome(address._local_part_end_loop, text)
+
+
+@given(st.one_of(_TRICKY, st.text(alphabet='ab<>"\\ @', max_size=12)))
+def test_the_closing_bracket_fast_path_decides_as_the_loop(text: str) -> None:
+    from relay.mail import address
+
+    s = "<" + text
+    assert _outcome(address._closing_bracket, s) == _outcome(address._closing_bracket_loop, s)
+
+
+@given(_TRICKY)
+def test_the_characters_and_labels_the_fast_paths_skip_pass_their_loops(text: str) -> None:
+    from relay.mail import address
+
+    if text.isascii() and text.isprintable():  # parse_path skips its character loop
+        address._check_characters_loop(text)
+    if not text.strip(address._LDH_CHARS):  # check_domain skips a label's loop
+        address._check_label_loop(text)
+
+
+@pytest.mark.parametrize(
+    "local", ["a", "a.b", "!#$%&'*+-/=?^_`{|}~", "a..b", ".a", "a.", "a b", "é", '"q"']
+)
+def test_the_local_part_fast_path_on_the_edges(local: str) -> None:
+    from relay.mail import address
+
+    text = local + "@example.org"
+    assert _outcome(address._local_part_end, text) == _outcome(address._local_part_end_loop, text)
