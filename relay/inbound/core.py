@@ -202,6 +202,11 @@ class State(Enum):
     TLS = "tls"  # our 220 to STARTTLS is out; the handshake is the transport's
     CLOSED = "closed"  # a 221 or 421 is out: nothing is read any more
 
+    # Enum's own __hash__ is a Python function (hash of the name), run for every lookup in
+    # TRANSITIONS; a member is its only instance and compares by identity, so object's
+    # identity hash (a C slot) says the same
+    __hash__ = object.__hash__
+
 
 # The one transition table: (state, what happens) -> next state. `_go` refuses the rest.
 TRANSITIONS: dict[tuple[State, str], State] = {
