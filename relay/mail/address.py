@@ -85,7 +85,8 @@ def check_domain(domain: str) -> None:
     (RFC 6531). Raises AddressError."""
     if not domain:
         raise AddressError("missing domain")
-    if len(domain.encode("utf-8", "surrogatepass")) > MAX_DOMAIN:
+    octets = len if domain.isascii() else _octets  # ASCII: a character is an octet
+    if octets(domain) > MAX_DOMAIN:
         raise AddressError("domain too long")
     if domain[0] == "[":
         _check_literal(domain)
@@ -93,12 +94,16 @@ def check_domain(domain: str) -> None:
     for label in domain.split("."):
         if not label:
             raise AddressError("empty label in domain")
-        if len(label.encode("utf-8", "surrogatepass")) > 63:
+        if octets(label) > 63:
             raise AddressError("domain label too long")
         if label[0] == "-" or label[-1] == "-":
             raise AddressError("domain label starts or ends with '-'")
         if label.strip(_LDH_CHARS):  # not letters, digits and hyphens alone
             _check_label_loop(label)
+
+
+def _octets(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _check_label_loop(label: str) -> None:

@@ -330,6 +330,15 @@ def test_domain_too_long_text() -> None:
         check_domain("x." * 127 + "xx")
 
 
+def test_domain_limits_count_octets_not_characters() -> None:
+    """RFC 5321 §4.5.3.1.2 limits octets: a U-label of 32 "é" is 64 octets in 32 characters."""
+    check_domain("é" * 31 + "x.example")  # 63 octets
+    with pytest.raises(AddressError, match=r"^domain label too long$"):
+        check_domain("é" * 32 + ".example")
+    with pytest.raises(AddressError, match=r"^domain too long$"):
+        check_domain(".".join(["é" * 30] * 5))  # 154 characters, 304 octets
+
+
 def test_unterminated_quote_inside_check_mailbox() -> None:
     with pytest.raises(AddressError, match=r"^unterminated quoted local part$"):
         check_mailbox('"abc')
