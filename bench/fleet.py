@@ -232,6 +232,7 @@ class Sink:
         refuse_taken(self.port)
         self.file = work / f"sink-{self.port}-{uuid.uuid4().hex[:6]}.out"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ticks: dict[str, tuple[int, int]] = {}  # machine_ticks() at track()'s marks
         if kind == "python":
             self.proc = spawn(
                 [sys.executable, "-c", PY_SINK, str(self.file), str(self.port)],
@@ -290,7 +291,7 @@ class Sink:
         and of all n; RuntimeError after timeout. `self.ticks`: machine_ticks() at each."""
         deadline = time.monotonic() + timeout
         marks: dict[str, float] = {}
-        self.ticks: dict[str, tuple[int, int]] = {}
+        self.ticks = {}
         goals = (("first", 1), ("p10", max(1, n // 10)), ("p90", max(1, n * 9 // 10)))
         while True:
             c, now = self.count(), time.monotonic()
@@ -825,11 +826,11 @@ def drain(work: Path, a: argparse.Namespace, procs: int, rnd: int) -> dict[str, 
         "cpu_ms": [round(x / max(ok, 1) * 1000, 3) for x in cpu],
         # cores kept busy over the drain by each of them (of os.cpu_count())
         "cores": [round(x / (t_end - t0), 2) for x in cpu],
-        # the whole machine's cores busy over the drain, as a share of all of them (from the
-        # flush to the sink's last count, read a moment later): what a second node can add
-        "machine_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 2),
+        # the whole machine's cores busy over the drain, in % of all of them (from the flush
+        # to the sink's last count, read a moment later): what a second node can add
+        "machine_busy_pct": round(100 * (m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 1),
         # and over the steady part, 10% -> 90%
-        "machine_busy_steady": round((p90[0] - p10[0]) / max(1, p90[1] - p10[1]), 2),
+        "machine_busy_steady_pct": round(100 * (p90[0] - p10[0]) / max(1, p90[1] - p10[1]), 1),
         "delivered_in_spool": delivered,
         "delivered_per_node": per_node,
         "load_errors": errors[:20],
@@ -1016,22 +1017,16 @@ def main() -> int:
                         f" {list(r['delivered_per_node'].values())}; CPU ms/message relays"
                         f" {r['cpu_ms'][0]:.2f}, PostgreSQL {r['cpu_ms'][1]:.2f}, sink"
                         f" {r['cpu_ms'][2]:.2f} (cores {r['cores']}; machine busy"
-                        f" {r['machine_busy']:.0%}, 10->90% {r['machine_busy_steady']:.0%});"
+                        f" {r['machine_busy_pct']:.0f}%, 10->90%"
+                        f" {r['machine_busy_steady_pct']:.0f}%);"
                         " load average"
                         f" {os.getloadavg()[0]:.1f}"
                     )
             keys = ("drain_per_s", "steady_per_s", "first_delivery_s", "last_tenth_s")
             dmed = {
                 p: {
-                    **{
-                        k: median([r[k] or 0.0 for r in drows if r["processes"] == p])
-                        for k in (*keys, "fill_per_s")
-                    },
-                    # shares of the machine: median() rounds to one decimal
-                    **{
-                        k: round(statistics.median(r[k] for r in drows if r["processes"] == p), 2)
-                        for k in ("machine_busy", "machine_busy_steady")
-                    },
+                    k: median([r[k] or 0.0 for r in drows if r["processes"] == p])
+                    for k in (*keys, "fill_per_s", "machine_busy_pct", "machine_busy_steady_pct")
                 }
                 for p in a.procs
             }
@@ -1092,8 +1087,8 @@ def summary(a: argparse.Namespace, odd: dict[str, int], started: float, stamp: s
                 f"{m['drain_per_s']:8.0f}  {ratio(m['drain_per_s'], base['drain_per_s']):>9}"
                 f"  {m['steady_per_s']:9.0f}  {ratio(m['steady_per_s'], base['steady_per_s']):>9}"
                 f"  {m['first_delivery_s']:14.2f}  {m['last_tenth_s']:10.2f}"
-                f"  {m['fill_per_s']:6.0f}  {m['machine_busy']:6.0%}"
-                f" ({m['machine_busy_steady']:.0%})"
+                f"  {m['fill_per_s']:6.0f}  {m['machine_busy_pct']:5.0f}%"
+                f" ({m['machine_busy_steady_pct']:.0f}%)"
             )
         DOC["drain"]["ratios"] = {
             f"{p}/{min(d)}": {

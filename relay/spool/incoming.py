@@ -145,7 +145,7 @@ class IncomingBody:
             return
         known = self.head is not None
         body = self._scan_head(data)
-        if not known and self.head is not None and _needs_id(self.headers()):
+        if not known and self.head is not None and needs_content_id(self.headers()):
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
@@ -188,7 +188,7 @@ class IncomingBody:
         if self.head is None:  # the message ended inside its header block (no body)
             self.head = self.header_block()
             self._head = bytearray()
-            if _needs_id(self.headers()):
+            if needs_content_id(self.headers()):
                 self._hasher = ContentHasher(self.head)
         if self._tmp is None:
             return
@@ -212,10 +212,6 @@ class IncomingBody:
         size = await asyncio.to_thread(_rewrite_file, self._tmp, self._fd, fn)
         if size is not None:
             self.size = size
-
-    @staticmethod
-    def needs_content_id(head: bytes) -> bool:
-        return _needs_id(parse_headers(head))
 
     def fingerprint(self, subject: str | None) -> str:
         """The content fingerprint of what the client sent (relay/spool/dedup.py), after
@@ -283,8 +279,8 @@ def _rewrite_file(path: Path, fd: int, fn: Callable[[bytes], bytes | None]) -> i
     return len(new)
 
 
-def _needs_id(fields: list[tuple[str, str]]) -> bool:
-    """A message whose Message-ID is missing or empty gets a content id
-    (relay/spool/dedup.py)."""
+def needs_content_id(fields: list[tuple[str, str]]) -> bool:
+    """A message whose Message-ID is missing or empty (its header fields: `headers()`) gets
+    a content id (relay/spool/dedup.py)."""
     mid = header(fields, "Message-ID")
     return not mid or not normalize_message_id(mid)
