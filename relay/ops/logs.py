@@ -219,16 +219,20 @@ def redact_text(text: str) -> str:
     return redact_urls(_replace_secrets(text))
 
 
-def _redact_tree(value: object) -> object:
+def _redact_tree(value: object, plain: bool = False) -> object:
+    """`value` with `redact_text` applied to every string in it. `plain`: no secret is
+    registered, so a string without "://" is left as it is (what `redact_text` gives it)."""
     kind = type(value)
     if kind is int or kind is float or kind is bool or value is None:  # the usual fields
         return value
     if kind is str or isinstance(value, str):
+        if plain and "://" not in value:  # type: ignore[operator]
+            return value
         return redact_text(value)  # type: ignore[arg-type]
     if isinstance(value, list):
-        return [_redact_tree(v) for v in value]
+        return [_redact_tree(v, plain) for v in value]
     if isinstance(value, dict):
-        return {k: _redact_tree(v) for k, v in value.items()}
+        return {k: _redact_tree(v, plain) for k, v in value.items()}
     return value
 
 
@@ -255,6 +259,14 @@ def mask_address(addr: str) -> str:
     domain is lower-cased.
     """
     s = addr.strip()
+    if s and s[0] != '"' and s[-1] != ">":  # the usual `local@domain`: as _mask_stripped
+        head, at, tail = s.rpartition("@")  # would give it, sooner (tests hold them equal)
+        return f"{head[:1]}***@{tail.lower()}" if at else s[:1] + "***"
+    return _mask_stripped(s)
+
+
+def _mask_stripped(s: str) -> str:
+    """`mask_address` of a stripped string, every case."""
     if s in ("", "<>"):
         return "<>"
     if s.endswith(">") and "<" in s:
@@ -420,8 +432,24 @@ class _StructuredFormatter(logging.Formatter):
                 key = raw_key if type(raw_key) is str else str(raw_key)
                 out_key = f"field_{key}" if key in _RESERVED_KEYS else key
                 kind = type(value)
-                if (kind is int or kind is float) and _key_kind(key) == _OTHER:
-                    out[out_key] = value  # a number: as _sanitize would give it, sooner
+                # the usual fields as _sanitize would give them, sooner: a number, a
+                # string, a list of addresses
+                if kind is int or kind is float:
+                    kk = _key_kind(key)
+                    out[out_key] = value if kk == _OTHER else _sanitize(key, value, unmask)
+                elif kind is str:
+                    kk = _key_kind(key)
+                    if kk in (_OTHER, _NO_SCRUB):
+                        scrub = kk == _OTHER and not unmask and "@" in value
+                        out[out_key] = _scrub(value) if scrub else value
+                    elif kk == _ADDRESS and not unmask:
+                        out[out_key] = mask_address(value)
+                    else:
+                        out[out_key] = _sanitize(key, value, unmask)
+                elif kind is list and not unmask and _key_kind(key) == _ADDRESS:
+                    out[out_key] = [
+                        mask_address(v) if type(v) is str else _mask_value(v) for v in value
+                    ]
                 else:
                     out[out_key] = _sanitize(key, value, unmask)
         exc_info = record.exc_info
@@ -447,7 +475,7 @@ class _StructuredFormatter(logging.Formatter):
                 elif not plain or "://" in v:  # type: ignore[operator]
                     out[k] = redact_text(v)  # type: ignore[arg-type]
             elif kind is not int and kind is not float and kind is not bool and v is not None:
-                out[k] = _redact_tree(v)
+                out[k] = _redact_tree(v, plain)
         return out
 
 

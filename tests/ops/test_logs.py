@@ -7,6 +7,8 @@ import re
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import relay.ops.logs as logs
 from relay.ops.logs import (
@@ -442,3 +444,90 @@ def test_absent_fields_are_left_out_not_null() -> None:
         logger.removeHandler(h)
     doc = json.loads(JSONFormatter().format(records[0]))
     assert doc["queue_id"] == "Q" and "next_attempt_at" not in doc
+
+
+# --- the formatter's fast paths, held to the general code ------------------------------
+
+_ADDR_TEXT = st.text(alphabet='ab"<>@ \\\t\u00a0.Xé', max_size=14)
+
+
+@given(_ADDR_TEXT)
+def test_mask_address_fast_path_is_the_general_one(addr: str) -> None:
+    assert mask_address(addr) == logs._mask_stripped(addr.strip())
+
+
+def _old_redact_tree(value: object) -> object:
+    """`_redact_tree` before its `plain` shortcut: every string through redact_text."""
+    if isinstance(value, str):
+        return logs.redact_text(value)
+    if isinstance(value, list):
+        return [_old_redact_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _old_redact_tree(v) for k, v in value.items()}
+    return value
+
+
+def _reference_payload(fmt: JSONFormatter, record: logging.LogRecord) -> dict[str, object]:
+    """What `payload` gave before its fast paths: every field through `_sanitize`, then
+    every non-scalar through `_redact_tree` without the shortcut."""
+    fields = record.fields  # type: ignore[attr-defined]
+    record.fields = {}  # type: ignore[attr-defined]
+    out = fmt.payload(record)
+    record.fields = fields  # type: ignore[attr-defined]
+    for raw_key, value in fields.items():
+        if value is None:
+            continue
+        key = str(raw_key)
+        out_key = f"field_{key}" if key in logs._RESERVED_KEYS else key
+        out[out_key] = logs._sanitize(key, value, fmt.unmask)
+    for k, v in out.items():
+        if isinstance(v, str):
+            if k in logs._WHOLE_URL_KEYS:
+                out[k] = logs._replace_secrets(v)
+            elif logs._secrets or "://" in v:
+                out[k] = logs.redact_text(v)
+        elif not isinstance(v, int | float | bool) and v is not None:
+            out[k] = _old_redact_tree(v)
+    return out
+
+
+_KEYS = st.sampled_from(
+    ["rcpts", "sender", "rcpt", "message_id", "password", "queue_id", "error", "size",
+     "msg", "subscribe_url", "detail"]
+)  # fmt: skip
+_TEXT = st.one_of(
+    st.text(alphabet='ab@:/.s3cr3tX <>"', max_size=24),
+    st.sampled_from(["https://u:pw@h.example/x?token=abc", "see http://h.example/?k=v"]),
+)
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    _TEXT,
+    st.lists(_TEXT, max_size=3),
+    st.lists(st.one_of(_TEXT, st.integers(), st.none()), max_size=3),
+    st.dictionaries(_TEXT, _TEXT, max_size=2),
+    st.tuples(_TEXT, st.integers()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.dictionaries(_KEYS, _VALUES, max_size=6),
+    unmask=st.booleans(),
+    secrets=st.booleans(),
+)
+def test_payload_fast_paths_are_the_general_ones(
+    fields: dict[str, object], unmask: bool, secrets: bool
+) -> None:
+    fmt = JSONFormatter(unmask=unmask)
+    record = logging.LogRecord("relay.t", logging.INFO, __file__, 1, "m a@b.example", (), None)
+    record.event = "accepted"
+    record.fields = fields
+    saved = logs._secrets
+    try:
+        logs.set_secrets({"s3cr3tXs3cr3t": "***"} if secrets else {})
+        assert fmt.payload(record) == _reference_payload(fmt, record)
+    finally:
+        logs._secrets = saved
