@@ -343,8 +343,7 @@ class InboundHandler(AuthMechanisms):
             return reply
 
         added = b""
-        mid = header(headers, "Message-ID") or ""
-        normalized = dedup.normalize_message_id(mid)
+        mid, normalized = incoming.message_id()
         if not normalized:
             mid = incoming.content_message_id(cfg.hostname)
             normalized = dedup.normalize_message_id(mid)

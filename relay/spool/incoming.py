@@ -55,6 +55,7 @@ class IncomingBody:
         self._head = bytearray()
         self.head: bytes | None = None  # the header block once known (with its final CRLF)
         self._fields: list[tuple[str, str]] | None = None  # `head` parsed (`headers()`)
+        self._mid: tuple[str, str] | None = None  # its Message-ID (`message_id()`)
         self._hasher: ContentHasher | None = None  # for a message without a Message-ID
         self._fingerprint = BodyFingerprint()  # of every message: the dedup check
         self._writing: asyncio.Future[None] | None = None  # a write running in a thread
@@ -138,6 +139,18 @@ class IncomingBody:
             self._fields = parse_headers(self.head)
         return self._fields
 
+    def message_id(self) -> tuple[str, str]:
+        """The Message-ID field as sent and normalized (relay/spool/dedup.py), '' for none;
+        read once the header block is known (the content id's check while the data arrives
+        and the accept step: one normalization a message)."""
+        if self._mid is not None:
+            return self._mid
+        mid = header(self.headers(), "Message-ID") or ""
+        got = (mid, normalize_message_id(mid))
+        if self.head is not None:
+            self._mid = got
+        return got
+
     # --- data -----------------------------------------------------------------------------
 
     async def add(self, data: bytes) -> None:
@@ -145,7 +158,7 @@ class IncomingBody:
             return
         known = self.head is not None
         body = self._scan_head(data)
-        if not known and self.head is not None and needs_content_id(self.headers()):
+        if not known and self.head is not None and not self.message_id()[1]:
             self._hasher = ContentHasher(self.head)
         if self._hasher is not None and body:
             self._hasher.update(body)
@@ -188,7 +201,7 @@ class IncomingBody:
         if self.head is None:  # the message ended inside its header block (no body)
             self.head = self.header_block()
             self._head = bytearray()
-            if needs_content_id(self.headers()):
+            if not self.message_id()[1]:
                 self._hasher = ContentHasher(self.head)
         if self._tmp is None:
             return
@@ -219,7 +232,8 @@ class IncomingBody:
         return self._fingerprint.hexdigest(subject)
 
     def content_message_id(self, hostname: str) -> str:
-        """Only for a message that needs one (`needs_content_id`), after `finish()`."""
+        """Only for a message that needs one (`message_id()` normalized is empty), after
+        `finish()`."""
         assert self._hasher is not None
         return self._hasher.message_id(hostname)
 
@@ -277,10 +291,3 @@ def _rewrite_file(path: Path, fd: int, fn: Callable[[bytes], bytes | None]) -> i
     _write_all(fd, new)
     os.fsync(fd)
     return len(new)
-
-
-def needs_content_id(fields: list[tuple[str, str]]) -> bool:
-    """A message whose Message-ID is missing or empty (its header fields: `headers()`) gets
-    a content id (relay/spool/dedup.py)."""
-    mid = header(fields, "Message-ID")
-    return not mid or not normalize_message_id(mid)

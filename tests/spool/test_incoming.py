@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from relay.mail.message import parse_headers, split_message
+from relay.mail.message import header, parse_headers, split_message
 from relay.ops import faults
 from relay.spool import bodies, dedup, incoming
 from relay.spool.incoming import IncomingBody
@@ -67,22 +67,28 @@ async def test_header_block_and_content_id_do_not_depend_on_the_chunking(
         assert b.headers() == parse_headers(head) and b.headers() is b.headers()
         assert b.size == len(data)
         assert b.inline() == data and not b.on_disk and b.tmp_path is None
-        if incoming.needs_content_id(parse_headers(head)):
+        mid = header(parse_headers(head), "Message-ID") or ""
+        assert b.message_id() == (mid, dedup.normalize_message_id(mid))
+        assert b.message_id() is b.message_id()  # normalized once
+        if not b.message_id()[1]:
             assert b.content_message_id(HOST) == dedup.content_message_id(head, rest, HOST)
         else:
             with pytest.raises(AssertionError):
                 b.content_message_id(HOST)
 
 
-def test_needs_content_id() -> None:
-    def needs(head: bytes) -> bool:
-        return incoming.needs_content_id(parse_headers(head))
+async def test_needs_content_id(tmp_path: Path) -> None:
+    async def needs(head: bytes) -> bool:
+        b = IncomingBody(tmp_path, 1 << 20)
+        await b.add(head + b"\r\nbody\r\n")
+        await b.finish()
+        return not b.message_id()[1]
 
-    assert needs(b"Subject: x\r\n")
-    assert needs(b"Message-ID: <>\r\n")
-    assert needs(b"")
-    assert not needs(b"Message-ID: <a@b>\r\n")
-    assert not needs(b"message-id: a@b\r\n")
+    assert await needs(b"Subject: x\r\n")
+    assert await needs(b"Message-ID: <>\r\n")
+    assert await needs(b"")
+    assert not await needs(b"Message-ID: <a@b>\r\n")
+    assert not await needs(b"message-id: a@b\r\n")
 
 
 async def test_the_empty_line_found_across_chunk_ends(tmp_path: Path) -> None:
