@@ -259,8 +259,10 @@ def mask_address(addr: str) -> str:
     domain is lower-cased.
     """
     s = addr.strip()
-    if s and s[0] != '"' and s[-1] != ">":  # the usual `local@domain`: as _mask_stripped
-        head, at, tail = s.rpartition("@")  # would give it, sooner (tests hold them equal)
+    # the usual `local@domain` (no quotes, no angle brackets) as _mask_stripped would mask
+    # it, sooner (tests/ops/test_logs.py holds the two equal)
+    if s and s[0] != '"' and s[-1] != ">":
+        head, at, tail = s.rpartition("@")
         return f"{head[:1]}***@{tail.lower()}" if at else s[:1] + "***"
     return _mask_stripped(s)
 
