@@ -352,7 +352,7 @@ def test_the_lock_file_serialises_writers_of_several_processes(tmp_path: Path) -
                 done.result(0.3)
             fcntl.flock(fd, fcntl.LOCK_UN)
             assert done.result(WAIT) == 7
-            # and the writer lets go of it after each batch (just after it answers)
+            # and the writer lets go of it after each batch (before it answers: below)
             for _ in range(int(WAIT * 100)):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -366,6 +366,34 @@ def test_the_lock_file_serialises_writers_of_several_processes(tmp_path: Path) -
             os.close(fd)
     finally:
         w.close()
+
+
+async def test_the_lock_is_let_go_before_the_results_are_handed_over(
+    writer: SpoolWriter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-over wakes the caller's event loop, whose thread may run in the writer's
+    place: the other processes' writers must not wait for that (see the rules)."""
+    fd = os.open(tmp_path / writer_mod.LOCK_NAME, os.O_RDWR)
+    free: list[bool] = []
+    real = writer_mod._resolve_all
+
+    def resolve(results: Any) -> None:
+        try:  # another open file description: as another process's writer sees the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            free.append(True)
+        except BlockingIOError:
+            free.append(False)
+        real(results)
+
+    monkeypatch.setattr(writer_mod, "_resolve_all", resolve)
+    try:
+        assert await writer.run(insert("a")) == "a"
+        assert await writer.run(insert("b"), lazy=True) == "b"
+    finally:
+        os.close(fd)
+    assert free == [True, True]
+    assert rows(tmp_path) == ["a", "b"]
 
 
 def _umask() -> int:
