@@ -350,7 +350,25 @@ def _key_kind(key: str) -> int:
 
 
 def _sanitize(key: str, value: object, unmask: bool, depth: int = 0) -> object:
-    """Return a JSON-compatible, privacy-safe rendering of one field value."""
+    """Return a JSON-compatible, privacy-safe rendering of one field value. The usual
+    values (a string, a number, a list of addresses) are decided here as
+    `_sanitize_general` decides them, sooner (tests/ops/test_logs.py holds the two equal);
+    the rest there."""
+    kind = _key_kind(key)
+    if type(value) is str:
+        if kind == _ADDRESS and not unmask:
+            return mask_address(value)
+        if kind != _SECRET and depth < _MAX_DEPTH:
+            return value if unmask or kind == _NO_SCRUB or "@" not in value else _scrub(value)
+    elif type(value) in (int, float) and kind == _OTHER and depth < _MAX_DEPTH:
+        return value
+    elif type(value) is list and kind == _ADDRESS and not unmask:
+        return [mask_address(v) if type(v) is str else _mask_value(v) for v in value]
+    return _sanitize_general(key, value, unmask, depth)
+
+
+def _sanitize_general(key: str, value: object, unmask: bool, depth: int = 0) -> object:
+    """`_sanitize`, every case."""
     kind = _key_kind(key)
     if kind == _SECRET:
         return REDACTED
@@ -433,27 +451,7 @@ class _StructuredFormatter(logging.Formatter):
                     continue
                 key = raw_key if type(raw_key) is str else str(raw_key)
                 out_key = f"field_{key}" if key in _RESERVED_KEYS else key
-                kind = type(value)
-                # the usual fields as _sanitize would give them, sooner: a number, a
-                # string, a list of addresses
-                if kind is int or kind is float:
-                    kk = _key_kind(key)
-                    out[out_key] = value if kk == _OTHER else _sanitize(key, value, unmask)
-                elif kind is str:
-                    kk = _key_kind(key)
-                    if kk in (_OTHER, _NO_SCRUB):
-                        scrub = kk == _OTHER and not unmask and "@" in value
-                        out[out_key] = _scrub(value) if scrub else value
-                    elif kk == _ADDRESS and not unmask:
-                        out[out_key] = mask_address(value)
-                    else:
-                        out[out_key] = _sanitize(key, value, unmask)
-                elif kind is list and not unmask and _key_kind(key) == _ADDRESS:
-                    out[out_key] = [
-                        mask_address(v) if type(v) is str else _mask_value(v) for v in value
-                    ]
-                else:
-                    out[out_key] = _sanitize(key, value, unmask)
+                out[out_key] = _sanitize(key, value, unmask)
         exc_info = record.exc_info
         if exc_info and exc_info[0] is not None and exc_info[1] is not None:
             out["exc_type"] = _exc_type_name(exc_info[0])

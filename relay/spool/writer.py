@@ -26,7 +26,7 @@ Rules:
   machine may run in the place of the writer that woke it while that still holds the
   lock, and whatever the holder waits for, the other processes' writers wait out too. The
   main process's claims held the lock 2.3 ms at p90 where BEGIN to COMMIT took 0.7 ms;
-  with the hand-over after the lock a lone client's p99 was 7-10% lower, its p50 ~5%
+  with the hand-over after the lock a lone client's p99 was 7-10% lower, its p50 3-5%
   higher (bench/README.md, "A twelfth machine").
 - Reads that may take long and need no write (`read()`: the /metrics gauges over a deep
   queue) run beside the writer on a read-only connection of their own, so they never hold

@@ -468,8 +468,8 @@ def _old_redact_tree(value: object) -> object:
 
 
 def _reference_payload(fmt: JSONFormatter, record: logging.LogRecord) -> dict[str, object]:
-    """What `payload` gave before its fast paths: every field through `_sanitize`, then
-    every non-scalar through `_redact_tree` without the shortcut."""
+    """What `payload` gave before its fast paths: every field through the general
+    `_sanitize`, then every non-scalar through `_redact_tree` without the shortcut."""
     fields = record.fields  # type: ignore[attr-defined]
     record.fields = {}  # type: ignore[attr-defined]
     out = fmt.payload(record)
@@ -479,7 +479,7 @@ def _reference_payload(fmt: JSONFormatter, record: logging.LogRecord) -> dict[st
             continue
         key = str(raw_key)
         out_key = f"field_{key}" if key in logs._RESERVED_KEYS else key
-        out[out_key] = logs._sanitize(key, value, fmt.unmask)
+        out[out_key] = logs._sanitize_general(key, value, fmt.unmask)
     for k, v in out.items():
         if isinstance(v, str):
             if k in logs._WHOLE_URL_KEYS:
@@ -531,3 +531,18 @@ def test_payload_fast_paths_are_the_general_ones(
         assert fmt.payload(record) == _reference_payload(fmt, record)
     finally:
         logs._secrets = saved
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=_KEYS,
+    value=_VALUES,
+    unmask=st.booleans(),
+    depth=st.integers(min_value=0, max_value=logs._MAX_DEPTH + 1),
+)
+def test_sanitize_fast_paths_are_the_general_ones(
+    key: str, value: object, unmask: bool, depth: int
+) -> None:
+    assert logs._sanitize(key, value, unmask, depth) == logs._sanitize_general(
+        key, value, unmask, depth
+    )
