@@ -9,6 +9,8 @@ SQLite, no other process, so the machine's noise is small.
 
     .venv/bin/python bench/inbound_session.py [SESSIONS]            # microseconds per session
     .venv/bin/python bench/inbound_session.py 2000 --profile        # cProfile: calls, top 40
+    SORT=cumulative TOP=80 .venv/bin/python bench/inbound_session.py 2000 --profile
+    LOGLEVEL=warning .venv/bin/python bench/inbound_session.py      # without the accepted line
     PYTHONPATH=/some/other/tree .venv/bin/python bench/inbound_session.py   # another tree
 
 Instructions per session, which do not drift with the machine (valgrind's callgrind counts
@@ -87,13 +89,20 @@ class Transport:
 
 
 class Writer:
-    """The spool writer, answering every accept at once as queued."""
+    """The spool writer, answering every accept as queued in the next turn of the loop: the
+    accept step waits on a future, as on relay/spool/writer.py's (whose thread hands the
+    results over with `call_soon_threadsafe`), so the task that finishes it, the pause of
+    reading and its resumption are counted as in the daemon."""
 
     pg = None
 
     async def run(self, job: Any, lazy: bool = False) -> Any:
         msg = job.arg[0]
-        return ops.AcceptResult(msg.queue_id, tuple(r.address for r in msg.recipients), ())
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        result = ops.AcceptResult(msg.queue_id, tuple(r.address for r in msg.recipients), ())
+        loop.call_soon(fut.set_result, result)
+        return await fut
 
     async def read(self, job: Any) -> Any:
         return job(None)
@@ -153,14 +162,15 @@ def main() -> int:
     n = int(args[0]) if args else 3000
     prof = cProfile.Profile() if "--profile" in sys.argv else None
     # left open: a write the loop has scheduled may still come after the sessions
-    setup_logging("info", "json", stream=open(os.devnull, "w"))  # noqa: SIM115
+    setup_logging(os.environ.get("LOGLEVEL", "info"), "json", stream=open(os.devnull, "w"))  # noqa: SIM115
     took = uvloop.run(logged(n, prof))
     print(f"{took / n * 1e6:.1f} us of CPU per session ({n} sessions)")
     if prof is not None:
         stats = pstats.Stats(prof)
         calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
         print(f"{calls / n:.0f} calls per session")
-        stats.sort_stats("tottime").print_stats(40)
+        top = int(os.environ.get("TOP", "40"))
+        stats.sort_stats(os.environ.get("SORT", "tottime")).print_stats(top)
     return 0
 
 

@@ -546,3 +546,33 @@ def test_sanitize_fast_paths_are_the_general_ones(
     assert logs._sanitize(key, value, unmask, depth) == logs._sanitize_general(
         key, value, unmask, depth
     )
+
+
+_JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),  # NaN and the infinities too: allow_nan, as json.dumps
+    st.text(max_size=12),  # non-ASCII, controls and lone surrogates: escaped
+    st.builds(object),  # through `default`, as json.dumps
+)
+_JSON_TREES = st.recursive(
+    _JSON_LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _JSON_TREES, max_size=6))
+def test_the_c_encoder_made_once_writes_what_json_dumps_writes(payload: dict[str, object]) -> None:
+    assert logs._ENCODE is not logs._JSON.encode  # CPython has its C encoder
+    expected = json.dumps(payload, separators=(",", ":"), default=str)
+    assert logs._ENCODE(payload) == expected
+    # and the formatter writes through it
+    record = logging.LogRecord("relay.t", logging.INFO, __file__, 1, "m", (), None)
+    record.event = "e"
+    record.fields = {"detail": "x"}
+    assert JSONFormatter().format(record) == logs._ENCODE(JSONFormatter().payload(record))
