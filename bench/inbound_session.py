@@ -116,8 +116,9 @@ async def sessions(n: int, prof: cProfile.Profile | None) -> float:
         cfg.listen[0],
         Writer(),
         Suppressions(),
-        on_queued=lambda: None,  # type: ignore[arg-type]
+        on_queued=lambda: queued[-1].set_result(None),  # type: ignore[arg-type]
     )
+    queued: list[asyncio.Future[None]] = []  # the accept step's end: its line is logged
 
     async def one(i: int) -> bytes:
         p = handler.protocol()
@@ -125,10 +126,10 @@ async def sessions(n: int, prof: cProfile.Profile | None) -> float:
         p.connection_made(t)  # type: ignore[arg-type]
         for line in COMMANDS:
             p.data_received(line)
+        queued.append(asyncio.get_running_loop().create_future())
         p.data_received(HEAD % i + BODY + b".\r\n")
-        task = p._task  # the accept step: its reply, then the protocol's done callback
-        if task is not None:
-            await task
+        await queued[-1]  # the accept step waits on the writer; then its reply, its line
+        queued.pop()
         p.data_received(b"QUIT\r\n")
         p.connection_lost(None)
         return b"".join(t.out)

@@ -4,11 +4,18 @@ its bytes; InboundHandler makes the decisions (relay/inbound/handler.py).
 Rules:
 - One protocol object per connection and no task per command: the handler's MAIL, RCPT and
   EHLO decisions are coroutines that finish without waiting, so they are run to their end
-  in `data_received`; only a decision that really waits (the accept step: checks -> spool ->
-  250, an AUTH check off the loop, a STARTTLS handshake, a DATA block written to disk) becomes
-  a task, and reading is paused until it ends (backpressure: a client cannot queue more
-  than one socket read behind a pending decision). So the replies to a pipelined group go
-  out in order, in one write per read (RFC 2920 §3.1).
+  in `data_received`; a decision that really waits (the accept step: checks -> spool ->
+  250, a DATA block written to disk) is run on from the done callback of each future it
+  waits on (`_Waiting`: no task, no turn of the loop of its own), anything else that waits
+  (an AUTH check off the loop, a STARTTLS handshake, a decision that waits on what is not
+  a future) is a task, and reading is paused until it ends (backpressure: a client cannot
+  queue more than one socket read behind a pending decision). So the replies to a
+  pipelined group go out in order, in one write per read (RFC 2920 §3.1).
+- A connection lost while a decision waits cancels what it waits on (the spool writer
+  skips an accept it has not taken up yet); once the spool has answered, the accept step
+  ends as it would have, its reply unsent, its message logged and announced to the main
+  process. (A commit under way when the connection went: queued, its answer dropped, so
+  without the `accepted` line: the writer cannot take back a job it has begun.)
 - At `connection_made`, before the greeting: a server shutting down answers `421 4.3.2` and
   closes (RFC 5321 §3.8); relay/inbound/guard.py admits the connection or we answer its `421 4.7.0`.
   The peer is read once, there.
@@ -179,6 +186,87 @@ def _drive(coro: Coroutine[Any, Any, Any], first: Any) -> Coroutine[Any, Any, An
     return cast(Coroutine[Any, Any, Any], rest())
 
 
+class _Waiting:
+    """A decision that waits, run on from each asyncio future it waits on by that future's
+    done callback, as a task would run it, without one (a task is made, scheduled, stepped
+    and its end called back in turns of the loop of their own: 34k of a session's 1,335k
+    instructions, bench/inbound_session.py). Resumed, the coroutine reads the future's
+    outcome itself, as under a task; its end is the protocol's `_decided`, as a task's done
+    callback. Anything else it waits on (not a future of this loop: a bare `yield`) hands
+    the rest to a task (`_follow`). The protocol holds it as `_task` meanwhile.
+    `cancel()` (the connection is gone) cancels the future it waits on, so the coroutine
+    gets CancelledError; a future already done keeps its outcome: the spool's answer has
+    come, so the accept step ends as it would have, its reply unsent but its after-reply
+    work (the accepted line, the main process's wake-up) done (a task would have thrown
+    CancelledError into it instead, and a queued message went unlogged)."""
+
+    __slots__ = ("_coro", "_failed", "_fut", "_proto", "_then")
+
+    def __init__(
+        self,
+        proto: InboundProtocol,
+        coro: Coroutine[Any, Any, Any],
+        then: Callable[[Any], None],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        self._proto = proto
+        self._coro = coro
+        self._then = then
+        self._failed = failed
+        self._fut: asyncio.Future[Any] | None = None
+
+    def cancel(self) -> None:
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def wait(self, fut: Any) -> None:
+        proto = self._proto
+        if getattr(fut, "_asyncio_future_blocking", None) is True and fut.get_loop() is proto.loop:
+            fut._asyncio_future_blocking = False  # taken, as a task takes it
+            self._fut = fut
+            proto._task = self
+            fut.add_done_callback(self._step)
+            return
+        proto._task = None
+        proto._follow(self._coro, fut, self._then, self._failed)
+
+    def _step(self, fut: asyncio.Future[Any]) -> None:
+        self._fut = None
+        proto = self._proto
+        try:
+            if fut.cancelled():
+                nxt = self._coro.throw(asyncio.CancelledError())
+            else:
+                nxt = self._coro.send(None)
+        except StopIteration as stop:
+            self._answer(stop.value)
+            return
+        except asyncio.CancelledError:
+            proto._decided(True, None)
+            return
+        except Exception as e:
+            try:
+                self._failed(e)
+            except Exception as e2:
+                proto._decided(False, e2)
+                return
+            proto._decided(False, None)
+            return
+        self.wait(nxt)
+
+    def _answer(self, value: Any) -> None:
+        proto = self._proto
+        core = proto.core
+        try:
+            if core is not None and core.state is not core_.State.CLOSED:
+                self._then(value)
+        except Exception as e:
+            proto._decided(False, e)
+            return
+        proto._decided(False, None)
+
+
 class InboundProtocol(asyncio.Protocol):
     """One SMTP connection. Also the `server` the handler's hooks and AUTH mechanisms get."""
 
@@ -197,7 +285,7 @@ class InboundProtocol(asyncio.Protocol):
         self.hostname = handler.config.hostname
         self._peer_ip: str | None = None  # set once the connection is counted
         self._peer_key = ""  # its per-IP key (anvil.client_key), from the same parse
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | _Waiting | None = None  # a decision that waits
         self._incoming: IncomingBody | None = None
         self._store_error: OSError | None = None
         self._auth_waiter: asyncio.Future[Any] | None = None
@@ -480,8 +568,9 @@ class InboundProtocol(asyncio.Protocol):
         then: Callable[[Any], None],
         failed: Callable[[Exception], None] | None = None,
     ) -> None:
-        """Run a decision: to its end here when it does not wait (the usual case), else as
-        a task while reading is paused."""
+        """Run a decision: to its end here when it does not wait (the usual case), else,
+        reading paused, on from each future it waits on (`_Waiting`; a task where it waits
+        on anything else)."""
         try:
             first = coro.send(None)
         except StopIteration as stop:
@@ -490,13 +579,25 @@ class InboundProtocol(asyncio.Protocol):
         except Exception as e:
             (failed or self._hook_failed)(e)
             return
+        self._pause_reading()
+        _Waiting(self, coro, then, failed or self._hook_failed).wait(first)
+
+    def _follow(
+        self,
+        coro: Coroutine[Any, Any, Any],
+        first: Any,
+        then: Callable[[Any], None],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        """The rest of a decision that waited on `first` (not a future of this loop: a bare
+        `yield` of asyncio.sleep(0), say), as a task."""
         rest = _drive(coro, first)
 
         async def finish() -> None:
             try:
                 value = await rest
             except Exception as e:
-                (failed or self._hook_failed)(e)
+                failed(e)
                 return
             core = self.core
             if core is not None and core.state is not core_.State.CLOSED:
@@ -511,11 +612,14 @@ class InboundProtocol(asyncio.Protocol):
         self._task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._decided(task.cancelled(), None if task.cancelled() else task.exception())
+
+    def _decided(self, cancelled: bool, exc: BaseException | None) -> None:
+        """A decision that waited is over (cancelled, failed with `exc`, or answered)."""
         self._task = None
         try:
-            if task.cancelled() or self.transport is None:
+            if cancelled or self.transport is None:
                 return
-            exc = task.exception()
             if exc is not None:  # never expected: the decisions catch their own
                 log.error("inbound session error: %s: %s", type(exc).__name__, exc)
                 self._close_transport()

@@ -146,30 +146,90 @@ async def test_a_queued_message_is_logged_and_announced_when_its_client_is_gone_
     make: Make, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The accepted line and the main process's wake-up are work left for after the reply
-    (Session.after_reply); a connection lost between the end of the accept step and the
-    transport's turn to write still gets them: the message is queued all the same."""
+    (Session.after_reply); a connection lost once the spool's answer has come back, before
+    the accept step has run on to its reply, still gets them: the message is queued all the
+    same. (Under a task, the connection's loss threw CancelledError into the step there:
+    queued, but neither logged nor announced.)"""
     p, t = await make()
     woke: list[int] = []
     p.handler.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
+    writer = p.handler.writer
+    real_run = writer.run
+    gone = asyncio.Event()
+    kept: list[asyncio.Task[None]] = []
+
+    async def run(job: Any, lazy: bool = False) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+
+        async def commit() -> None:
+            fut.set_result(await real_run(job, lazy))  # the answer is on its way back...
+            p.connection_lost(None)  # ...and the client hangs up before it is read
+            gone.set()
+
+        kept.append(asyncio.ensure_future(commit()))
+        return await fut
+
+    writer.run = run  # type: ignore[method-assign]
     p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
     p.data_received(b"DATA\r\n")
-    p.data_received(MSG + b".\r\n")
-    task = p._task
-    assert task is not None
-    task.remove_done_callback(p._task_done)
-    gone = asyncio.Event()
-
-    def lost_first(task: asyncio.Task[None]) -> None:
-        p.connection_lost(None)  # the client hung up while the commit was on its way back
-        p._task_done(task)
-        gone.set()
-
-    task.add_done_callback(lost_first)
     with caplog.at_level("INFO", logger="relay.inbound"):
+        p.data_received(MSG + b".\r\n")
+        assert p._task is not None
         await asyncio.wait_for(gone.wait(), 10)
+        await until(lambda: p._task is None)
     assert not t.lines()[-1].startswith("250 2.0.0 Ok: queued"), "no write after the loss"
     assert [r for r in caplog.records if getattr(r, "event", None) == "accepted"], caplog.text
     assert woke == [1]
+
+
+async def test_a_client_gone_while_its_commit_waits_cancels_the_wait(
+    make: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lost before the spool has answered: the wait is cancelled (the writer skips a job
+    whose waiter gave up), the step gets CancelledError, nothing is written or logged."""
+    p, t = await make()
+    writer = p.handler.writer
+    waiting: list[asyncio.Future[Any]] = []
+
+    async def run(job: Any, lazy: bool = False) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        waiting.append(fut)
+        return await fut
+
+    writer.run = run  # type: ignore[method-assign]
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    with caplog.at_level("INFO", logger="relay.inbound"):
+        p.data_received(MSG + b".\r\n")
+        await until(lambda: bool(waiting))
+        assert p._task is not None and t.paused
+        p.connection_lost(None)
+        assert waiting[0].cancelled()
+        await until(lambda: p._task is None)
+    assert t.lines()[-1] == "354 End data with <CR><LF>.<CR><LF>"
+    assert not [r for r in caplog.records if getattr(r, "event", None) == "accepted"]
+    assert p.handler.in_flight == 0
+
+
+async def test_a_decision_that_waits_on_something_else_goes_on_as_a_task(make: Make) -> None:
+    """A bare `yield` (asyncio.sleep(0)) before the spool's future: the rest runs as a
+    task, and its reply and what follows it come as from a future's callback."""
+    p, t = await make()
+    writer = p.handler.writer
+    real_run = writer.run
+
+    async def run(job: Any, lazy: bool = False) -> Any:
+        await asyncio.sleep(0)
+        return await real_run(job, lazy)
+
+    writer.run = run  # type: ignore[method-assign]
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    p.data_received(MSG + b".\r\nQUIT\r\n")
+    assert isinstance(p._task, asyncio.Task) and t.paused
+    await until(lambda: t.closed)
+    assert t.lines()[-2].startswith("250 2.0.0 Ok: queued as ")
+    assert t.lines()[-1] == "221 2.0.0 Bye"
 
 
 async def test_the_session_timeout_closes_without_a_reply(make: Make) -> None:
