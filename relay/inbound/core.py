@@ -126,6 +126,9 @@ def _said(status: str) -> tuple[str, bytes, str]:
     return said
 
 
+# (id(settings), TLS on) -> (those settings, the EHLO reply's lines): `_ehlo_lines`
+_EHLO_LINES: dict[tuple[int, bool], tuple[Settings, tuple[str, ...]]] = {}
+
 BARE_NEWLINE_REPLY = b"500 5.5.2 Syntax error: bare CR or LF in command line (RFC 5321 2.3.8)\r\n"
 TOO_MANY_ERRORS = "421 4.7.0 {host} too many errors, closing connection"
 BOGUS_LIMIT = 5  # unknown commands in a session; the fifth closes (aiosmtpd's BOGUS_LIMIT)
@@ -665,7 +668,19 @@ class ServerCore:
         if not arg:
             self._say("501 Syntax: EHLO hostname")
             return
+        self._new_session_state()
+        self.extended = True
+        self.helo = arg
+        self._need("ehlo", Ehlo(arg, self._ehlo_lines()))
+
+    def _ehlo_lines(self) -> tuple[str, ...]:
+        """Our EHLO reply's lines: the same for every session of a listener's settings
+        with TLS on or off, so made once for each."""
         s = self.settings
+        key = (id(s), self.tls)
+        hit = _EHLO_LINES.get(key)
+        if hit is not None and hit[0] is s:
+            return hit[1]
         lines = [f"250-{s.hostname}"]
         if s.max_size:
             lines.append(f"250-SIZE {s.max_size}")
@@ -676,10 +691,10 @@ class ServerCore:
         if self._auth_allowed_here():
             lines.append("250-AUTH " + " ".join(AUTH_MECHANISMS))
         lines.append("250 HELP")
-        self._new_session_state()
-        self.extended = True
-        self.helo = arg
-        self._need("ehlo", Ehlo(arg, tuple(lines)))
+        if len(_EHLO_LINES) >= 64:  # settings of old configs (a SIGHUP makes new ones)
+            _EHLO_LINES.clear()
+        _EHLO_LINES[key] = (s, tuple(lines))
+        return _EHLO_LINES[key][1]
 
     def _auth_allowed_here(self) -> bool:
         """AUTH is listed (and taken) over TLS, or before it with `allow_plaintext`

@@ -28,6 +28,23 @@ class InboundStats:
     metrics: Metrics | None = None
     remote: Remote[str] = field(default_factory=Remote)  # the other processes' counts
 
+    # the accepted counter's child per lane, made once (`labels()` checks and looks it up:
+    # 1.2 of its 1.7 us a message), with the Metrics it belongs to
+    _accepted: dict[str, tuple[Metrics, Any]] = field(default_factory=dict, repr=False)
+
+    def accept(self, lane: str) -> None:
+        """A message queued on `lane`."""
+        self.accepted += 1
+        metrics = self.metrics
+        if metrics is None:
+            return
+        hit = self._accepted.get(lane)
+        if hit is None or hit[0] is not metrics:
+            if len(self._accepted) >= 64:  # lanes are the config's few
+                self._accepted.clear()
+            hit = self._accepted[lane] = (metrics, metrics.accepted.labels(lane))
+        hit[1].inc()
+
     def reject(self, reason: str) -> None:
         self.rejected += 1
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1

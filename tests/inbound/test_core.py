@@ -747,6 +747,24 @@ def test_a_bare_lf_in_an_auth_answer_closes() -> None:
     assert isinstance(c.next_event(), BareNewline) and c.state is State.CLOSED
 
 
+def test_the_ehlo_lines_made_once_are_each_settings_own() -> None:
+    """`_ehlo_lines` keeps what it made per settings object and TLS state: equal settings
+    but for the host or SIZE, or the same settings with and without TLS, never share."""
+    a = dataclasses.replace(BASE, hostname="a.test", starttls=True)
+    b = dataclasses.replace(a, hostname="b.test", max_size=0)
+    implicit = dataclasses.replace(a, implicit_tls=True)
+    for _ in range(2):  # made, then taken from what was made
+        assert converse(ServerCore(a), EHLO)[0][0] == "250-a.test"
+        lines = converse(ServerCore(b), EHLO)[0]
+        assert lines[0] == "250-b.test" and not any(x.startswith("250-SIZE") for x in lines)
+        assert "250-STARTTLS" in converse(ServerCore(a), EHLO)[0]
+        assert "250-STARTTLS" not in converse(ServerCore(implicit), EHLO)[0]
+    c = ServerCore(a)
+    converse(c, EHLO)
+    c.tls = True  # as after the handshake
+    assert "250-STARTTLS" not in converse(c, EHLO)[0]
+
+
 # --- STARTTLS -------------------------------------------------------------------------------
 
 

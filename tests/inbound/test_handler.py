@@ -559,3 +559,32 @@ async def test_a_client_that_half_closes_still_gets_its_replies(start: Start) ->
     c.writer.write(b"NOOP\r\n")
     c.writer.write_eof()
     assert await asyncio.wait_for(c.reader.read(), WAIT) == b"250 2.0.0 OK\r\n"
+
+
+async def test_the_ehlo_reply_made_once_follows_the_listeners_auth(tmp_path: Path) -> None:
+    """handle_EHLO keeps the replies it made, per the core's lines and whether the
+    connection's listener (as it was when it began: a SIGHUP may add `auth`) has AUTH."""
+    config = from_mapping({"hostname": "relay.test", "spool": {"path": str(tmp_path)}}, tmp_path)
+    h = InboundHandler(config, config.listen[0], None, Suppressions())  # type: ignore[arg-type]
+
+    class Server:
+        def __init__(self, auth: object) -> None:
+            self.relay_listener = type("L", (), {"auth": auth})()
+
+    offered = ["250-relay.test", "250-AUTH LOGIN PLAIN", "250 HELP"]
+    for _ in range(2):  # made, then taken from what was made
+        for listener_auth, expected in (
+            (None, ["250-relay.test", "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]),
+            (object(), [*offered[:2], "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]),
+        ):
+            session = Session()
+            got = await h.handle_EHLO(
+                Server(listener_auth),  # type: ignore[arg-type]
+                session,
+                Envelope(),
+                "c.test",
+                list(offered),
+            )
+            assert got == expected and session.host_name == "c.test"
+            got.append("changed")  # the caller's own list: what was made stays
+    h.guard.close()

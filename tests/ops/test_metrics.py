@@ -105,3 +105,27 @@ def test_inbound_stats_totals_add_other_processes_and_keep_exited_ones() -> None
     main.absorb("inbound-0-2", {"accepted": 1})
     assert main.totals() == {"accepted": 6, "deduplicated": 1, "rejected": 2, "sessions": 7}
     assert main.counts()["accepted"] == 1  # its own, as before
+
+
+def test_inbound_stats_count_accepted_messages_by_lane_into_their_metrics() -> None:
+    def by_lane(m: Metrics) -> dict[str, float]:
+        return {
+            s.labels["lane"]: s.value
+            for fam in m.registry.collect()
+            for s in fam.samples
+            if s.name == "relay_accepted_messages_total"
+        }
+
+    first = Metrics()
+    st = InboundStats(metrics=first)
+    for lane in ("bulk", "transactional", "bulk"):
+        st.accept(lane)
+    assert st.accepted == 3
+    assert by_lane(first) == {"bulk": 2.0, "transactional": 1.0}
+    # new metrics (the children made once are theirs, not the old ones')
+    st.metrics = second = Metrics()
+    st.accept("bulk")
+    assert by_lane(second) == {"bulk": 1.0} and by_lane(first)["bulk"] == 2.0
+    st.metrics = None
+    st.accept("bulk")
+    assert st.accepted == 5
