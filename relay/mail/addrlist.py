@@ -252,6 +252,8 @@ def _all_qualified(field: bytes, pos: int) -> bool:
     value = field[pos:]
     if _UNSURE.search(value) is not None:
         return False
+    if _SEPARATORS.search(value) is None:  # one element (the usual): no split
+        return b"@" in value or not value.strip()
     return all(b"@" in part or not part.strip() for part in _SEPARATORS.split(value))
 
 

@@ -146,8 +146,9 @@ def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
     included, as an RFC 5322 address list (relay/mail/addrlist.py): only an addr-spec without "@"
     (`root`, `<root>`, `Root <root>`) changes, by an insertion in place; display names,
     comments, quoted strings, groups, encoded words and the folding stay byte for byte,
-    and a field that cannot be read with certainty is left exactly as it came."""
-    out: list[bytes] = []
+    and a field that cannot be read with certainty is left exactly as it came. Nothing to
+    change: `headers` itself is returned (no copy)."""
+    out: list[bytes] | None = None  # a copy from the first field that changes; else `headers`
     i = 0
     n = len(headers)
     while i < n:
@@ -159,12 +160,15 @@ def qualify_headers(headers: list[bytes], domain: str) -> list[bytes]:
         if colon and first[:1] not in (b" ", b"\t") and name.strip().lower() in _ADDRESS_FIELDS:
             new = addrlist.qualify_field(b"\r\n".join(headers[i:j]), domain)
             if new is not None:
+                if out is None:
+                    out = headers[:i]
                 out += new.split(b"\r\n")
                 i = j
                 continue
-        out += headers[i:j]
+        if out is not None:
+            out += headers[i:j]
         i = j
-    return out
+    return headers if out is None else out
 
 
 def qualify_header_block(data: bytes, domain: str) -> bytes | None:
@@ -174,7 +178,7 @@ def qualify_header_block(data: bytes, domain: str) -> bytes | None:
         return None
     lines = head[:-2].split(b"\r\n")
     new = qualify_headers(lines, domain)
-    if new == lines:
+    if new is lines:
         return None
     return b"\r\n".join(new) + b"\r\n\r\n" + body
 

@@ -474,3 +474,64 @@ def test_the_quick_check_never_skips_a_bare_local_part(pieces: list[bytes]) -> N
     field = b"To: " + b"".join(pieces)
     if addrlist._all_qualified(field, 3):
         assert addrlist.bare_local_parts(field, 3) in (None, [])
+
+
+def _all_qualified_by_split(field: bytes, pos: int) -> bool:
+    """`_all_qualified` before its one-element shortcut: always the split."""
+    value = field[pos:]
+    if addrlist._UNSURE.search(value) is not None:
+        return False
+    return all(b"@" in part or not part.strip() for part in addrlist._SEPARATORS.split(value))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(_PIECES, max_size=8))
+def test_the_quick_checks_one_element_shortcut_is_the_split(pieces: list[bytes]) -> None:
+    field = b"To: " + b"".join(pieces)
+    assert addrlist._all_qualified(field, 3) == _all_qualified_by_split(field, 3)
+
+
+def _qualify_headers_copying(headers: list[bytes], domain: str) -> list[bytes]:
+    """`qualify_headers` before it copied only from the first change: a new list always."""
+    out: list[bytes] = []
+    i, n = 0, len(headers)
+    while i < n:
+        j = i + 1
+        while j < n and headers[j][:1] in (b" ", b"\t"):
+            j += 1
+        first = headers[i]
+        name, colon, _ = first.partition(b":")
+        if (
+            colon
+            and first[:1] not in (b" ", b"\t")
+            and name.strip().lower() in {b"from", b"to", b"cc", b"reply-to", b"sender"}
+        ):
+            new = addrlist.qualify_field(b"\r\n".join(headers[i:j]), domain)
+            if new is not None:
+                out += new.split(b"\r\n")
+                i = j
+                continue
+        out += headers[i:j]
+        i = j
+    return out
+
+
+_LINES = st.lists(
+    st.one_of(
+        st.builds(
+            lambda name, value: name + b": " + value,
+            st.sampled_from([b"From", b"to", b"Cc", b"Subject", b"X-A", b"Sender "]),
+            st.lists(_PIECES, max_size=5).map(b"".join),
+        ),
+        st.sampled_from([b" folded root", b"\tmore", b"no colon", b""]),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_LINES)
+def test_qualify_headers_copies_from_its_first_change_only(lines: list[bytes]) -> None:
+    got = qualify_headers(lines, D)
+    assert got == _qualify_headers_copying(lines, D)
+    assert (got is lines) == (got == lines)  # unchanged: the very list, else a new one
