@@ -550,6 +550,12 @@ class ServerCore:
     def eof(self) -> bool:
         return self._eof
 
+    @property
+    def buffered(self) -> bool:
+        """Received octets not yet read into an event (a pipelined command behind the one
+        waiting for its decision, say)."""
+        return bool(self._in)
+
     def next_event(self) -> Event | Sentinel:
         """The next event; NEED_DATA when the buffer holds nothing complete, PAUSED while a
         reply, the TLS handshake or nothing (CLOSED) is awaited."""

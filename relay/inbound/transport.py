@@ -8,9 +8,11 @@ Rules:
   250, a DATA block written to disk) is run on from the done callback of each future it
   waits on (`_Waiting`: no task, no turn of the loop of its own), anything else that waits
   (an AUTH check off the loop, a STARTTLS handshake, a decision that waits on what is not
-  a future) is a task, and reading is paused until it ends (backpressure: a client cannot
-  queue more than one socket read behind a pending decision). So the replies to a
-  pipelined group go out in order, in one write per read (RFC 2920 §3.1).
+  a future) is a task. Backpressure: a client cannot queue more than one socket read
+  behind a pending decision; reading pauses once one has come (or at once when input is
+  waiting already) until the decision ends, so a client that sends nothing more while its
+  message is committed costs no pause and resumption. So the replies to a pipelined group
+  go out in order, in one write per read (RFC 2920 §3.1).
 - A connection lost while a decision waits cancels what it waits on (the spool writer
   skips an accept it has not taken up yet); once the spool has answered, the accept step
   ends as it would have, its reply unsent, its message logged and announced to the main
@@ -359,6 +361,8 @@ class InboundProtocol(asyncio.Protocol):
         self._watch.received(data)
         core.receive_data(data)
         self._pump()
+        if self._task is not None and self._auth_waiter is None and core.buffered:
+            self._pause_reading()  # a read behind a decision that waits: the last one
 
     def eof_received(self) -> bool | None:
         core = self.core
@@ -568,9 +572,9 @@ class InboundProtocol(asyncio.Protocol):
         then: Callable[[Any], None],
         failed: Callable[[Exception], None] | None = None,
     ) -> None:
-        """Run a decision: to its end here when it does not wait (the usual case), else,
-        reading paused, on from each future it waits on (`_Waiting`; a task where it waits
-        on anything else)."""
+        """Run a decision: to its end here when it does not wait (the usual case), else on
+        from each future it waits on (`_Waiting`; a task where it waits on anything else),
+        reading paused once input is waiting behind it (see the rules)."""
         try:
             first = coro.send(None)
         except StopIteration as stop:
@@ -579,7 +583,9 @@ class InboundProtocol(asyncio.Protocol):
         except Exception as e:
             (failed or self._hook_failed)(e)
             return
-        self._pause_reading()
+        core = self.core
+        if core is not None and core.buffered:  # more is here already: read no further
+            self._pause_reading()
         _Waiting(self, coro, then, failed or self._hook_failed).wait(first)
 
     def _follow(

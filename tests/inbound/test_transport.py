@@ -202,7 +202,10 @@ async def test_a_client_gone_while_its_commit_waits_cancels_the_wait(
     with caplog.at_level("INFO", logger="relay.inbound"):
         p.data_received(MSG + b".\r\n")
         await until(lambda: bool(waiting))
-        assert p._task is not None and t.paused
+        # nothing behind the dot: reading goes on; the next read is the last until the end
+        assert p._task is not None and not t.paused
+        p.data_received(b"NOOP\r\n")
+        assert t.paused and t.lines()[-1] == "354 End data with <CR><LF>.<CR><LF>"
         p.connection_lost(None)
         assert waiting[0].cancelled()
         await until(lambda: p._task is None)
