@@ -8,11 +8,12 @@ Rules:
   250, a DATA block written to disk) is run on from the done callback of each future it
   waits on (`_Waiting`: no task, no turn of the loop of its own), anything else that waits
   (an AUTH check off the loop, a STARTTLS handshake, a decision that waits on what is not
-  a future) is a task. Backpressure: a client cannot queue more than one socket read
-  behind a pending decision; reading pauses once one has come (or at once when input is
-  waiting already) until the decision ends, so a client that sends nothing more while its
-  message is committed costs no pause and resumption. So the replies to a pipelined group
-  go out in order, in one write per read (RFC 2920 §3.1).
+  a future) is a task. Backpressure: reading pauses until the decision ends, at once
+  behind a DATA block written to disk (more data is surely coming: nothing more is read
+  into memory meanwhile) and behind anything else once input is waiting (a read came
+  meanwhile, or the read that ended the data held more: one read at most), so a client
+  that sends nothing more while its message commits costs no pause and resumption. So the
+  replies to a pipelined group go out in order, in one write per read (RFC 2920 §3.1).
 - A connection lost while a decision waits cancels what it waits on (the spool writer
   skips an accept it has not taken up yet); once the spool has answered, the accept step
   ends as it would have, its reply unsent, its message logged and announced to the main
@@ -497,6 +498,8 @@ class InboundProtocol(asyncio.Protocol):
         incoming = self._incoming
         if incoming is not None and self._store_error is None:
             self._decide(incoming.add(ev.data), _ignore, self._store_failed)
+            if self._task is not None:  # a block goes to disk: more data is surely coming
+                self._pause_reading()
 
     def _on_data_start(self, ev: core_.DataStart) -> None:
         self._touch()

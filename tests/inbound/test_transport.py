@@ -269,6 +269,22 @@ async def test_the_connection_counts_once_and_is_released(make: Make) -> None:
     assert guard.connections.total == 0
 
 
+async def test_reading_pauses_at_once_behind_a_block_written_to_disk(make: Make) -> None:
+    """Behind a DATA block that goes to disk more data is surely coming: reading pauses
+    before any of it is read into memory (a session's memory bound, docs/limits.md), even
+    when the read that made the block ended on a line end."""
+    p, t = await make({"spool": {"inline_max": "1KiB"}})
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+    p.data_received(MSG + (b"y" * 98 + b"\r\n") * 30)  # 3 KiB of whole lines: past inline_max
+    assert p._task is not None and p.core is not None and not p.core.buffered
+    assert t.paused
+    await until(lambda: p._task is None and not t.paused)
+    p.data_received(b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued as "))
+    p.connection_lost(None)
+
+
 async def test_a_message_spilled_to_disk_is_written_as_a_task_and_accepted(make: Make) -> None:
     p, t = await make({"spool": {"inline_max": "1KiB"}})
     p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
