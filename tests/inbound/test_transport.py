@@ -88,6 +88,12 @@ async def until(cond: Callable[[], bool]) -> None:
     raise AssertionError("condition not met")
 
 
+def up_to_data(p: InboundProtocol) -> None:
+    """EHLO, MAIL, RCPT and DATA: the protocol waits for the message's data."""
+    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
+    p.data_received(b"DATA\r\n")
+
+
 async def test_a_pipelined_group_is_answered_in_order_in_one_write(make: Make) -> None:
     p, t = await make()
     assert t.writes == [b"220 relay.test relay ESMTP\r\n"]
@@ -170,8 +176,7 @@ async def test_a_queued_message_is_logged_and_announced_when_its_client_is_gone_
         return await fut
 
     writer.run = run  # type: ignore[method-assign]
-    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
-    p.data_received(b"DATA\r\n")
+    up_to_data(p)
     with caplog.at_level("INFO", logger="relay.inbound"):
         p.data_received(MSG + b".\r\n")
         assert p._task is not None
@@ -197,8 +202,7 @@ async def test_a_client_gone_while_its_commit_waits_cancels_the_wait(
         return await fut
 
     writer.run = run  # type: ignore[method-assign]
-    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
-    p.data_received(b"DATA\r\n")
+    up_to_data(p)
     with caplog.at_level("INFO", logger="relay.inbound"):
         p.data_received(MSG + b".\r\n")
         await until(lambda: bool(waiting))
@@ -226,8 +230,7 @@ async def test_a_decision_that_waits_on_something_else_goes_on_as_a_task(make: M
         return await real_run(job, lazy)
 
     writer.run = run  # type: ignore[method-assign]
-    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
-    p.data_received(b"DATA\r\n")
+    up_to_data(p)
     p.data_received(MSG + b".\r\nQUIT\r\n")
     assert isinstance(p._task, asyncio.Task) and t.paused
     await until(lambda: t.closed)
@@ -274,8 +277,7 @@ async def test_reading_pauses_at_once_behind_a_block_written_to_disk(make: Make)
     before any of it is read into memory (a session's memory bound, docs/limits.md), even
     when the read that made the block ended on a line end."""
     p, t = await make({"spool": {"inline_max": "1KiB"}})
-    p.data_received(b"EHLO c.test\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\n")
-    p.data_received(b"DATA\r\n")
+    up_to_data(p)
     p.data_received(MSG + (b"y" * 98 + b"\r\n") * 30)  # 3 KiB of whole lines: past inline_max
     assert p._task is not None and p.core is not None and not p.core.buffered
     assert t.paused
