@@ -260,10 +260,8 @@ class _Waiting:
 
     def _answer(self, value: Any) -> None:
         proto = self._proto
-        core = proto.core
         try:
-            if core is not None and core.state is not core_.State.CLOSED:
-                self._then(value)
+            proto._answer(self._then, value)
         except Exception as e:
             proto._decided(False, e)
             return
@@ -362,8 +360,6 @@ class InboundProtocol(asyncio.Protocol):
         self._watch.received(data)
         core.receive_data(data)
         self._pump()
-        if self._task is not None and self._auth_waiter is None and core.buffered:
-            self._pause_reading()  # a read behind a decision that waits: the last one
 
     def eof_received(self) -> bool | None:
         core = self.core
@@ -403,6 +399,8 @@ class InboundProtocol(asyncio.Protocol):
             if isinstance(ev, core_.Sentinel):  # NEED_DATA or PAUSED
                 break
             self._on_event(ev)
+        if self._task is not None and self._auth_waiter is None and core.buffered:
+            self._pause_reading()  # input behind a decision that waits: read no further
         self._flush()
         self._after_reply()
         if core.state is core_.State.CLOSED:
@@ -576,8 +574,8 @@ class InboundProtocol(asyncio.Protocol):
         failed: Callable[[Exception], None] | None = None,
     ) -> None:
         """Run a decision: to its end here when it does not wait (the usual case), else on
-        from each future it waits on (`_Waiting`; a task where it waits on anything else),
-        reading paused once input is waiting behind it (see the rules)."""
+        from each future it waits on (`_Waiting`; a task where it waits on anything else);
+        `_pump` pauses reading once input is waiting behind it (see the rules)."""
         try:
             first = coro.send(None)
         except StopIteration as stop:
@@ -586,9 +584,6 @@ class InboundProtocol(asyncio.Protocol):
         except Exception as e:
             (failed or self._hook_failed)(e)
             return
-        core = self.core
-        if core is not None and core.buffered:  # more is here already: read no further
-            self._pause_reading()
         _Waiting(self, coro, then, failed or self._hook_failed).wait(first)
 
     def _follow(
@@ -608,9 +603,7 @@ class InboundProtocol(asyncio.Protocol):
             except Exception as e:
                 failed(e)
                 return
-            core = self.core
-            if core is not None and core.state is not core_.State.CLOSED:
-                then(value)
+            self._answer(then, value)
 
         self._start(finish(), pause=True)
 
@@ -619,6 +612,12 @@ class InboundProtocol(asyncio.Protocol):
             self._pause_reading()
         self._task = self.loop.create_task(coro)
         self._task.add_done_callback(self._task_done)
+
+    def _answer(self, then: Callable[[Any], None], value: Any) -> None:
+        """A decision's answer, given unless the session closed while it was made."""
+        core = self.core
+        if core is not None and core.state is not core_.State.CLOSED:
+            then(value)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._decided(task.cancelled(), None if task.cancelled() else task.exception())
