@@ -140,8 +140,6 @@ class InboundHandler(AuthMechanisms):
         self.suppressions = suppressions
         self.on_queued = on_queued
         self.stats: InboundStats = stats or InboundStats()
-        # (the core's EHLO lines, no AUTH here) -> our EHLO reply (handle_EHLO)
-        self._ehlo: dict[tuple[tuple[str, ...], bool], tuple[str, ...]] = {}
         # shared by every listener of the daemon: connection counts, AUTH checks and bans
         self.guard = guard or InboundGuard(config, self.stats.metrics)
         self.closing = False
@@ -168,18 +166,11 @@ class InboundHandler(AuthMechanisms):
         responses: list[str],
     ) -> list[str]:
         session.host_name = hostname
-        no_auth = server.relay_listener.auth is None
-        key = (tuple(responses), no_auth)
-        made = self._ehlo.get(key)  # the same few replies in every session: made once
-        if made is None:
-            if no_auth:  # else the core lists LOGIN and PLAIN
-                responses = [r for r in responses if not r.startswith("250-AUTH")]
-            last = responses.pop()  # "250 HELP"
-            made = (*responses, "250-PIPELINING", "250-ENHANCEDSTATUSCODES", last)
-            if len(self._ehlo) >= 64:
-                self._ehlo.clear()
-            self._ehlo[key] = made
-        return list(made)
+        if server.relay_listener.auth is None:  # else the core lists LOGIN and PLAIN
+            responses = [r for r in responses if not r.startswith("250-AUTH")]
+        last = responses.pop()  # "250 HELP"
+        responses.extend(["250-PIPELINING", "250-ENHANCEDSTATUSCODES", last])
+        return responses
 
     def peer_allowed(self, session: Session | None) -> bool:
         return session is not None and self._peer_allowed(session)

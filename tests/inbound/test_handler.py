@@ -561,8 +561,8 @@ async def test_a_client_that_half_closes_still_gets_its_replies(start: Start) ->
     assert await asyncio.wait_for(c.reader.read(), WAIT) == b"250 2.0.0 OK\r\n"
 
 
-async def test_the_ehlo_reply_made_once_follows_the_listeners_auth(tmp_path: Path) -> None:
-    """handle_EHLO keeps the replies it made, per the core's lines and whether the
+async def test_the_ehlo_reply_follows_the_listeners_auth(tmp_path: Path) -> None:
+    """handle_EHLO's reply, session after session, per the core's lines and whether the
     connection's listener (as it was when it began: a SIGHUP may add `auth`) has AUTH."""
     config = from_mapping({"hostname": "relay.test", "spool": {"path": str(tmp_path)}}, tmp_path)
     h = InboundHandler(config, config.listen[0], None, Suppressions())  # type: ignore[arg-type]
@@ -572,7 +572,7 @@ async def test_the_ehlo_reply_made_once_follows_the_listeners_auth(tmp_path: Pat
             self.relay_listener = type("L", (), {"auth": auth})()
 
     offered = ["250-relay.test", "250-AUTH LOGIN PLAIN", "250 HELP"]
-    for _ in range(2):  # made, then taken from what was made
+    for _ in range(2):  # the same again
         for listener_auth, expected in (
             (None, ["250-relay.test", "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]),
             (object(), [*offered[:2], "250-PIPELINING", "250-ENHANCEDSTATUSCODES", "250 HELP"]),
@@ -586,5 +586,5 @@ async def test_the_ehlo_reply_made_once_follows_the_listeners_auth(tmp_path: Pat
                 list(offered),
             )
             assert got == expected and session.host_name == "c.test"
-            got.append("changed")  # the caller's own list: what was made stays
+            got.append("changed")  # the caller's own list: the next reply is as before
     h.guard.close()
