@@ -101,6 +101,10 @@ Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoo
 
 MAX_BATCH = 512
 JOB_TRIES = 3  # a job that lost a lock race on PostgreSQL runs again (db.retryable)
+# ... after a pause (this times its try number): the peer that won is woken when the job's
+# savepoint rolls back but must still be scheduled to take the row; a job run again at once
+# can take the row first and deadlock with the same peer again (a CI run's third try)
+RETRY_PAUSE = 0.02
 LOCK_NAME = "write.lock"
 
 
@@ -379,7 +383,8 @@ class SpoolWriter:
                 return
             except Exception as e:
                 if attempt + 1 < JOB_TRIES and db.retryable(e):
-                    continue  # a deadlock victim: the peer has its locks now
+                    time.sleep(RETRY_PAUSE * (attempt + 1))  # the peer takes its locks first
+                    continue  # a deadlock victim
                 if db.refuses_writes(e):
                     self.refused_at, self.refused = time.monotonic(), str(e)
                 results.append((item, None, e))

@@ -24,7 +24,7 @@ import pytest
 from relay.config.tree import PgSpool
 from relay.spool import db, pg
 from relay.spool import writer as writer_mod
-from relay.spool.writer import JOB_TRIES, Grouped, SpoolError, SpoolWriter
+from relay.spool.writer import JOB_TRIES, RETRY_PAUSE, Grouped, SpoolError, SpoolWriter
 
 WAIT = 10.0
 
@@ -548,6 +548,32 @@ async def test_a_job_that_loses_the_lock_race_one_try_short_of_the_limit_commits
     assert await asyncio.wait_for(w.run(losing(1, once)), WAIT) == 2
     assert len(once) == 2
     assert runtime_rows(pg_dsn) == {"x": "0", "won-3": "3", "won-2": "2"}
+
+
+async def test_a_job_that_lost_the_lock_race_waits_before_it_runs_again(
+    pg_writer: tuple[SpoolWriter, psycopg.Connection[Any]], pg_dsn: str
+) -> None:
+    """The peer that won a lock race is woken when the job's savepoint rolls back, but must
+    still be scheduled to take the row: run again at once, the job can take it first and
+    deadlock with the same peer again (a CI run saw a third try). So each run again comes
+    RETRY_PAUSE times its try number after the failure."""
+    w, _other = pg_writer
+    lost: list[float] = []
+    started: list[float] = []
+    inner = losing(JOB_TRIES - 1, [])
+
+    def job(c: sqlite3.Connection) -> int:
+        started.append(time.monotonic())
+        try:
+            return inner(c)
+        except Exception:
+            lost.append(time.monotonic())
+            raise
+
+    assert await asyncio.wait_for(w.run(job), WAIT) == JOB_TRIES
+    assert len(started) == JOB_TRIES and len(lost) == JOB_TRIES - 1
+    for n, failed in enumerate(lost, 1):
+        assert started[n] - failed >= RETRY_PAUSE * n
 
 
 async def test_a_job_that_loses_the_lock_race_every_time_fails_after_the_limit(
