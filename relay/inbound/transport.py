@@ -17,8 +17,9 @@ Rules:
 - A connection lost while a decision waits cancels what it waits on (the spool writer
   skips an accept it has not taken up yet); once the spool has answered, the accept step
   ends as it would have, its reply unsent, its message logged and announced to the main
-  process. (A commit under way when the connection went: queued, its answer dropped, so
-  without the `accepted` line: the writer cannot take back a job it has begun.)
+  process. A commit under way when the connection went cannot be taken back: the writer
+  hands its result to the accept's `orphan` hook (relay/spool/writer.py), and the message
+  gets its line and its announcement all the same (handler.py `_orphaned`).
 - At `connection_made`, before the greeting: a server shutting down answers `421 4.3.2` and
   closes (RFC 5321 §3.8); relay/inbound/guard.py admits the connection or we answer its `421 4.7.0`.
   The peer is read once, there.

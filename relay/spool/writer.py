@@ -63,6 +63,11 @@ Rules:
   its speed: a delivery waits for its record). On PostgreSQL too: a node's relay CPU per
   message -16%, its server backends' -20%, acceptance +14% (bench/fleet.py, same run; the
   2 ms gathering of every batch tried before gave no speed).
+- A job whose caller gave up after the writer took it up (an asyncio waiter cancelled while
+  its batch ran: the inbound's client hung up during the commit) has run and committed all
+  the same; its result goes to the job's `orphan` hook, on the waiter's loop, if it is a
+  `Grouped` job with one (the inbound logs and announces such a message as any queued
+  one), and is dropped otherwise. A job cancelled before the writer took it is not run.
 - Results go back to the event loop in one hop per batch (one `call_soon_threadsafe`, one
   wake-up of the loop), not one per job: at a few hundred messages a second, a wake-up per
   job cost the loop a syscall each and the writer a fight for the GIL.
@@ -115,13 +120,16 @@ class Grouped(Generic[T]):
     `gather`: a batch it opens after a shared batch waits `spool.gather` for more (the
     inbound's accepts; see the rules). `atomic`: on SQLite, `many` writes all of its group
     or nothing (one statement, or a savepoint of its own), so the writer opens no SAVEPOINT
-    around it, alone or grouped (see the rules)."""
+    around it, alone or grouped (see the rules). `orphan`: given the job's result, on its
+    waiter's loop, when the waiter gave up after the writer had taken the job up (the job
+    ran and committed; see the rules)."""
 
     many: Callable[[Any, list[Any]], list[T]]
     arg: Any
     sqlite: bool = False
     gather: bool = False
     atomic: bool = False
+    orphan: Callable[[T], None] | None = None
 
     def __call__(self, conn: Any) -> T:
         return self.many(conn, [self.arg])[0]
@@ -412,8 +420,8 @@ def _take(item: Item) -> bool:
 
 def _resolve_all(results: list[tuple[Item, Any, BaseException | None]]) -> None:
     """Hand every result to its waiter: one call per event loop, whatever the batch size."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
-    for (_job, fut, loop, _lazy), res, err in results:
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None, Job]]] = {}
+    for (job, fut, loop, _lazy), res, err in results:
         if loop is None:
             assert isinstance(fut, Future)
             if err is None:
@@ -421,7 +429,7 @@ def _resolve_all(results: list[tuple[Item, Any, BaseException | None]]) -> None:
             else:
                 fut.set_exception(err)
         else:
-            by_loop.setdefault(loop, []).append((fut, res, err))
+            by_loop.setdefault(loop, []).append((fut, res, err, job))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_settle, items)
@@ -429,9 +437,14 @@ def _resolve_all(results: list[tuple[Item, Any, BaseException | None]]) -> None:
             pass
 
 
-def _settle(items: list[tuple[Any, Any, BaseException | None]]) -> None:
-    for fut, res, err in items:
-        if fut.cancelled():
+def _settle(items: list[tuple[Any, Any, BaseException | None, Job]]) -> None:
+    for fut, res, err, job in items:
+        if fut.cancelled():  # after the writer took the job up: it ran all the same
+            if err is None and isinstance(job, Grouped) and job.orphan is not None:
+                try:
+                    job.orphan(res)
+                except Exception:  # one hook's bug must not cost the batch's other waiters
+                    log.exception("orphan hook failed")
             continue
         if err is None:
             fut.set_result(res)

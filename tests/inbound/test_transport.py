@@ -218,6 +218,47 @@ async def test_a_client_gone_while_its_commit_waits_cancels_the_wait(
     assert p.handler.in_flight == 0
 
 
+async def test_a_client_gone_while_the_writer_runs_its_commit_still_gets_the_accepted_line(
+    make: Make, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lost while the spool writer runs the very commit of the message: the wait is
+    cancelled, but the writer cannot take back a job it has begun, so the message is queued;
+    the writer hands its result to the accept's `orphan` hook, and the message gets its
+    accepted line and the main process's wake-up as any queued message (before: queued,
+    neither logged nor announced)."""
+    import threading
+
+    from relay.spool import ops
+
+    p, t = await make()
+    woke: list[int] = []
+    p.handler.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
+    running, release = threading.Event(), threading.Event()
+    real = ops.accept_many
+
+    def accept_many(conn: Any, items: Any) -> Any:
+        running.set()
+        assert release.wait(10)
+        return real(conn, items)
+
+    monkeypatch.setattr(ops, "accept_many", accept_many)
+    up_to_data(p)
+    with caplog.at_level("INFO", logger="relay.inbound"):
+        p.data_received(MSG + b".\r\n")
+        assert await asyncio.to_thread(running.wait, 10)
+        p.connection_lost(None)  # the commit is under way in the writer's thread
+        await until(lambda: p._task is None)
+        release.set()
+        await until(lambda: bool(woke))
+    assert t.lines()[-1] == "354 End data with <CR><LF>.<CR><LF>", "nothing written after"
+    [line] = [r for r in caplog.records if getattr(r, "event", None) == "accepted"]
+    queue_id = line.fields["queue_id"]  # type: ignore[attr-defined]
+    assert woke == [1]
+    assert p.handler.in_flight == 0
+    got = await p.handler.writer.run(lambda c: c.execute("SELECT id FROM messages").fetchall())
+    assert [r[0] for r in got] == [queue_id]
+
+
 async def test_a_decision_that_waits_on_something_else_goes_on_as_a_task(make: Make) -> None:
     """A bare `yield` (asyncio.sleep(0)) before the spool's future: the rest runs as a
     task, and its reply and what follows it come as from a future's callback."""

@@ -287,6 +287,85 @@ async def test_a_caller_cancelled_while_its_job_runs_does_not_lose_the_others_re
     assert rows(tmp_path) == ["second", "slow"]
 
 
+async def test_a_job_whose_caller_gave_up_while_it_ran_gives_its_result_to_its_orphan_hook(
+    writer: SpoolWriter, tmp_path: Path
+) -> None:
+    """The inbound's accept whose client hung up during the commit: the writer had taken the
+    job up, so it ran and committed, and its result goes to the job's `orphan` hook, on the
+    caller's loop (the message gets its line); a job cancelled before the writer took it is
+    not run and not orphaned; a job whose caller waits gets its result, not the hook."""
+    running, release = threading.Event(), threading.Event()
+    orphaned: list[tuple[str, bool]] = []
+    loop_thread = threading.get_ident()
+
+    def many(c: sqlite3.Connection, args: list[str]) -> list[str]:
+        if args == ["taken"]:
+            running.set()
+            assert release.wait(WAIT)
+        for a in args:
+            c.execute("INSERT INTO t VALUES (?)", (a,))
+        return args
+
+    def hook(res: str) -> None:
+        orphaned.append((res, threading.get_ident() == loop_thread))
+
+    def job(arg: str) -> Grouped[str]:
+        return Grouped(many, arg, orphan=hook)
+
+    gate, held = hold(writer)
+    taken = asyncio.ensure_future(writer.run(job("taken")))
+    skipped = asyncio.ensure_future(writer.run(job("skipped")))
+    answered = asyncio.ensure_future(writer.run(job("answered")))
+    await queued(writer, 3)
+    skipped.cancel()  # before the writer takes it up: not run
+    gate.release.set()
+    assert await asyncio.to_thread(running.wait, WAIT)
+    taken.cancel()  # taken up already: it commits, and its result goes to the hook
+    release.set()
+    assert await asyncio.wait_for(answered, WAIT) == "answered"
+    held.result(WAIT)
+    for _ in range(200):
+        if orphaned:
+            break
+        await asyncio.sleep(0.005)
+    assert orphaned == [("taken", True)]
+    assert taken.cancelled() and skipped.cancelled()
+    assert rows(tmp_path) == ["answered", "taken"]
+
+
+async def test_an_orphan_hook_that_raises_is_logged_and_costs_no_other_waiter(
+    writer: SpoolWriter, caplog: pytest.LogCaptureFixture
+) -> None:
+    running, release = threading.Event(), threading.Event()
+
+    def many(c: sqlite3.Connection, args: list[str]) -> list[str]:
+        if args == ["taken"]:
+            running.set()
+            assert release.wait(WAIT)
+        return args
+
+    def hook(_res: str) -> None:
+        raise RuntimeError("hook bug")
+
+    gate, held = hold(writer)
+    taken = asyncio.ensure_future(writer.run(Grouped(many, "taken", orphan=hook)))
+    other = asyncio.ensure_future(writer.run(Grouped(many, "other", orphan=hook)))
+    await queued(writer, 2)
+    gate.release.set()
+    assert await asyncio.to_thread(running.wait, WAIT)
+    taken.cancel()
+    with caplog.at_level(logging.ERROR, logger="relay.spool.writer"):
+        release.set()
+        assert await asyncio.wait_for(other, WAIT) == "other"
+        held.result(WAIT)
+        for _ in range(200):
+            if caplog.records:
+                break
+            await asyncio.sleep(0.005)
+    [rec] = caplog.records
+    assert rec.getMessage() == "orphan hook failed" and str(rec.exc_info[1]) == "hook bug"  # type: ignore[index]
+
+
 def test_callers_on_several_event_loops_share_a_batch(writer: SpoolWriter) -> None:
     gate, held = hold(writer)
     results: dict[int, Any] = {}
