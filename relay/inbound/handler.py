@@ -441,9 +441,12 @@ class InboundHandler(AuthMechanisms):
             if body_path:
                 bodies.delete_bodies(cfg.spool_path, [body_path])
             return self._not_queued(result, ikey, mid, namespace)
+        # counted and its line left for after the reply before the reuse alert's own
+        # commit: a client gone during that one still leaves its message logged (the
+        # transport runs what is left for after the reply when a decision is cancelled)
+        self._queued(msg, result, mid, ikey, session.after_reply)
         if result.reused:
             await self._reused(msg, result, mid, namespace, now)
-        self._queued(msg, result, mid, ikey, session.after_reply)
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
     def _queued(

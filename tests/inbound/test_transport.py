@@ -259,6 +259,54 @@ async def test_a_client_gone_while_the_writer_runs_its_commit_still_gets_the_acc
     assert [r[0] for r in got] == [queue_id]
 
 
+async def test_a_client_gone_during_a_reused_message_ids_alert_still_gets_the_accepted_line(
+    make: Make, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new message under a Message-ID used for other content is queued, and then its
+    alert is a commit of its own; a client gone during that second commit cancels the step,
+    and the message (queued by the first) still gets its accepted line and the main
+    process's wake-up (before: the step's line was made after the alert, so neither)."""
+    import threading
+
+    p, t = await make()
+    woke: list[int] = []
+    h = p.handler
+    h.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
+    up_to_data(p)
+    p.data_received(MSG + b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued"))
+    await until(lambda: woke == [1])
+    running, release = threading.Event(), threading.Event()
+    real = h._reuse_alert_job
+
+    def blocking(*args: Any) -> Any:
+        job = real(*args)
+
+        def held(c: Any) -> None:
+            running.set()
+            assert release.wait(10)
+            job(c)
+
+        return held
+
+    monkeypatch.setattr(h, "_reuse_alert_job", blocking)
+    p2 = InboundProtocol(h)
+    t2 = FakeTransport()
+    p2.connection_made(t2)
+    up_to_data(p2)
+    with caplog.at_level("INFO", logger="relay.inbound"):
+        p2.data_received(MSG.replace(b"body", b"other text") + b".\r\n")
+        assert await asyncio.to_thread(running.wait, 10)
+        p2.connection_lost(None)  # during the alert's commit, after the message's
+        release.set()
+        await until(lambda: p2._task is None)
+        await until(lambda: woke == [1, 1])
+    assert t2.lines()[-1] == "354 End data with <CR><LF>.<CR><LF>", "nothing written after"
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert events.count("message_id_reused") == 1 and events.count("accepted") == 1
+    p.connection_lost(None)
+
+
 async def test_a_decision_that_waits_on_something_else_goes_on_as_a_task(make: Make) -> None:
     """A bare `yield` (asyncio.sleep(0)) before the spool's future: the rest runs as a
     task, and its reply and what follows it come as from a future's callback."""
