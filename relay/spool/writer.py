@@ -80,6 +80,7 @@ import fcntl
 import logging
 import os
 import queue
+import random
 import sqlite3
 import threading
 import time
@@ -106,9 +107,11 @@ Item = tuple[Job, "asyncio.Future[Any] | Future[Any]", "asyncio.AbstractEventLoo
 
 MAX_BATCH = 512
 JOB_TRIES = 3  # a job that lost a lock race on PostgreSQL runs again (db.retryable)
-# ... after a pause (this times its try number): the peer that won is woken when the job's
-# savepoint rolls back but must still be scheduled to take the row; a job run again at once
-# can take the row first and deadlock with the same peer again (a CI run's third try)
+# ... after a pause (this times its try number, and up to half as much again at random, so
+# two nodes that lost to each other do not come back in step): the peer that won is woken
+# when the job's savepoint rolls back but must still be scheduled to take the row; a job
+# run again at once can take the row first and deadlock with the same peer again (a CI
+# run's third try)
 RETRY_PAUSE = 0.02
 LOCK_NAME = "write.lock"
 
@@ -391,7 +394,8 @@ class SpoolWriter:
                 return
             except Exception as e:
                 if attempt + 1 < JOB_TRIES and db.retryable(e):
-                    time.sleep(RETRY_PAUSE * (attempt + 1))  # the peer takes its locks first
+                    # the peer takes its locks first
+                    time.sleep(RETRY_PAUSE * (attempt + 1) * (1 + random.random() / 2))
                     continue  # a deadlock victim
                 if db.refuses_writes(e):
                     self.refused_at, self.refused = time.monotonic(), str(e)

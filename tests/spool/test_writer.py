@@ -629,13 +629,19 @@ async def test_a_job_that_loses_the_lock_race_one_try_short_of_the_limit_commits
     assert runtime_rows(pg_dsn) == {"x": "0", "won-3": "3", "won-2": "2"}
 
 
+@pytest.mark.parametrize("jitter", [0.0, 1.0])
 async def test_a_job_that_lost_the_lock_race_waits_before_it_runs_again(
-    pg_writer: tuple[SpoolWriter, psycopg.Connection[Any]], pg_dsn: str
+    pg_writer: tuple[SpoolWriter, psycopg.Connection[Any]],
+    pg_dsn: str,
+    jitter: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The peer that won a lock race is woken when the job's savepoint rolls back, but must
     still be scheduled to take the row: run again at once, the job can take it first and
     deadlock with the same peer again (a CI run saw a third try). So each run again comes
-    RETRY_PAUSE times its try number after the failure."""
+    RETRY_PAUSE times its try number after the failure, and up to half as much again at
+    random (here the random draw at its least and at its most)."""
+    monkeypatch.setattr(writer_mod.random, "random", lambda: jitter)
     w, _other = pg_writer
     lost: list[float] = []
     started: list[float] = []
@@ -652,7 +658,7 @@ async def test_a_job_that_lost_the_lock_race_waits_before_it_runs_again(
     assert await asyncio.wait_for(w.run(job), WAIT) == JOB_TRIES
     assert len(started) == JOB_TRIES and len(lost) == JOB_TRIES - 1
     for n, failed in enumerate(lost, 1):
-        assert started[n] - failed >= RETRY_PAUSE * n
+        assert started[n] - failed >= RETRY_PAUSE * n * (1 + jitter / 2)
 
 
 async def test_a_job_that_loses_the_lock_race_every_time_fails_after_the_limit(
