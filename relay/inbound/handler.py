@@ -438,9 +438,7 @@ class InboundHandler(AuthMechanisms):
             incoming.discard()
             return self.spool_failed(queue_id, e)
         if result.conflicts or result.queue_id is None:
-            if body_path:
-                bodies.delete_bodies(cfg.spool_path, [body_path])
-            return self._not_queued(result, ikey, mid, namespace)
+            return self._not_queued(msg, result, ikey, mid)
         # counted and its line left for after the reply before the reuse alert's own
         # commit: a client gone during that one still leaves its message logged (the
         # transport runs what is left for after the reply when a decision is cancelled)
@@ -492,9 +490,7 @@ class InboundHandler(AuthMechanisms):
         reply (the line, the wake-up, a reused Message-ID said loudly); a resubmission the
         spool recognised queued nothing, and its body file, if any, goes."""
         if result.conflicts or result.queue_id is None:
-            if msg.body_path:
-                bodies.delete_bodies(self.config.spool_path, [msg.body_path])
-            self._not_queued(result, ikey, mid, msg.client)
+            self._not_queued(msg, result, ikey, mid)
             return
         if result.reused:
             task = asyncio.get_running_loop().create_task(
@@ -610,10 +606,14 @@ class InboundHandler(AuthMechanisms):
         return ikey, hashed[0], None
 
     def _not_queued(
-        self, result: ops.AcceptResult, ikey: str | None, mid: str, namespace: str
+        self, msg: ops.NewMessage, result: ops.AcceptResult, ikey: str | None, mid: str
     ) -> str:
         """The reply to a message the spool did not queue: an Idempotency-Key reused for
-        other content (refused), or a resubmission of what is queued (250, no copy)."""
+        other content (refused), or a resubmission of what is queued (250, no copy). Its
+        body file, if it had one, goes."""
+        if msg.body_path:
+            bodies.delete_bodies(self.config.spool_path, [msg.body_path])
+        namespace = msg.client
         if result.conflicts:
             self.stats.reject("idempotency_conflict")
             log_event(
