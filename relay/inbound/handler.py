@@ -493,12 +493,19 @@ class InboundHandler(AuthMechanisms):
             self._not_queued(msg, result, ikey, mid)
             return
         if result.reused:
+            # the alert's commit counts as in flight: a shutdown waits for it as for an
+            # accept (relay/daemon.py, relay/inbound/processes.py), so the alert is recorded
+            self.in_flight += 1
             task = asyncio.get_running_loop().create_task(
                 self._reused(msg, result, mid, msg.client, now)
             )
             self._orphan_tasks.add(task)
-            task.add_done_callback(self._orphan_tasks.discard)
+            task.add_done_callback(self._orphan_done)
         self._queued(msg, result, mid, ikey, None)
+
+    def _orphan_done(self, task: asyncio.Task[None]) -> None:
+        self._orphan_tasks.discard(task)
+        self.in_flight -= 1
 
     async def _ready_body(
         self, session: Session, incoming: IncomingBody, long_lines: bool, queue_id: str

@@ -19,7 +19,8 @@ Rules:
   ends as it would have, its reply unsent, its message logged and announced to the main
   process. A commit under way when the connection went cannot be taken back: the writer
   hands its result to the accept's `orphan` hook (relay/spool/writer.py), and the message
-  gets its line and its announcement all the same (handler.py `_orphaned`).
+  gets its line and its announcement all the same (handler.py `_orphaned`; the alert of a
+  reused Message-ID that follows counts in `in_flight`, which a shutdown waits for).
 - At `connection_made`, before the greeting: a server shutting down answers `421 4.3.2` and
   closes (RFC 5321 §3.8); relay/inbound/guard.py admits the connection or we answer its `421 4.7.0`.
   The peer is read once, there.

@@ -307,6 +307,64 @@ async def test_a_client_gone_during_a_reused_message_ids_alert_still_gets_the_ac
     p.connection_lost(None)
 
 
+async def test_a_shutdown_waits_for_the_alert_of_a_reused_message_id_whose_client_hung_up(
+    make: Make, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone during the commit of a new message under a reused Message-ID: the
+    writer's `orphan` hook queues its alert as a task of its own. That task counts as in
+    flight until its commit is done, since the shutdown (relay/daemon.py, the inbound
+    processes) waits for `in_flight` to reach 0 before the writer closes: the alert is not
+    lost to a shutdown (before: `in_flight` was 0 while the alert was still to commit)."""
+    import threading
+
+    from relay.spool import ops
+
+    p, t = await make()
+    h = p.handler
+    up_to_data(p)
+    p.data_received(MSG + b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued"))
+    accepting, accept_go = threading.Event(), threading.Event()
+    alerting, alert_go = threading.Event(), threading.Event()
+    real_accept, real_alert = ops.accept_many, h._reuse_alert_job
+
+    def accept_many(conn: Any, items: Any) -> Any:
+        accepting.set()
+        assert accept_go.wait(10)
+        return real_accept(conn, items)
+
+    def alert_job(*args: Any) -> Any:
+        job = real_alert(*args)
+
+        def held(c: Any) -> None:
+            alerting.set()
+            assert alert_go.wait(10)
+            job(c)
+
+        return held
+
+    monkeypatch.setattr(ops, "accept_many", accept_many)
+    monkeypatch.setattr(h, "_reuse_alert_job", alert_job)
+    p2 = InboundProtocol(h)
+    p2.connection_made(FakeTransport())
+    up_to_data(p2)
+    with caplog.at_level("INFO", logger="relay.inbound"):
+        p2.data_received(MSG.replace(b"body", b"other text") + b".\r\n")
+        assert await asyncio.to_thread(accepting.wait, 10)
+        p2.connection_lost(None)  # the message's own commit is under way
+        await until(lambda: p2._task is None)
+        accept_go.set()
+        assert await asyncio.to_thread(alerting.wait, 10)  # the orphan's alert commits
+        assert h.in_flight == 1, "the shutdown must wait for the alert"
+        alert_go.set()
+        await until(lambda: h.in_flight == 0)
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert events.count("message_id_reused") == 1 and events.count("accepted") == 1
+    alerts = await h.writer.run(lambda c: c.execute("SELECT event FROM alerts").fetchall())
+    assert len(alerts) == 1
+    p.connection_lost(None)
+
+
 async def test_a_decision_that_waits_on_something_else_goes_on_as_a_task(make: Make) -> None:
     """A bare `yield` (asyncio.sleep(0)) before the spool's future: the rest runs as a
     task, and its reply and what follows it come as from a future's callback."""
