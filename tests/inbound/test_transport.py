@@ -5,6 +5,7 @@ tests/inbound/test_inprocess.py's, which runs the same protocol on loopback."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -226,22 +227,11 @@ async def test_a_client_gone_while_the_writer_runs_its_commit_still_gets_the_acc
     the writer hands its result to the accept's `orphan` hook, and the message gets its
     accepted line and the main process's wake-up as any queued message (before: queued,
     neither logged nor announced)."""
-    import threading
-
-    from relay.spool import ops
 
     p, t = await make()
     woke: list[int] = []
     p.handler.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
-    running, release = threading.Event(), threading.Event()
-    real = ops.accept_many
-
-    def accept_many(conn: Any, items: Any) -> Any:
-        running.set()
-        assert release.wait(10)
-        return real(conn, items)
-
-    monkeypatch.setattr(ops, "accept_many", accept_many)
+    running, release = _hold_accepts(monkeypatch)
     up_to_data(p)
     with caplog.at_level("INFO", logger="relay.inbound"):
         p.data_received(MSG + b".\r\n")
@@ -259,23 +249,28 @@ async def test_a_client_gone_while_the_writer_runs_its_commit_still_gets_the_acc
     assert [r[0] for r in got] == [queue_id]
 
 
-async def test_a_client_gone_during_a_reused_message_ids_alert_still_gets_the_accepted_line(
-    make: Make, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A new message under a Message-ID used for other content is queued, and then its
-    alert is a commit of its own; a client gone during that second commit cancels the step,
-    and the message (queued by the first) still gets its accepted line and the main
-    process's wake-up (before: the step's line was made after the alert, so neither)."""
-    import threading
+def _hold_accepts(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold every batch of accepts in the writer's thread, its commit under way: the first
+    Event is set once one runs, and it goes on once the second is set."""
+    from relay.spool import ops
 
-    p, t = await make()
-    woke: list[int] = []
-    h = p.handler
-    h.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
-    up_to_data(p)
-    p.data_received(MSG + b".\r\n")
-    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued"))
-    await until(lambda: woke == [1])
+    running, release = threading.Event(), threading.Event()
+    real = ops.accept_many
+
+    def accept_many(conn: Any, items: Any) -> Any:
+        running.set()
+        assert release.wait(10)
+        return real(conn, items)
+
+    monkeypatch.setattr(ops, "accept_many", accept_many)
+    return running, release
+
+
+def _hold_reuse_alerts(
+    h: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """Hold every reused Message-ID's alert job in the writer's thread: the first Event is
+    set once one runs, and it commits once the second is set."""
     running, release = threading.Event(), threading.Event()
     real = h._reuse_alert_job
 
@@ -290,6 +285,25 @@ async def test_a_client_gone_during_a_reused_message_ids_alert_still_gets_the_ac
         return held
 
     monkeypatch.setattr(h, "_reuse_alert_job", blocking)
+    return running, release
+
+
+async def test_a_client_gone_during_a_reused_message_ids_alert_still_gets_the_accepted_line(
+    make: Make, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new message under a Message-ID used for other content is queued, and then its
+    alert is a commit of its own; a client gone during that second commit cancels the step,
+    and the message (queued by the first) still gets its accepted line and the main
+    process's wake-up (before: the step's line was made after the alert, so neither)."""
+    p, t = await make()
+    woke: list[int] = []
+    h = p.handler
+    h.on_queued = lambda: woke.append(1)  # type: ignore[method-assign]
+    up_to_data(p)
+    p.data_received(MSG + b".\r\n")
+    await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued"))
+    await until(lambda: woke == [1])
+    running, release = _hold_reuse_alerts(h, monkeypatch)
     p2 = InboundProtocol(h)
     t2 = FakeTransport()
     p2.connection_made(t2)
@@ -315,36 +329,14 @@ async def test_a_shutdown_waits_for_the_alert_of_a_reused_message_id_whose_clien
     flight until its commit is done, since the shutdown (relay/daemon.py, the inbound
     processes) waits for `in_flight` to reach 0 before the writer closes: the alert is not
     lost to a shutdown (before: `in_flight` was 0 while the alert was still to commit)."""
-    import threading
-
-    from relay.spool import ops
 
     p, t = await make()
     h = p.handler
     up_to_data(p)
     p.data_received(MSG + b".\r\n")
     await until(lambda: t.lines()[-1].startswith("250 2.0.0 Ok: queued"))
-    accepting, accept_go = threading.Event(), threading.Event()
-    alerting, alert_go = threading.Event(), threading.Event()
-    real_accept, real_alert = ops.accept_many, h._reuse_alert_job
-
-    def accept_many(conn: Any, items: Any) -> Any:
-        accepting.set()
-        assert accept_go.wait(10)
-        return real_accept(conn, items)
-
-    def alert_job(*args: Any) -> Any:
-        job = real_alert(*args)
-
-        def held(c: Any) -> None:
-            alerting.set()
-            assert alert_go.wait(10)
-            job(c)
-
-        return held
-
-    monkeypatch.setattr(ops, "accept_many", accept_many)
-    monkeypatch.setattr(h, "_reuse_alert_job", alert_job)
+    accepting, accept_go = _hold_accepts(monkeypatch)
+    alerting, alert_go = _hold_reuse_alerts(h, monkeypatch)
     p2 = InboundProtocol(h)
     p2.connection_made(FakeTransport())
     up_to_data(p2)
