@@ -30,6 +30,7 @@ from relay.delivery import smtpauth, smtpclient_adapter
 from relay.delivery.errors import classify_exception, is_ambiguous, is_operator_fault
 from relay.delivery.oauth import OAuthError, TokenSource
 from relay.delivery.replies import Outcome, Phase, Reply, Scope, Verdict, classify
+from relay.mail.message import find_dot_line
 from relay.ops import faults
 from relay.spool.bodies import StoredBody
 
@@ -39,11 +40,19 @@ log = logging.getLogger(__name__)
 def dot_stuffed(body: bytes) -> bytes:
     """RFC 5321 §4.5.2 transparency: a "." added before every "." that starts a line. The
     same octets as aiosmtplib's `PERIOD_REGEX.sub(b"..", body)` (`(?m)^\\.`: a line starts
-    after every LF), in C-speed passes: 0.12 ms instead of 0.72 ms per 100 KiB, and no copy
-    at all for a body with no line that starts with a dot (bytes.replace gives the same
-    object back when it replaces nothing)."""
-    stuffed = body.replace(b"\n.", b"\n..")
-    return b"." + stuffed if stuffed.startswith(b".") else stuffed
+    after every LF), in C-speed passes: 0.12 ms instead of 0.72 ms per 100 KiB. A body with
+    no line that starts with a dot is given back as it is after one memchr pass over its
+    dots (`find_dot_line`): the `replace` alone, which finds nothing in it, scanned it
+    slowly (bytes_replace was 13.5% of the main process's CPU delivering 100 KiB mail:
+    85 us, now 1.5 us for a body without dots, base64 for one; text with dots costs 6%
+    more than before)."""
+    if body.startswith(b"."):
+        return b"." + body.replace(b"\n.", b"\n..")
+    first = find_dot_line(body, 0, b"\n.")
+    if first < 0:
+        return body
+    # the replace from the first such line on: the search does not scan the part before again
+    return body[:first] + body[first:].replace(b"\n.", b"\n..")
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,7 +507,9 @@ class Connection:
                     break
                 if block.startswith(b"."):
                     block = b"." + block
-                proto.write(block.replace(b"\r\n.", b"\r\n.."))
+                if find_dot_line(block, 0, b"\r\n.") >= 0:  # else: no replace's slow scan
+                    block = block.replace(b"\r\n.", b"\r\n..")
+                proto.write(block)
                 last = block[-2:]
                 await smtpclient_adapter.drain(proto)
         if last != b"\r\n":

@@ -31,33 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from relay.mail.message import normalize_line_endings
+from relay.mail.message import find_dot_line, normalize_line_endings
 
 _END = b"\r\n.\r\n"
-
-
-_FEW = 16  # dots looked at one by one before a search for the whole pattern
-_SHORT = 4096  # octets: below this, one search costs less than a few steps of Python
-
-
-def find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
-    """The first index >= `start` of `pattern`, a CRLF and then a dot (and maybe more): found
-    from the dots (`find` of one octet is a memchr), each of the first `_FEW` checked in
-    place, then one search for the pattern from the next. Most large bodies have few dots
-    (a base64 one none, the header block some), so this is one memchr pass where a search
-    for the pattern would be one of CPython's slower scans over CRLF-dense text; text full
-    of dots costs `_FEW` steps more than that search alone, so a short buffer is searched
-    at once."""
-    if len(buf) - start < _SHORT:
-        return buf.find(pattern, start)
-    dot = buf.find(b".", start + 2)
-    for _ in range(_FEW):
-        if dot < 0:
-            return -1
-        if buf.startswith(pattern, dot - 2):
-            return dot - 2
-        dot = buf.find(b".", dot + 1)
-    return -1 if dot < 0 else buf.find(pattern, dot - 2)
 
 
 class DataState(Enum):

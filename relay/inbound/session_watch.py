@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import Callable
 
 from relay.config.tree import Limits
-from relay.inbound.dataflow import find_dot_line
 from relay.inbound.session_limits import SLOTS, DataRate, counts_as_error, resets_errors
+from relay.mail.message import find_dot_line
 
 _END_OF_DATA = b"\r\n.\r\n"
 

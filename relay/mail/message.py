@@ -32,6 +32,33 @@ def normalize_line_endings(data: bytes) -> bytes:
     return _BARE.sub(b"\r\n", data)
 
 
+# find_dot_line: dots looked at one by one before one search for the whole pattern
+_FEW = 16
+_SHORT = 4096  # octets: below this, one search costs less than a few steps of Python
+
+
+def find_dot_line(buf: bytes | bytearray, start: int, pattern: bytes) -> int:
+    """The first index >= `start` of `pattern`, a line end and then a dot (and maybe more:
+    the DATA parser's CRLF "." and CRLF "." CRLF, delivery's LF "."): found from the dots
+    (`find` of one octet is a memchr), each of the first `_FEW` checked in place, then one
+    search for the pattern from the next. Most large bodies have few dots (a base64 one
+    none, the header block some), so this is one memchr pass where a search for the pattern
+    would be one of CPython's slower scans over CRLF-dense text (70-90 us per 100 KiB); text
+    full of dots costs `_FEW` steps more than that search alone, so a short buffer is
+    searched at once."""
+    if len(buf) - start < _SHORT:
+        return buf.find(pattern, start)
+    at = pattern.index(b".")  # the dot's place in the pattern
+    dot = buf.find(b".", start + at)
+    for _ in range(_FEW):
+        if dot < 0:
+            return -1
+        if buf.startswith(pattern, dot - at):
+            return dot - at
+        dot = buf.find(b".", dot + 1)
+    return -1 if dot < 0 else buf.find(pattern, dot - at)
+
+
 def split_message(data: bytes) -> tuple[bytes, bytes]:
     """(header block including its final CRLF, body after the empty line)."""
     if data.startswith(b"\r\n"):

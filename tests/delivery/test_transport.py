@@ -9,6 +9,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import trustme
@@ -607,6 +608,27 @@ async def test_a_stored_body_is_streamed_with_transparency(
     assert up.wait_for(1)[0].data == prefix + data
 
 
+async def test_a_stored_body_with_dots_only_inside_lines_then_one_at_a_line_start(
+    upstream,
+    conn_factory,
+    tmp_path,
+) -> None:
+    """A stored body whose first blocks have dots only inside lines (sent as they are) and a
+    later one a line that starts with a dot (doubled): the upstream gets the body back."""
+    from relay.spool.bodies import StoredBody
+
+    up = upstream()
+    c = conn_factory(up)
+    await c.open()
+    data = b"Subject: stored\r\n\r\n" + b"a.b c.\r\n" * 80_000 + b".start\r\n" + b"x.y\r\n" * 100
+    (tmp_path / "body").write_bytes(data)
+    body = StoredBody(b"", tmp_path / "body", len(data))
+    assert len(list(body.blocks())) > 2
+    res = await c.send(SENDER, ["a@example.org"], body)
+    assert res.results["a@example.org"].verdict.outcome is Outcome.DELIVERED
+    assert up.wait_for(1)[0].data == data
+
+
 def test_unsafe_addresses_are_every_control_character_and_a_bracket_in_the_domain() -> None:
     """The defence-in-depth check before MAIL/RCPT (one regex scan): exactly the C0 controls
     and DEL anywhere, or ">" in the domain, as the per-character loop it replaced."""
@@ -632,3 +654,34 @@ def test_dot_stuffing_is_aiosmtplibs(body: bytes) -> None:
     from aiosmtplib.protocol import PERIOD_REGEX
 
     assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
+
+
+_long_bodies = st.lists(
+    st.sampled_from([b".", b"\r\n", b"\n", b"\r", b"a", b"..", b"y" * 700, b"x.y"]), max_size=60
+).map(b"".join)
+
+
+@given(_long_bodies)
+@settings(max_examples=300, deadline=None)
+def test_dot_stuffing_is_aiosmtplibs_with_dots_found_one_by_one(body: bytes) -> None:
+    """As above, with the dot-by-dot search for a line that starts with a dot
+    (relay/mail/message.py `find_dot_line`, long buffers) on every body, long ones too."""
+    from aiosmtplib.protocol import PERIOD_REGEX
+
+    from relay.mail import message
+
+    with mock.patch.object(message, "_SHORT", 0):
+        assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
+    assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
+
+
+def test_a_body_with_no_line_that_starts_with_a_dot_goes_out_as_it_is() -> None:
+    """No copy and no `replace` pass for such a body (base64 has no dot at all; text has them
+    inside lines): the very object comes back. A dot at a line start deep inside a long
+    body is still doubled, and the part before it kept."""
+    base64ish = b"QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=\r\n" * 3000
+    text = b"Mr. Smith wrote: see example.org. Thanks.\r\n" * 3000
+    for body in (base64ish, text):
+        assert transport.dot_stuffed(body) is body
+    deep = text + b".hidden\r\n" + text
+    assert transport.dot_stuffed(deep) == text + b"..hidden\r\n" + text

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.inbound import dataflow
 from relay.inbound.dataflow import DataParser, DataState, Feed
+from relay.mail import message
 from relay.mail.message import normalize_line_endings
 
 
@@ -95,8 +95,9 @@ def test_any_split_gives_the_whole_buffer_result(pieces: list[bytes], cuts: list
 def test_any_split_gives_the_whole_buffer_result_dots_found_one_by_one(
     pieces: list[bytes], cuts: list[int]
 ) -> None:
-    # as above, with the dot-by-dot search of long buffers (dataflow._SHORT) on every buffer
-    with mock.patch.object(dataflow, "_SHORT", 0):
+    # as above, with the dot-by-dot search of long buffers (relay/mail/message.py `_SHORT`,
+    # its find_dot_line) on every buffer
+    with mock.patch.object(message, "_SHORT", 0):
         test_any_split_gives_the_whole_buffer_result.hypothesis.inner_test(pieces, cuts)
 
 

@@ -72,7 +72,7 @@ async def test_errors_count_and_reset(tmp_path: Path) -> None:
 
 async def test_the_end_of_data_is_seen_in_a_large_block_full_of_dots(tmp_path: Path) -> None:
     """The end of the data in one 100 KiB read whose lines hold many dots (the search goes
-    from dot to dot, relay/inbound/dataflow.py find_dot_line): the rate meter stops there,
+    from dot to dot, relay/mail/message.py find_dot_line): the rate meter stops there,
     and a line that only starts with a dot is not the end."""
     w, closed = await watch(
         tmp_path, command_timeout=10.0, min_data_rate=10**9, min_data_rate_window=0.2
