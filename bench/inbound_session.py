@@ -42,8 +42,8 @@ import uvloop
 
 from relay.config.tree import from_mapping
 from relay.inbound.handler import InboundHandler, Suppressions
-from relay.inbound.processes import GC_YOUNG
 from relay.ops.logs import lines_per_turn, setup_logging
+from relay.ops.runtime import GC_YOUNG
 from relay.spool import ops
 
 HEAD = (

@@ -58,7 +58,7 @@ from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.processes import NOTIFY_ENV, ROLE_ENV, STATS_ENV, InboundProcess, listen
 from relay.inbound.stats import InboundStats
 from relay.inbound.supervisor import Supervisor
-from relay.ops import alerts, faults, tasks
+from relay.ops import alerts, faults, runtime, tasks
 from relay.ops.admin import AdminServer
 from relay.ops.http import HttpLimits, HttpServer
 from relay.ops.logs import log_event, reconfigure, redact_text, set_secrets, setup_logging
@@ -226,6 +226,7 @@ class Daemon:
                 watchdog_loop(self.notifier, self.notifier.watchdog_interval()), name="watchdog"
             ),
         ]
+        runtime.settle_collector()  # start-up's objects frozen, young ones collected less often
         self._ready(loop)
         await self._stop.wait()
         await self.shutdown()

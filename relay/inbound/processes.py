@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from relay.inbound.guard import InboundGuard
 from relay.inbound.handler import InboundHandler, Suppressions
 from relay.inbound.stats import InboundStats
 from relay.inbound.tls_listener import implicit_context
-from relay.ops import alerts, faults
+from relay.ops import alerts, faults, runtime
 from relay.ops.logs import lines_per_turn, log_event, reconfigure
 from relay.ops.metrics import Metrics
 from relay.ops.tasks import stop_tasks
@@ -59,7 +58,6 @@ NOTIFY_ENV = "RELAY_NOTIFY_FD"  # the pipe's write end, inherited
 STATS_ENV = "RELAY_STATS_FD"  # this process's end of its counters socket, inherited
 STATS_EVERY = 1.0  # seconds between two snapshots of the counters to the main process
 REFRESH_EVERY = 2.0  # seconds: the suppression list, as in the main process
-GC_YOUNG = 10_000  # allocations between collections of the youngest generation (700)
 
 
 class InboundProcess:
@@ -168,11 +166,7 @@ class InboundProcess:
             loop.create_task(self._reloader(), name="reloader"),
             loop.create_task(self._reporter(), name="counters"),
         ]
-        # the objects start-up made live as long as the process: out of the collector's
-        # sight (a full collection no longer walks them), and young objects are collected
-        # less often (a message makes a few hundred; most are freed by their count)
-        gc.freeze()
-        gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
+        runtime.settle_collector()  # start-up's objects frozen, young ones collected less often
         log_event(
             log, logging.INFO, "startup", "inbound process ready", pid=os.getpid(), role="inbound"
         )
