@@ -58,6 +58,9 @@ NOTIFY_ENV = "RELAY_NOTIFY_FD"  # the pipe's write end, inherited
 STATS_ENV = "RELAY_STATS_FD"  # this process's end of its counters socket, inherited
 STATS_EVERY = 1.0  # seconds between two snapshots of the counters to the main process
 REFRESH_EVERY = 2.0  # seconds: the suppression list, as in the main process
+# the WAL's pages past which this process's writer checkpoints (SQLite's default: 1,000):
+# the main process's commits do it first (relay/spool/writer.py, the rules)
+CHECKPOINT_PAGES = 10_000
 
 
 class InboundProcess:
@@ -76,7 +79,10 @@ class InboundProcess:
         self.backlog = listen_backlog
         self.metrics = Metrics()
         self.writer = SpoolWriter(
-            config.spool_path, config.spool_pg, gather=lambda: self.config.spool_gather
+            config.spool_path,
+            config.spool_pg,
+            gather=lambda: self.config.spool_gather,
+            checkpoint_pages=CHECKPOINT_PAGES,
         )
         self.suppressions = Suppressions()
         self.stats = InboundStats(metrics=self.metrics)

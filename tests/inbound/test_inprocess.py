@@ -1192,3 +1192,23 @@ async def test_the_log_records_every_outcome_with_its_fields(
     [failed] = [e for e in got if e[1] == "spool_error"]
     assert failed[0] == "ERROR" and failed[2]["error"] == "disk I/O error"
     assert re.fullmatch(r"[0-9A-F]{16}", str(failed[2]["queue_id"]))
+
+
+def test_an_inbound_processs_writer_leaves_the_checkpoints_to_the_main_process(
+    tmp_path: Path,
+) -> None:
+    """relay/inbound/processes.py: the writer of an inbound process checkpoints only past
+    CHECKPOINT_PAGES WAL pages, ten times SQLite's 1,000, so that the main process's commits
+    (which no SMTP reply waits on) do the checkpoints (relay/spool/writer.py, the rules)."""
+    from relay.inbound import processes
+
+    spool = {"path": str(tmp_path / "s")}
+    config = from_mapping({"hostname": "relay.test", "spool": spool}, tmp_path)
+    proc = processes.InboundProcess(config, notify_fd=None, listen_backlog=16)
+    assert proc.writer.checkpoint_pages == processes.CHECKPOINT_PAGES == 10_000
+    proc.writer.start()
+    try:
+        got = proc.writer.run_sync(lambda c: c.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+        assert got == 10_000
+    finally:
+        proc.writer.close()

@@ -447,6 +447,34 @@ def test_the_lock_file_serialises_writers_of_several_processes(tmp_path: Path) -
         w.close()
 
 
+def test_a_writer_made_to_checkpoint_later_leaves_the_checkpoints_to_the_others(
+    tmp_path: Path,
+) -> None:
+    """`checkpoint_pages` (an inbound process's writer, relay/inbound/processes.py): its
+    commits copy no WAL page into the database until the WAL holds that many; a writer with
+    SQLite's default checkpoints at 1,000 pages, after which the WAL is written from its
+    start again. So after ~3,000 pages of commits the late writer's WAL holds them all and
+    the other's stays near 1,000 pages."""
+    late = SpoolWriter(tmp_path / "late", checkpoint_pages=10_000)
+    usual = SpoolWriter(tmp_path / "usual")
+    frame = 4096 + 24  # a WAL frame: its header and a page of the default size
+    rows = [(b"x" * 3500,)] * 60  # about a page each
+    sizes = {}
+    for w in (late, usual):
+        w.start()
+        try:
+            setting = w.run_sync(lambda c: c.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+            assert setting == (10_000 if w is late else 1_000)
+            w.run_sync(lambda c: c.execute("CREATE TABLE b (v BLOB)"))
+            for _ in range(50):  # 50 commits
+                w.run_sync(lambda c: c.executemany("INSERT INTO b VALUES (?)", rows))
+            sizes[w is late] = (w.spool_dir / "relay.sqlite-wal").stat().st_size
+        finally:
+            w.close()
+    assert sizes[True] > 2_500 * frame, sizes
+    assert sizes[False] < 1_500 * frame, sizes
+
+
 async def test_the_lock_is_let_go_before_the_results_are_handed_over(
     writer: SpoolWriter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
