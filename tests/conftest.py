@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,21 @@ from tests.harness import (
 )
 from tests.pgcluster import pg_cluster, private_pg  # noqa: F401  (fixtures)
 from tests.pgserver import pg_dsn  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_it_was() -> Iterator[None]:
+    """Every test leaves the root logger's level and handlers as it found them: a test that
+    calls setup_logging (the CLI run in-process, the logging tests) must not change which
+    records the next test of the same pytest-xdist worker captures (caplog.records holds
+    every record that passes the levels, from the test's start)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture
