@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from tests.harness import (
     Upstream,
     deep_merge,
     logging_into,
+    root_logger_kept,
     smarthost_config,
 )
 from tests.pgcluster import pg_cluster, private_pg  # noqa: F401  (fixtures)
@@ -28,13 +28,8 @@ def _root_logger_as_it_was() -> Iterator[None]:
     calls setup_logging (the CLI run in-process, the logging tests) must not change which
     records the next test of the same pytest-xdist worker captures (caplog.records holds
     every record that passes the levels, from the test's start)."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in list(root.handlers):
-        if h not in handlers:
-            root.removeHandler(h)
-    root.setLevel(level)
+    with root_logger_kept():
+        yield
 
 
 @pytest.fixture

@@ -678,9 +678,17 @@ def logging_into(stream: io.StringIO) -> Iterator[None]:
     """The relay's logging (JSON, info) into `stream`; the root logger as it was after."""
     from relay.ops.logs import setup_logging
 
+    with root_logger_kept():
+        setup_logging("info", "json", stream=stream)
+        yield
+
+
+@contextlib.contextmanager
+def root_logger_kept() -> Iterator[None]:
+    """The root logger's level and handlers after the block as before it (a handler added
+    inside is removed)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    setup_logging("info", "json", stream=stream)
     try:
         yield
     finally:

@@ -672,7 +672,15 @@ def test_dot_stuffing_is_aiosmtplibs_with_dots_found_one_by_one(body: bytes) -> 
 
     with mock.patch.object(message, "_SHORT", 0):
         assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
+        assert transport.dot_stuffed(body, b"\r\n") == _crlf_stuffed(body)
     assert transport.dot_stuffed(body) == PERIOD_REGEX.sub(b"..", body)
+    assert transport.dot_stuffed(body, b"\r\n") == _crlf_stuffed(body)
+
+
+def _crlf_stuffed(block: bytes) -> bytes:
+    """A stored body's block as the stream stuffed it before dot_stuffed took a line end: a
+    dot doubled at the block's start and after every CRLF."""
+    return (b"." + block if block.startswith(b".") else block).replace(b"\r\n.", b"\r\n..")
 
 
 def test_a_body_with_no_line_that_starts_with_a_dot_goes_out_as_it_is() -> None:
